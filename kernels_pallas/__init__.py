@@ -1,0 +1,1 @@
+"""kdsa.kernels_pallas."""

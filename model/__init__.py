@@ -1,0 +1,1 @@
+"""kdsa.model: configs, layers and the hybrid KDA + Gated DSA MoE transformer."""

@@ -1,0 +1,360 @@
+"""Model configuration: one frozen, validated dataclass with Hugging Face field names.
+
+Field names follow the published configs so that ``ModelConfig.from_hf_config`` and
+``to_hf_config`` round-trip: Kimi K3 / Kimi Linear (``kimi_linear`` text config, including the
+``linear_attn_config`` dict with 1-based ``kda_layers`` / ``full_attn_layers``) plus the
+DeepSeek-V3.2 indexer fields ``index_n_heads``, ``index_head_dim``, ``index_topk``. DeepSeek
+names (``n_routed_experts``, ``num_experts_per_tok``, ``scoring_func`` ...) are read too.
+
+Fields that are ours and not in any published config (dtypes, scan/remat, chunk sizes, kernel
+selection) live under the ``"kdsa"`` key of the exported dict.
+
+Every config is validated when built: a broken constraint raises ``ValueError`` naming the field,
+before any parameter exists. Configs are hashable (they are static data of NNX modules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+MixerKind = Literal["kda", "dsa"]
+FfnKind = Literal["dense", "moe"]
+
+_ACTIVATIONS = ("silu", "situ")
+_ROUTER_ACTS = ("sigmoid", "softmax")
+_DTYPES = ("float32", "bfloat16", "float16")
+_REMAT = ("none", "full", "dots_saveable", "nothing_saveable")
+_IMPLS = ("xla",)  # "pallas" arrives with the kernels
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearAttnConfig:
+    """Kimi Linear's ``linear_attn_config``: which layers are KDA and the KDA layer sizes.
+
+    ``kda_layers`` and ``full_attn_layers`` are **1-based** layer numbers, as in the published
+    configs (0-based layer ``i`` is KDA iff ``i + 1 in kda_layers``).
+    """
+
+    kda_layers: tuple[int, ...]
+    full_attn_layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    short_conv_kernel_size: int = 4
+    use_full_rank_gate: bool = False
+    gate_lower_bound: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kda_layers", tuple(int(i) for i in self.kda_layers))
+        object.__setattr__(self, "full_attn_layers", tuple(int(i) for i in self.full_attn_layers))
+        _positive(self, "linear_attn_config.", "num_heads", "head_dim", "short_conv_kernel_size")
+        lb = self.gate_lower_bound
+        if lb is not None and not -20.0 <= lb < 0.0:
+            raise ValueError(f"linear_attn_config.gate_lower_bound must be in [-20, 0), got {lb}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnConfig:
+    """YaRN RoPE scaling (DeepSeek-V3 ``rope_scaling`` with ``type: yarn``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The whole model. See ``PRESETS`` for named instances and their sources."""
+
+    # ---- core (Kimi Linear / K3 names) ----
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float | None = None
+    attn_res_block_size: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # ---- MLA ----
+    num_attention_heads: int
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = False
+    mla_use_output_gate: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: YarnConfig | None = None
+    # ---- KDA ----
+    linear_attn_config: LinearAttnConfig
+    # ---- MoE ----
+    num_experts: int = 0
+    num_experts_per_token: int = 1
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    use_grouped_topk: bool = False
+    num_expert_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    # ---- DeepSeek-V3.2 lightning indexer (None = dense MLA) ----
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    # ---- ours (exported under "kdsa") ----
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    initializer_range: float = 0.02
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    kda_chunk_size: int = 64
+    dsa_query_chunk_size: int = 256
+    attention_impl: str = "xla"
+    moe_impl: str = "xla"
+
+    def __post_init__(self):
+        _validate(self)
+
+    # ---- derived structure ----
+    @property
+    def mixer_kinds(self) -> tuple[MixerKind, ...]:
+        """Per 0-based layer: ``"kda"`` or ``"dsa"`` (gated MLA, sparse when ``index_topk``)."""
+        kda = set(self.linear_attn_config.kda_layers)
+        return tuple("kda" if i + 1 in kda else "dsa" for i in range(self.num_hidden_layers))
+
+    @property
+    def ffn_kinds(self) -> tuple[FfnKind, ...]:
+        """Per 0-based layer: ``"moe"`` iff ``i >= first_k_dense_replace and i % moe_layer_freq == 0``."""
+        return tuple(
+            "moe"
+            if self.num_experts > 0 and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+            else "dense"
+            for i in range(self.num_hidden_layers)
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def use_indexer(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """Width the routed experts run in (latent MoE when ``routed_expert_hidden_size``)."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def num_attn_res_blocks(self) -> int:
+        """Size of the AttnRes block buffer: one entry per boundary ``layer % block_size == 0``."""
+        if self.attn_res_block_size is None:
+            return 0
+        return -(-self.num_hidden_layers // self.attn_res_block_size)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json both ways ----
+    def to_hf_config(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"]}
+        for f in dataclasses.fields(self):
+            if f.name in _OURS:
+                continue
+            v = getattr(self, f.name)
+            if dataclasses.is_dataclass(v):
+                v = dataclasses.asdict(v)
+                v = {k: list(x) if isinstance(x, tuple) else x for k, x in v.items()}
+                if f.name == "rope_scaling":
+                    v["type"] = "yarn"
+            d[f.name] = v
+        d["num_key_value_heads"] = self.num_attention_heads
+        d["num_experts_per_tok"] = self.num_experts_per_token
+        d["kdsa"] = {name: getattr(self, name) for name in _OURS}
+        return d
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict (Kimi K3, Kimi Linear, DeepSeek-V3.x)."""
+        if "text_config" in hf:  # kimi_k3 wrapper: the language model is its kimi_linear text_config
+            hf = hf["text_config"]
+        d = dict(hf)
+        for theirs, ours in _ALIASES.items():
+            if theirs in d and ours not in d:
+                d[ours] = d[theirs]
+        if d.get("topk_method") in ("noaux_tc", "group_limited_greedy") and "n_group" in hf:
+            d.setdefault("use_grouped_topk", True)
+        kw: dict[str, Any] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in names - _OURS - {"linear_attn_config", "rope_scaling"}:
+            if name in d and d[name] is not None or name in d and name in _NULLABLE:
+                kw[name] = d[name]
+        kw["linear_attn_config"] = _linear_attn_from_hf(d)
+        rs = d.get("rope_scaling")
+        if rs and rs.get("type", rs.get("rope_type")) == "yarn":
+            kw["rope_scaling"] = YarnConfig(**{k: rs[k] for k in _YARN_KEYS if k in rs})
+        kw.update({k: v for k, v in (d.get("kdsa") or {}).items() if k in _OURS})
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_hf_config(), indent=2)
+
+
+_OURS = frozenset({
+    "param_dtype", "compute_dtype", "initializer_range", "scan_layers", "remat_policy",
+    "kda_chunk_size", "dsa_query_chunk_size", "attention_impl", "moe_impl",
+})
+_NULLABLE = frozenset({
+    "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size", "index_n_heads",
+    "index_head_dim", "index_topk", "activation_situ_linear_beta", "bos_token_id",
+    "eos_token_id", "pad_token_id",
+})
+_ALIASES = {  # DeepSeek-V3 / V3.2 name -> our (Kimi) name
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+    "scoring_func": "moe_router_activation_func",
+    "norm_topk_prob": "moe_renormalize",
+    "n_group": "num_expert_group",
+}
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
+
+
+def _linear_attn_from_hf(d: dict[str, Any]) -> LinearAttnConfig:
+    lac = d.get("linear_attn_config")
+    n = int(d["num_hidden_layers"])
+    if not lac:  # a DeepSeek config: every layer is (sparse) MLA, KDA sizes are unused
+        return LinearAttnConfig(kda_layers=(), full_attn_layers=tuple(range(1, n + 1)),
+                                num_heads=1, head_dim=1)
+    keys = {f.name for f in dataclasses.fields(LinearAttnConfig)}
+    lac = {k: v for k, v in lac.items() if k in keys}
+    kda = lac.get("kda_layers")
+    full = lac.get("full_attn_layers")
+    if kda is None and full is not None:
+        kda = [i for i in range(1, n + 1) if i not in set(full)]
+    if full is None and kda is not None:
+        full = [i for i in range(1, n + 1) if i not in set(kda)]
+    lac["kda_layers"], lac["full_attn_layers"] = tuple(kda), tuple(full)
+    return LinearAttnConfig(**lac)
+
+
+def _positive(obj, prefix: str, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{prefix}{name} must be a positive integer, got {v!r}")
+
+
+def _choice(cfg, name: str, allowed: tuple[str, ...]) -> None:
+    v = getattr(cfg, name)
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
+
+
+def _validate(c: ModelConfig) -> None:
+    _positive(c, "", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+              "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+              "max_position_embeddings", "kda_chunk_size", "dsa_query_chunk_size",
+              "num_experts_per_token", "num_expert_group", "topk_group", "moe_layer_freq")
+    if not isinstance(c.qk_rope_head_dim, int) or c.qk_rope_head_dim < 0:
+        raise ValueError(f"qk_rope_head_dim must be >= 0, got {c.qk_rope_head_dim!r}")
+    if not c.mla_use_nope and c.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {c.qk_rope_head_dim}")
+    for name in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
+        v = getattr(c, name)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
+    _choice(c, "hidden_act", _ACTIVATIONS)
+    _choice(c, "moe_router_activation_func", _ROUTER_ACTS)
+    _choice(c, "param_dtype", _DTYPES)
+    _choice(c, "compute_dtype", _DTYPES)
+    _choice(c, "remat_policy", _REMAT)
+    _choice(c, "attention_impl", _IMPLS)
+    _choice(c, "moe_impl", _IMPLS)
+    if c.hidden_act == "situ" and c.activation_situ_beta <= 0:
+        raise ValueError(f"activation_situ_beta must be > 0, got {c.activation_situ_beta}")
+    if c.activation_situ_linear_beta is not None and c.activation_situ_linear_beta <= 0:
+        raise ValueError("activation_situ_linear_beta must be None or > 0")
+    if c.rms_norm_eps <= 0:
+        raise ValueError(f"rms_norm_eps must be > 0, got {c.rms_norm_eps}")
+    # layer lists
+    lac, n = c.linear_attn_config, c.num_hidden_layers
+    kda, full = lac.kda_layers, lac.full_attn_layers
+    for name, lst in (("kda_layers", kda), ("full_attn_layers", full)):
+        bad = [i for i in lst if not 1 <= i <= n]
+        if bad:
+            raise ValueError(f"linear_attn_config.{name} holds {bad}: layers are 1-based and must be "
+                             f"in [1, num_hidden_layers={n}]")
+        if len(set(lst)) != len(lst):
+            raise ValueError(f"linear_attn_config.{name} repeats a layer: {sorted(lst)}")
+    overlap = sorted(set(kda) & set(full))
+    if overlap:
+        raise ValueError(f"linear_attn_config.kda_layers and full_attn_layers overlap at {overlap}")
+    missing = sorted(set(range(1, n + 1)) - set(kda) - set(full))
+    if missing:
+        raise ValueError(f"layers {missing} are in neither linear_attn_config.kda_layers nor "
+                         f"full_attn_layers (num_hidden_layers={n})")
+    if c.num_experts_per_token and c.num_experts and c.num_experts_per_token > c.num_experts:
+        raise ValueError(f"num_experts_per_token={c.num_experts_per_token} exceeds "
+                         f"num_experts={c.num_experts}")
+    if c.num_experts < 0:
+        raise ValueError(f"num_experts must be >= 0, got {c.num_experts}")
+    if c.num_experts > 0:
+        if c.moe_intermediate_size < 1:
+            raise ValueError("moe_intermediate_size must be positive when num_experts > 0")
+        if c.num_experts % c.num_expert_group:
+            raise ValueError(f"num_experts={c.num_experts} is not divisible by "
+                             f"num_expert_group={c.num_expert_group}")
+        if c.topk_group > c.num_expert_group:
+            raise ValueError(f"topk_group={c.topk_group} exceeds num_expert_group={c.num_expert_group}")
+        per_group = c.num_experts // c.num_expert_group
+        if c.use_grouped_topk and c.topk_group * per_group < c.num_experts_per_token:
+            raise ValueError(f"topk_group={c.topk_group} groups of {per_group} experts cannot hold "
+                             f"num_experts_per_token={c.num_experts_per_token}")
+    if c.first_k_dense_replace < 0:
+        raise ValueError(f"first_k_dense_replace must be >= 0, got {c.first_k_dense_replace}")
+    # indexer: all three or none
+    idx = (c.index_n_heads, c.index_head_dim, c.index_topk)
+    if any(v is not None for v in idx) and any(v is None for v in idx):
+        raise ValueError("index_n_heads, index_head_dim and index_topk must be set together "
+                         f"(got {idx}); index_topk=None means dense MLA")
+    if c.index_topk is not None:
+        _positive(c, "", "index_n_heads", "index_head_dim", "index_topk")
+        rope = 0 if c.mla_use_nope else c.qk_rope_head_dim
+        if rope > c.index_head_dim:
+            raise ValueError(f"index_head_dim={c.index_head_dim} is smaller than the RoPE part "
+                             f"qk_rope_head_dim={rope}")
+    if kda:
+        if c.kda_chunk_size & (c.kda_chunk_size - 1):
+            raise ValueError(f"kda_chunk_size must be a power of two, got {c.kda_chunk_size}")
+    if c.tie_word_embeddings and c.vocab_size < 1:
+        raise ValueError("tie_word_embeddings needs a vocabulary")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(c, name)
+        if v is not None and not 0 <= v < c.vocab_size:
+            raise ValueError(f"{name}={v} is outside the vocabulary [0, {c.vocab_size})")
+
+
+def get_preset(name: str) -> ModelConfig:
+    """A named preset (``tiny``, ``small``, ``kimi-linear-48b``, ``k3-2.8t``); see ``presets.py``."""
+    from kdsa.model.presets import get_preset as _get
+
+    return _get(name)

@@ -1,0 +1,1 @@
+"""kdsa.sharding."""
