@@ -1,0 +1,71 @@
+"""``--preset NAME`` / ``--config FILE.json`` plus ``--set key=value`` for every command."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from kdsa.model.config import ModelConfig, get_preset
+
+
+def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "tiny") -> None:
+    g = p.add_argument_group("model config")
+    g.add_argument("--preset", default=None,
+                   help=f"named preset: tiny, small, kimi-linear-48b, k3-2.8t "
+                        f"(default {default_preset})")
+    g.add_argument("--config", type=Path, default=None,
+                   help="a JSON config: Hugging Face config.json or one written by kdsa")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set num_hidden_layers=8 "
+                        "--set linear_attn_config.num_heads=4 (value parsed as JSON)")
+    p.set_defaults(_default_preset=default_preset)
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
+    """The config named by the arguments, validated. Raises ValueError with a clear message."""
+    if args.preset and args.config:
+        raise ValueError("give either --preset or --config, not both")
+    if args.config:
+        if not args.config.is_file():
+            raise ValueError(f"--config {args.config}: no such file")
+        try:
+            hf = json.loads(args.config.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
+        name, config = args.config.name, ModelConfig.from_hf_config(hf)
+    else:
+        name = args.preset or args._default_preset
+        config = get_preset(name)
+    return name, apply_overrides(config, args.overrides)
+
+
+def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
+    top: dict = {}
+    nested: dict[str, dict] = {}
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare string such as bfloat16
+        if isinstance(value, list):
+            value = tuple(value)
+        head, _, sub = key.partition(".")
+        if head not in fields:
+            raise ValueError(f"--set {key}: unknown config field {head!r}")
+        if sub:
+            parent = getattr(config, head)
+            if not dataclasses.is_dataclass(parent) or sub not in {
+                    f.name for f in dataclasses.fields(parent)}:
+                raise ValueError(f"--set {key}: {head} has no field {sub!r}")
+            nested.setdefault(head, {})[sub] = value
+        else:
+            top[head] = value
+    for head, changes in nested.items():
+        top[head] = dataclasses.replace(getattr(config, head), **changes)
+    return dataclasses.replace(config, **top) if top else config

@@ -1,0 +1,30 @@
+"""The ``kdsa`` command: a dispatcher, no logic. ``kdsa COMMAND --help`` documents each command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kdsa.cli import forward_cmd, params_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdsa", description="kdsa: Kimi K3 successor (KDA + Gated DSA MoE) in JAX")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in (params_cmd, forward_cmd):
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as e:  # config and input errors: one clear line, non-zero exit
+        print(f"kdsa {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""ModelConfig validation, Hugging Face round trips and the CLI's config arguments."""
+
+import dataclasses
+import json
+
+import pytest
+
+from kdsa.cli.config_args import apply_overrides
+from kdsa.model.config import LinearAttnConfig, ModelConfig, get_preset
+from kdsa.model.presets import PRESETS
+
+ALL = sorted(PRESETS)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_hf_round_trip(name):
+    c = get_preset(name)
+    d = json.loads(c.to_json())
+    assert ModelConfig.from_hf_config(d) == c
+    assert d["linear_attn_config"]["kda_layers"] == list(c.linear_attn_config.kda_layers)
+    hash(c)  # static data of NNX modules must be hashable
+
+
+def test_k3_layer_pattern():
+    c = get_preset("k3-2.8t")
+    kinds = c.mixer_kinds
+    assert kinds.count("kda") == 69 and kinds.count("dsa") == 24
+    assert [i for i, k in enumerate(kinds) if k == "dsa"] == list(range(3, 92, 4)) + [92]
+    assert c.ffn_kinds[0] == "dense" and set(c.ffn_kinds[1:]) == {"moe"}
+    assert c.num_attn_res_blocks == 8
+
+
+def test_kimi_k3_wrapper_and_deepseek_names():
+    k3 = get_preset("k3-2.8t")
+    wrapped = {"model_type": "kimi_k3", "text_config": k3.to_hf_config()}
+    assert ModelConfig.from_hf_config(wrapped) == k3
+    ds = {  # DeepSeek-V3.2 names (config_671B_v3.2 shape, trimmed to 4 layers)
+        "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "moe_intermediate_size": 32, "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "topk_method": "noaux_tc",
+        "first_k_dense_replace": 1, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "torch_dtype": "bfloat16",
+    }
+    c = ModelConfig.from_hf_config(ds)
+    assert c.num_experts == 8 and c.num_experts_per_token == 2 and c.num_shared_experts == 1
+    assert c.num_expert_group == 2 and c.use_grouped_topk
+    assert c.mixer_kinds == ("dsa",) * 4 and c.rope_scaling.factor == 40
+    assert ModelConfig.from_hf_config(c.to_hf_config()) == c
+
+
+BAD = [
+    ({"num_hidden_layers": 5}, "neither"),
+    ({"num_experts_per_token": 9}, "exceeds num_experts"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"index_topk": 0}, "index_topk"),
+    ({"index_topk": None}, "set together"),
+    ({"num_expert_group": 3}, "divisible"),
+    ({"topk_group": 2}, "topk_group"),
+    ({"kda_chunk_size": 24}, "power of two"),
+    ({"q_lora_rank": 0}, "q_lora_rank"),
+    ({"remat_policy": "some"}, "remat_policy"),
+    ({"eos_token_id": 10_000}, "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize("change,msg", BAD)
+def test_invalid_configs_name_the_field(change, msg):
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(get_preset("tiny"), **change)
+
+
+def test_invalid_layer_lists():
+    lac = get_preset("tiny").linear_attn_config
+    for kda, full, msg in [((1, 2, 3), (3, 4), "overlap"), ((1, 2, 3), (5,), "1-based"),
+                           ((1, 2), (4,), "neither"), ((1, 1, 2, 3), (4,), "repeats")]:
+        with pytest.raises(ValueError, match=msg):
+            dataclasses.replace(get_preset("tiny"), linear_attn_config=dataclasses.replace(
+                lac, kda_layers=kda, full_attn_layers=full))
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        LinearAttnConfig(kda_layers=(1,), full_attn_layers=(), num_heads=1, head_dim=4,
+                         gate_lower_bound=0.5)
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("k4")
+
+
+def test_overrides():
+    c = apply_overrides(get_preset("tiny"), ["num_experts=16", "linear_attn_config.num_heads=4",
+                                             "compute_dtype=bfloat16", "index_topk=null",
+                                             "index_n_heads=null", "index_head_dim=null"])
+    assert c.num_experts == 16 and c.linear_attn_config.num_heads == 4
+    assert c.compute_dtype == "bfloat16" and not c.use_indexer
+    for bad, msg in [("nope=1", "unknown config field"), ("num_experts", "KEY=VALUE"),
+                     ("linear_attn_config.x=1", "no field")]:
+        with pytest.raises(ValueError, match=msg):
+            apply_overrides(get_preset("tiny"), [bad])
