@@ -1,0 +1,299 @@
+"""Mixture of experts: sigmoid router with selection bias, dropless routed experts, latent MoE.
+
+One MoE layer (Kimi K3 / Kimi Linear ``block_sparse_moe``; ``shared/reference/kimi_k3.md``
+sections 1-3, DeepSeek-V3 report section 2.1.2 for the routing)::
+
+    scores  = sigmoid(x @ gate.weight)                  [N, E]  float32, full hidden x
+    chosen  = top_k(scores + e_score_correction_bias)   [N, k]  bias only chooses ("noaux_tc")
+    weights = scores[chosen] / sum(scores[chosen]) * routed_scaling_factor
+    z       = routed_expert_down_proj(x)                [N, De] (latent MoE; else z = x)
+    r       = sum_j weights_j * w2_e(act(w1_e z, w3_e z)),  e = chosen_j
+    r       = routed_expert_up_proj(routed_expert_norm(r))     (latent MoE)
+    y       = r + shared_experts(x)
+
+The latent norm acts on the combined top-k output, after the weighted sum and before the
+up-projection: sglang-jax ``kimi_k3.py`` ``KimiK3DecoderLayer._ffn`` runs the expert layer (which
+combines with the routing weights) on ``routed_expert_down_proj(x)``, then
+``routed_expert_norm``, then ``routed_expert_up_proj``, then adds the shared experts computed on
+the full hidden (vLLM's ``KimiRoutedOutputTransform`` is the same order). The router and the
+shared experts read the full hidden state, only the routed experts run in the latent.
+
+Checkpoint shapes (K3): ``gate.weight [896, 7168]``, ``gate.e_score_correction_bias [896]`` f32,
+``routed_expert_down_proj [3584, 7168]``, ``routed_expert_norm [3584]``,
+``routed_expert_up_proj [7168, 3584]``, ``experts.{e}.w1/w3 [3072, 3584]``, ``w2 [3584, 3072]``
+(w1 = gate, w3 = up, w2 = down). We store ``[in, out]`` and stack the experts on axis 0.
+
+Dispatch is dropless (every assignment is computed, no capacity factor): the ``N*k``
+assignments are sorted by expert and run through ``jax.lax.ragged_dot`` grouped matmuls
+(:func:`experts_ragged`). :func:`experts_one_hot` is the dense reference (every token through
+every expert, combined with a ``[N, E]`` weight matrix); tests compare the two, values and
+gradients. The load-balancing bias is not trained by the optimizer: it lives in a
+:class:`RoutingBias` variable and the trainer applies :func:`update_routing_bias` with the
+per-call ``expert_load``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdsa.model.activations import gated_activation
+from kdsa.model.config import ModelConfig
+from kdsa.model.ffn import DenseFFN
+from kdsa.model.layers import Linear, RMSNorm, dtype_of, lecun_init, param
+
+ExpertsFn = Callable[..., jax.Array]
+
+
+class RoutingBias(nnx.Variable):
+    """Non-trainable selection bias (``e_score_correction_bias``); not an ``nnx.Param``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------
+
+def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array,
+          config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k routing with a selection-only bias (DeepSeek-V3 ``noaux_tc``).
+
+    Args:
+      x: ``[N, D]`` full hidden states. router_weight: ``[D, E]``. bias: ``[E]``.
+    Returns:
+      ``topk_idx [N, k]`` int32 (descending biased score), ``topk_weight [N, k]`` float32,
+      ``scores [N, E]`` float32 (unbiased sigmoid or softmax of the logits).
+
+    Group limit (``use_grouped_topk`` with ``num_expert_group`` G > 1): experts are split into G
+    contiguous groups, a group scores the sum of its top-2 biased scores, experts outside the
+    best ``topk_group`` groups are masked to -inf before the top-k (vLLM masks with -inf; the
+    HF DeepSeek code masks with 0, which differs only when biased scores go negative).
+    Ties go to the lower expert index (``lax.top_k``).
+    """
+    n, d = x.shape
+    e = config.num_experts
+    if router_weight.shape != (d, e):
+        raise ValueError(f"router_weight must be [D={d}, E={e}], got {router_weight.shape}")
+    if bias.shape != (e,):
+        raise ValueError(f"routing bias must be [E={e}], got {bias.shape}")
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), router_weight.astype(jnp.float32))
+    if config.moe_router_activation_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)  # [N, E]
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)  # [N, E]
+    choice = jax.lax.stop_gradient(scores + bias.astype(jnp.float32)[None, :])  # [N, E]
+    if config.use_grouped_topk and config.num_expert_group > 1:
+        choice = _limit_to_top_groups(choice, config.num_expert_group, config.topk_group)
+    _, topk_idx = jax.lax.top_k(choice, config.num_experts_per_token)  # [N, k]
+    topk_weight = jnp.take_along_axis(scores, topk_idx, axis=-1)  # [N, k]
+    if config.moe_renormalize:
+        topk_weight = topk_weight / (jnp.sum(topk_weight, axis=-1, keepdims=True) + 1e-20)
+    topk_weight = topk_weight * config.routed_scaling_factor
+    return topk_idx.astype(jnp.int32), topk_weight, scores
+
+
+def _limit_to_top_groups(choice: jax.Array, num_groups: int, topk_group: int) -> jax.Array:
+    """Mask (-inf) the experts outside each token's best ``topk_group`` groups."""
+    n, e = choice.shape
+    per_group = e // num_groups
+    grouped = choice.reshape(n, num_groups, per_group)  # [N, G, E/G]
+    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, per_group))[0], axis=-1)  # [N, G]
+    _, top_groups = jax.lax.top_k(group_score, topk_group)  # [N, topk_group]
+    keep = jnp.sum(jax.nn.one_hot(top_groups, num_groups, dtype=jnp.int32), axis=1) > 0  # [N, G]
+    keep = jnp.repeat(keep, per_group, axis=-1)  # [N, E]
+    return jnp.where(keep, choice, -jnp.inf)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts: dropless ragged dispatch and the one-hot reference
+# ---------------------------------------------------------------------------------------------
+
+def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,
+                   w3: jax.Array, w2: jax.Array, config: ModelConfig) -> jax.Array:
+    """Dropless sorted dispatch: ``sum_j weight_j * w2_e(act(w1_e z, w3_e z))`` per token.
+
+    Args:
+      z: ``[N, De]``; topk_idx, topk_weight: ``[N, k]``; w1, w3: ``[E, De, I]``; w2: ``[E, I, De]``.
+    Returns ``[N, De]`` in ``z.dtype``; the weighted combine is float32.
+
+    The ``M = N*k`` assignments are stably sorted by expert, so each expert's rows are
+    contiguous and ``ragged_dot`` multiplies group g's rows by ``w[g]``. On CPU XLA lowers
+    ``ragged_dot`` to a masked dense matmul (E times the work, see ``bench/moe_dispatch.py``);
+    on GPU/TPU it is a grouped matmul.
+    """
+    n, k = topk_idx.shape
+    e, de, _ = w1.shape
+    dt = z.dtype
+    flat = topk_idx.reshape(-1)  # [M]
+    order = jnp.argsort(flat, stable=True)  # [M] assignment ids sorted by expert
+    rows = jnp.take(z, order // k, axis=0)  # [M, De]
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
+    gate = jax.lax.ragged_dot(rows, w1.astype(dt), group_sizes)  # [M, I]
+    up = jax.lax.ragged_dot(rows, w3.astype(dt), group_sizes)  # [M, I]
+    h = gated_activation(gate, up, config)  # [M, I]
+    out_sorted = jax.lax.ragged_dot(h, w2.astype(dt), group_sizes)  # [M, De]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
+                                                  unique_indices=True)  # [M]
+    out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, de)  # [N, k, De]
+    y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), topk_weight.astype(jnp.float32))
+    return y.astype(dt)
+
+
+def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,
+                    w3: jax.Array, w2: jax.Array, config: ModelConfig) -> jax.Array:
+    """Dense reference for :func:`experts_ragged`: every token through every expert.
+
+    ``combine[n, e]`` is the routing weight of expert e for token n (zero when not chosen).
+    Costs ``E / k`` times the routed FLOPs; for tests and small runs only.
+    """
+    e = w1.shape[0]
+    dt = z.dtype
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(topk_idx, e, dtype=jnp.float32),
+                         topk_weight.astype(jnp.float32))  # [N, E]
+    gate = jnp.einsum("nd,edi->nei", z, w1.astype(dt))
+    up = jnp.einsum("nd,edi->nei", z, w3.astype(dt))
+    h = gated_activation(gate, up, config)  # [N, E, I]
+    out = jnp.einsum("nei,eid->ned", h, w2.astype(dt))
+    y = jnp.einsum("ned,ne->nd", out.astype(jnp.float32), combine)
+    return y.astype(dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load statistics and the aux-loss-free bias update
+# ---------------------------------------------------------------------------------------------
+
+def expert_load(topk_idx: jax.Array, num_experts: int,
+                token_mask: jax.Array | None = None) -> jax.Array:
+    """``[E]`` float32: assignments per expert, counting only tokens where ``token_mask``."""
+    n, k = topk_idx.shape
+    valid = jnp.ones((n, k), jnp.float32)
+    if token_mask is not None:
+        if token_mask.shape != (n,):
+            raise ValueError(f"token_mask must be [N={n}], got {token_mask.shape}")
+        valid = valid * token_mask.astype(jnp.float32)[:, None]
+    return jax.ops.segment_sum(valid.reshape(-1), topk_idx.reshape(-1), num_segments=num_experts)
+
+
+def max_load_ratio(load: jax.Array) -> jax.Array:
+    """``max(load) / mean(load)`` (1 = perfectly balanced; 0 when nothing was routed)."""
+    mean = jnp.mean(load)
+    return jnp.where(mean > 0, jnp.max(load) / jnp.maximum(mean, 1e-30), 0.0)
+
+
+def update_routing_bias(bias: jax.Array, expert_load: jax.Array, rate: float) -> jax.Array:
+    """``bias + rate * sign(mean(load) - load)``: overloaded experts become less likely.
+
+    DeepSeek-V3 aux-loss-free balancing (report section 2.1.2, ``gamma`` = bias update speed);
+    MaxText ``calculate_load_balance_updates`` applies the same sign rule. Applied by the
+    trainer between steps, never by the optimizer.
+    """
+    if bias.ndim != 1 or bias.shape != expert_load.shape:
+        raise ValueError(f"bias {bias.shape} and expert_load {expert_load.shape} must both be [E]")
+    if isinstance(rate, (int, float)) and rate < 0:
+        raise ValueError(f"bias update rate must be >= 0, got {rate}")
+    load = expert_load.astype(jnp.float32)
+    return (bias.astype(jnp.float32) + rate * jnp.sign(jnp.mean(load) - load)).astype(bias.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------
+
+class Router(nnx.Module):
+    """``gate``: ``weight [D, E]`` and the non-trainable ``e_score_correction_bias [E]``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.weight = param(rngs, lecun_init(), (config.hidden_size, config.num_experts),
+                            ("embed", None), dtype_of(config.param_dtype))
+        self.e_score_correction_bias = RoutingBias(jnp.zeros((config.num_experts,), jnp.float32),
+                                                   axes=(None,))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return route(x, self.weight[...], self.e_score_correction_bias[...], self.config)
+
+
+class RoutedExperts(nnx.Module):
+    """``experts``: stacked ``w1`` (gate), ``w3`` (up) ``[E, De, I]`` and ``w2`` (down) ``[E, I, De]``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        e, de, i = config.num_experts, config.expert_hidden_size, config.moe_intermediate_size
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                                 out_axis=-1, batch_axis=(0,))
+        pdt = dtype_of(config.param_dtype)
+        up_axes = ("experts", "expert_embed", "expert_mlp")
+        self.w1 = param(rngs, init, (e, de, i), up_axes, pdt)
+        self.w3 = param(rngs, init, (e, de, i), up_axes, pdt)
+        self.w2 = param(rngs, init, (e, i, de), ("experts", "expert_mlp", "expert_embed"), pdt)
+
+    def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
+                 experts_fn: ExpertsFn = experts_ragged) -> jax.Array:
+        return experts_fn(z, topk_idx, topk_weight, self.w1[...], self.w3[...], self.w2[...],
+                          self.config)
+
+
+class MoE(nnx.Module):
+    """Routed (optionally latent) experts plus shared experts; see the module docstring.
+
+    ``__call__(x [B, T, D], *, token_mask [B, T] | None) -> (y [B, T, D], metrics)`` with
+    ``metrics["expert_load"]`` float32 ``[E]`` (assignments of valid tokens) and
+    ``metrics["max_load_ratio"]`` (max / mean load). Masked tokens are still computed (their
+    outputs are meaningful, just excluded from the load statistics).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        if config.num_experts < 1:
+            raise ValueError(f"MoE needs num_experts >= 1, got {config.num_experts}")
+        self.config = config
+        d, de = config.hidden_size, config.expert_hidden_size
+        kw = dict(rngs=rngs, param_dtype=dtype_of(config.param_dtype),
+                  compute_dtype=dtype_of(config.compute_dtype))
+        self.gate = Router(config, rngs=rngs)
+        self.experts = RoutedExperts(config, rngs=rngs)
+        latent = config.routed_expert_hidden_size is not None
+        self.routed_expert_down_proj = (Linear(d, de, axes=("embed", "expert_embed"), **kw)
+                                        if latent else None)
+        self.routed_expert_norm = (RMSNorm(de, eps=config.rms_norm_eps,
+                                           param_dtype=dtype_of(config.param_dtype))
+                                   if latent and config.latent_moe_use_norm else None)
+        self.routed_expert_up_proj = (Linear(de, d, axes=("expert_embed", "embed"), **kw)
+                                      if latent else None)
+        self.shared_experts = (
+            DenseFFN(config, config.moe_intermediate_size * config.num_shared_experts, rngs=rngs)
+            if config.num_shared_experts > 0 else None)
+
+    def __call__(self, x: jax.Array, *,
+                 token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        return self._forward(x, token_mask, experts_ragged)
+
+    def reference(self, x: jax.Array, *,
+                  token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Same layer with the one-hot dense expert computation (tests, debugging)."""
+        return self._forward(x, token_mask, experts_one_hot)
+
+    def _forward(self, x: jax.Array, token_mask: jax.Array | None,
+                 experts_fn: ExpertsFn) -> tuple[jax.Array, dict]:
+        c = self.config
+        if x.ndim != 3 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"MoE expects x [B, T, D={c.hidden_size}], got {x.shape}")
+        b, t, d = x.shape
+        if token_mask is not None and token_mask.shape != (b, t):
+            raise ValueError(f"token_mask must be [B={b}, T={t}], got {token_mask.shape}")
+        cdt = dtype_of(c.compute_dtype)
+        xf = x.reshape(b * t, d).astype(cdt)  # [N, D]
+        topk_idx, topk_weight, _ = self.gate(xf)  # [N, k], [N, k]
+        z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
+        r = self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn)  # [N, De]
+        if self.routed_expert_norm is not None:
+            r = self.routed_expert_norm(r)
+        if self.routed_expert_up_proj is not None:
+            r = self.routed_expert_up_proj(r)  # [N, D]
+        if self.shared_experts is not None:
+            r = r + self.shared_experts(xf)
+        mask = None if token_mask is None else token_mask.reshape(b * t)
+        load = expert_load(topk_idx, c.num_experts, mask)  # [E]
+        metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load)}
+        return r.astype(cdt).reshape(b, t, d), metrics
