@@ -1,0 +1,299 @@
+"""DeepSeek Sparse Attention maths: lightning indexer, top-k selection, attention, indexer losses.
+
+Pure functions, arrays in and arrays out (``dsa.md`` sections 1-3; DeepSeek-V3.2-Exp paper
+eq. 1-2 and section 2.1). Letters: B batch, T queries, S keys, N attention heads, J indexer heads,
+D head dim, K selected keys (top-k), C query chunk.
+
+Visibility. A key ``s`` is visible to query ``t`` iff ``kv_pos[s] <= q_pos[t]`` and
+``kv_seg[s] == q_seg[t]`` (:func:`visible_mask`). The layer passes token order and segment ids in
+training, cache slot numbers and positions in decode.
+
+Memory. Everything that scores queries against keys runs over query chunks of ``chunk_size``
+(``lax.map`` of a ``jax.checkpoint``-ed body), so at most ``[B, C, N, S]`` (dense) or
+``[B, C, K, D]`` (sparse gather) exists at once, in the backward pass too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# query chunking and visibility
+# ---------------------------------------------------------------------------------------------
+
+def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Array]):
+    """``fn(*chunks)`` over query chunks of ``per_query`` arrays (query axis 1), outputs joined.
+
+    Pads T with zeros to a multiple of the chunk (padded rows are computed, then dropped), runs
+    ``lax.map`` over a rematerialised body and puts the query axis back at position 1 of every
+    output. ``fn`` may close over shared (key-side) arrays.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    t = per_query[0].shape[1]
+    c = min(chunk_size, t)
+    n = -(-t // c)
+
+    def split(a):  # [B, T, ...] -> [n, B, C, ...]
+        a = jnp.pad(a, [(0, 0), (0, n * c - t)] + [(0, 0)] * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape((a.shape[0], n, c) + a.shape[2:]), 1, 0)
+
+    def join(a):  # [n, B, C, ...] -> [B, T, ...]
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape((a.shape[0], n * c) + a.shape[3:])[:, :t]
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(split(a) for a in per_query))
+    return jax.tree.map(join, out)
+
+
+def visible_mask(q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array,
+                 kv_seg: jax.Array) -> jax.Array:
+    """``[B, T, S]`` bool: ``kv_pos[s] <= q_pos[t]`` and ``kv_seg[s] == q_seg[t]``."""
+    return ((kv_pos[:, None, :] <= q_pos[:, :, None])
+            & (kv_seg[:, None, :] == q_seg[:, :, None]))
+
+
+def _check_visibility(b: int, t: int, s: int, q_pos, kv_pos, q_seg, kv_seg) -> None:
+    for name, a, want in (("q_pos", q_pos, (b, t)), ("q_seg", q_seg, (b, t)),
+                          ("kv_pos", kv_pos, (b, s)), ("kv_seg", kv_seg, (b, s))):
+        if a.shape != want:
+            raise ValueError(f"{name} has shape {a.shape}, expected {want}")
+
+
+# ---------------------------------------------------------------------------------------------
+# lightning indexer and top-k
+# ---------------------------------------------------------------------------------------------
+
+def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array) -> jax.Array:
+    """Index scores ``I[b,t,s] = sum_j w[b,t,j] * relu(q[b,t,j] . k[b,s])`` in float32.
+
+    q ``[B, T, J, D]`` (RoPE'd index queries), k ``[B, S, D]`` (one key per token shared by all
+    index heads), weights ``[B, T, J]`` (``weights_proj(x) * J**-0.5 * D**-0.5``). Paper eq. 1;
+    DeepSeek's ``fp8_index`` without FP8. Unmasked: callers add the visibility mask.
+    """
+    if q.ndim != 4 or k.ndim != 3 or weights.shape != q.shape[:3] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"indexer_scores wants q [B,T,J,D], k [B,S,D], weights [B,T,J]; got "
+                         f"{q.shape}, {k.shape}, {weights.shape}")
+    logits = jnp.einsum("btjd,bsd->btjs", q.astype(f32), k.astype(f32))
+    return jnp.einsum("btj,btjs->bts", weights.astype(f32), jax.nn.relu(logits))
+
+
+def select_topk(scores: jax.Array, visible: jax.Array, topk: int) -> jax.Array:
+    """Top-k visible keys per query: indices ``[B, T, min(topk, S)]`` int32, -1 where unused.
+
+    ``lax.top_k`` over the masked scores; a query with fewer than ``topk`` visible keys gets all of
+    them (the rest -1), so with ``S <= topk`` DSA is dense attention. Ties break toward the lower
+    index (``lax.top_k``). A width above S would only hold -1, so the width is ``min(topk, S)``.
+    """
+    masked = jnp.where(visible, scores, -jnp.inf)
+    vals, idx = jax.lax.top_k(masked, min(topk, scores.shape[-1]))  # [B, T, K]
+    return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q_pos, kv_pos,
+                 q_seg, kv_seg, chunk_size: int) -> jax.Array:
+    """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
+
+    Never holds more than ``[B, C, J, S]`` scores. Indices are not differentiable.
+    """
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+
+    def chunk(qc, wc, pc, sc):
+        vis = visible_mask(pc, kv_pos, sc, kv_seg)
+        return select_topk(indexer_scores(qc, k, wc), vis, topk)
+
+    idx = map_query_chunks(chunk, chunk_size, (q, weights, q_pos, q_seg))
+    return jax.lax.stop_gradient(idx)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+def _softmax_attend(logits: jax.Array, values: Callable[[jax.Array], jax.Array]):
+    """Masked softmax over the last axis of ``logits`` (-inf = masked), then ``values(p)``.
+
+    Returns ``(values(p) / l, lse)``: a row with nothing visible gives output 0 and lse -inf, and
+    finite gradients (the max is a stop-gradient shift; no ``log 0`` or ``0/0`` is evaluated).
+    """
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)  # masked entries give exp(-inf) = 0
+    l = jnp.sum(p, axis=-1)
+    live = l > 0
+    l_safe = jnp.where(live, l, 1.0)
+    out = values(p) / l_safe[..., None]
+    lse = jnp.where(live, m[..., 0] + jnp.log(l_safe), -jnp.inf)
+    return out, lse
+
+
+def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: float,
+                         v_dim: int, *, chunk_size: int = 256) -> tuple[jax.Array, jax.Array]:
+    """Gather-based sparse MLA attention (absorbed / MQA form), the reference for the kernel.
+
+    q ``[B, T, N, Dk]`` absorbed queries (``q_nope @ W_UK`` then ``q_pe``), kv ``[B, S, Dk]``
+    (latent then RoPE key; ``kv[..., :v_dim]`` are the values), indices ``[B, T, K]`` int32 with -1
+    (or any value outside ``[0, S)``) for unused slots. Returns out ``[B, T, N, v_dim]`` float32 and
+    lse ``[B, T, N]`` (natural log; -inf and out 0 for a row with no valid index).
+
+    ``out[t,n] = sum_k softmax_k(sm_scale * q[t,n] . kv[idx[t,k]]) kv[idx[t,k], :v_dim]``: each
+    slot counts, so a duplicated index counts twice (FlashMLA ``flash_mla_sparse_fwd`` semantics;
+    a kernel must match). Cost O(T K Dk N); per query chunk ``[B, C, K, Dk]`` rows are gathered
+    with ``take_along_axis``; no ``[T, S]`` array exists. Gradients by autodiff (gather ->
+    scatter-add into kv). Measured against :func:`dense_masked_mla_attention` (f32, CPU): out and
+    lse within 3e-7, gradients within 1e-6 (``tests/test_dsa.py``).
+    """
+    b, t, n, dk = q.shape
+    if kv.ndim != 3 or kv.shape[0] != b or kv.shape[2] != dk:
+        raise ValueError(f"kv must be [B, S, Dk] = [{b}, S, {dk}], got {kv.shape}")
+    if indices.ndim != 3 or indices.shape[:2] != (b, t):
+        raise ValueError(f"indices must be [B, T, K] = [{b}, {t}, K], got {indices.shape}")
+    if not 0 < v_dim <= dk:
+        raise ValueError(f"v_dim={v_dim} must be in (0, Dk={dk}]")
+    s = kv.shape[1]
+
+    def chunk(qc, ic):  # qc [B, C, N, Dk], ic [B, C, K]
+        c, kk = ic.shape[1], ic.shape[2]
+        valid = (ic >= 0) & (ic < s)
+        flat = jnp.where(valid, ic, 0).reshape(b, c * kk)
+        rows = jnp.take_along_axis(kv, flat[..., None], axis=1).reshape(b, c, kk, dk)
+        rows = rows.astype(f32)  # [B, C, K, Dk]
+        logits = jnp.einsum("bcnd,bckd->bcnk", qc.astype(f32), rows) * sm_scale
+        logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+        return _softmax_attend(
+            logits, lambda p: jnp.einsum("bcnk,bckd->bcnd", p, rows[..., :v_dim]))
+
+    return map_query_chunks(chunk, chunk_size, (q, indices))
+
+
+def dense_masked_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: float,
+                               v_dim: int) -> tuple[jax.Array, jax.Array]:
+    """Test reference for :func:`sparse_mla_attention` along a different path (DeepSeek's).
+
+    Full ``[B, T, N, S]`` scores; the index set becomes a multiplicity matrix
+    ``C[t, s] = #{k : idx[t,k] = s}`` (one-hot sum) and ``softmax`` is taken of
+    ``scores + log C`` (``log 0 = -inf``), which counts duplicates like the gather does. O(T S).
+    """
+    s = kv.shape[1]
+    counts = jnp.sum(jax.nn.one_hot(indices, s, dtype=f32), axis=2)  # [B, T, S]; -1 -> zero row
+    logits = jnp.einsum("btnd,bsd->btns", q.astype(f32), kv.astype(f32)) * sm_scale
+    logits = logits + jnp.where(counts > 0, jnp.log(jnp.maximum(counts, 1.0)),
+                                -jnp.inf)[:, :, None, :]
+    return _softmax_attend(
+        logits, lambda p: jnp.einsum("btns,bsd->btnd", p, kv[..., :v_dim].astype(f32)))
+
+
+def _gqa_logits(q: jax.Array, k: jax.Array) -> jax.Array:
+    """``[B, T, N, S]`` logits of q ``[B, T, N, D]`` against k ``[B, S, G, D]``, N % G == 0."""
+    b, t, n, d = q.shape
+    g = k.shape[2]
+    qg = q.astype(f32).reshape(b, t, g, n // g, d)
+    return jnp.einsum("btgrd,bsgd->btgrs", qg, k.astype(f32)).reshape(b, t, n, -1)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *, q_pos, kv_pos,
+                    q_seg, kv_seg, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+    """Chunked dense attention over visible keys; out ``[B, T, N, Dv]`` f32, lse ``[B, T, N]``.
+
+    q ``[B, T, N, D]``, k ``[B, S, G, D]``, v ``[B, S, G, Dv]`` with ``N % G == 0`` (each group of
+    N/G query heads reads one key/value head): G = N is MLA's MHA (training) form, G = 1 its
+    absorbed MQA (decode) form with ``k = kv`` and ``v = kv[..., :v_dim]``.
+    """
+    b, t, n, _ = q.shape
+    s, g = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[-1] != q.shape[-1] or v.shape[:3] != k.shape[:3] or n % g:
+        raise ValueError(f"dense_attention wants q [B,T,N,D], k [B,S,G,D], v [B,S,G,Dv] with "
+                         f"N % G == 0; got {q.shape}, {k.shape}, {v.shape}")
+    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+
+    def chunk(qc, pc, sc):
+        vis = visible_mask(pc, kv_pos, sc, kv_seg)  # [B, C, S]
+        logits = jnp.where(vis[:, :, None, :], _gqa_logits(qc, k) * sm_scale, -jnp.inf)
+        c = qc.shape[1]
+
+        def values(p):  # p [B, C, N, S] -> [B, C, N, Dv]
+            pg = p.reshape(b, c, g, n // g, s)
+            return jnp.einsum("bcgrs,bsgd->bcgrd", pg, v.astype(f32)).reshape(b, c, n, -1)
+
+        return _softmax_attend(logits, values)
+
+    return map_query_chunks(chunk, chunk_size, (q, q_pos, q_seg))
+
+
+# ---------------------------------------------------------------------------------------------
+# indexer KL losses (DeepSeek-V3.2 section 2.1)
+# ---------------------------------------------------------------------------------------------
+
+def kl_from_logits(attn_logits: jax.Array, index_logits: jax.Array) -> jax.Array:
+    """Per-query ``KL(p || softmax(I))`` over the last axis, -inf marking excluded keys.
+
+    attn_logits ``[B, T, N, S]`` (scaled, masked), index_logits ``[B, T, S]`` (masked alike).
+    ``p = sum_n softmax(attn_logits[n]) / N`` is the head-summed, L1-normalised main attention
+    distribution, held under ``stop_gradient``; the gradient reaches only ``index_logits``.
+    A query with no keys gives 0. Returns ``[B, T]`` float32.
+    """
+    p = jax.nn.softmax(jnp.where(jnp.isfinite(attn_logits), attn_logits, -1e30), axis=-1)
+    p = jnp.where(jnp.isfinite(attn_logits), p, 0.0)
+    total = jnp.sum(p, axis=(-2, -1))[..., None]  # [B, T, 1]
+    p = jax.lax.stop_gradient(jnp.sum(p, axis=-2) / jnp.where(total > 0, total, 1.0))
+    live = jnp.isfinite(index_logits)
+    log_q = jax.nn.log_softmax(jnp.where(live, index_logits, -1e30), axis=-1)
+    terms = jnp.where(p > 0, p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0)
+    return jnp.sum(terms, axis=-1)
+
+
+def indexer_kl_dense(q: jax.Array, k: jax.Array, sm_scale: float, index_q: jax.Array,
+                     index_k: jax.Array, index_w: jax.Array, *, q_pos, kv_pos, q_seg, kv_seg,
+                     chunk_size: int) -> jax.Array:
+    """Dense warm-up loss per query ``[B, T]``: ``KL(p_t || softmax(I_t))`` over visible keys.
+
+    q ``[B, T, N, D]`` / k ``[B, S, G, D]`` are the main attention's queries and keys (as in
+    :func:`dense_attention`); index_q ``[B, T, J, Di]``, index_k ``[B, S, Di]``, index_w
+    ``[B, T, J]`` the indexer's. Chunked: ``[B, C, N, S]`` at a time.
+    """
+    b, t, s = q.shape[0], q.shape[1], k.shape[1]
+    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+
+    def chunk(qc, iqc, iwc, pc, sc):
+        vis = visible_mask(pc, kv_pos, sc, kv_seg)
+        attn = jnp.where(vis[:, :, None, :], _gqa_logits(qc, k) * sm_scale, -jnp.inf)
+        index = jnp.where(vis, indexer_scores(iqc, index_k, iwc), -jnp.inf)
+        return kl_from_logits(attn, index)
+
+    return map_query_chunks(chunk, chunk_size, (q, index_q, index_w, q_pos, q_seg))
+
+
+def indexer_kl_sparse(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: float,
+                      index_q: jax.Array, index_k: jax.Array, index_w: jax.Array, *,
+                      chunk_size: int) -> jax.Array:
+    """Sparse-stage loss per query ``[B, T]``: the KL restricted to the selected set ``S_t``.
+
+    q ``[B, T, N, Dk]`` / kv ``[B, S, Dk]`` as in :func:`sparse_mla_attention`; each head's
+    softmax is renormalised within ``S_t`` (Megatron ``compute_dsa_indexer_loss``, sparse mode),
+    and ``softmax(I)`` is taken over ``S_t`` too. Index keys are gathered with the same indices.
+    """
+    b, _, _, dk = q.shape
+    s, di = kv.shape[1], index_k.shape[-1]
+
+    def chunk(qc, ic, iqc, iwc):
+        c, kk = ic.shape[1], ic.shape[2]
+        valid = (ic >= 0) & (ic < s)
+        flat = jnp.where(valid, ic, 0).reshape(b, c * kk, 1)
+        rows = jnp.take_along_axis(kv, flat, axis=1).reshape(b, c, kk, dk)
+        ik = jnp.take_along_axis(index_k, flat, axis=1).reshape(b, c, kk, di)
+        attn = jnp.einsum("bcnd,bckd->bcnk", qc.astype(f32), rows.astype(f32)) * sm_scale
+        attn = jnp.where(valid[:, :, None, :], attn, -jnp.inf)
+        dots = jnp.einsum("bcjd,bckd->bcjk", iqc.astype(f32), ik.astype(f32))
+        index = jnp.einsum("bcj,bcjk->bck", iwc.astype(f32), jax.nn.relu(dots))
+        return kl_from_logits(attn, jnp.where(valid, index, -jnp.inf))
+
+    return map_query_chunks(chunk, chunk_size, (q, indices, index_q, index_w))
