@@ -1,0 +1,318 @@
+"""Gated DSA layer: MLA + lightning indexer + top-k sparse attention + sigmoid output gate.
+
+``GatedDSA`` holds the parameters (named as in the Hugging Face checkpoint, ``kimi_k3.md`` 2 and
+``dsa.md`` 1.3) and calls the pure maths in ``kdsa.model.dsa`` and ``kdsa.model.rope``:
+
+* query: ``c_q = q_a_layernorm(q_a_proj(x))``, ``q = q_b_proj(c_q)`` (or ``q_proj(x)`` without
+  ``q_lora_rank``), per head ``[nope ; rope]``; KV: ``kv_a_proj_with_mqa(x) = [c_kv ; k_pe]``,
+  ``c_kv`` RMS-normed, ``kv_b_proj(c_kv)`` per head ``[k_nope ; v]``. Interleaved RoPE on
+  ``q_pe`` / ``k_pe`` unless ``mla_use_nope``. Softmax scale :func:`mla_softmax_scale`.
+* indexer (``index_topk`` set): :class:`LightningIndexer`; top-k over visible keys; attention over
+  the selected keys only (:func:`sparse_mla_attention`, absorbed form).
+* gate: ``o_h *= sigmoid(g_proj(x))_h`` (float32, elementwise per head, Gated Attention G1,
+  arXiv 2505.06708), then ``o_proj``. ``x`` is the already-normed layer input.
+
+Paths. Without a cache (training, full forward) keys are visible in token order within a row and
+within a segment (``segment_ids``, 0 = padding). Dense attention (no indexer, or the dense
+warm-up) uses MLA's MHA form (``kv_b_proj`` expanded, cheaper in training); sparse attention uses
+the absorbed form (``W_UK`` folded into the query, one 576-d key shared by all heads, ``W_UV``
+after attention). With a cache (prefill and decode) new tokens are written at their
+``positions`` and every query reads slots ``<= its position``, always in absorbed form.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from kdsa.model.config import ModelConfig
+from kdsa.model.dsa import (dense_attention, indexer_kl_dense, indexer_kl_sparse, indexer_topk,
+                            sparse_mla_attention)
+from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
+from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
+
+INDEXER_LOSSES = ("none", "dense", "sparse")
+f32 = jnp.float32
+
+
+@struct.dataclass
+class DSACache:
+    """Per-layer decode cache, compute dtype. Slot ``s`` holds the token at position ``s``.
+
+    kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
+    RoPE; unrotated with NoPE), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``
+    without an indexer).
+    """
+
+    kv_latent: jax.Array
+    k_rope: jax.Array
+    index_keys: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.kv_latent.shape[1]
+
+
+def _index_dim(config: ModelConfig) -> int:
+    return config.index_head_dim if config.use_indexer else 0
+
+
+def init_dsa_cache(config: ModelConfig, batch_size: int, max_len: int) -> DSACache:
+    """A zero cache for ``batch_size`` rows of ``max_len`` slots."""
+    if batch_size < 1 or max_len < 1:
+        raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+    dt = dtype_of(config.compute_dtype)
+    zeros = lambda d: jnp.zeros((batch_size, max_len, d), dt)  # noqa: E731
+    return DSACache(kv_latent=zeros(config.kv_lora_rank), k_rope=zeros(config.qk_rope_head_dim),
+                    index_keys=zeros(_index_dim(config)))
+
+
+def dsa_cache_bytes_per_token(config: ModelConfig) -> int:
+    """Cache bytes per token per layer: ``(kv_lora + rope + Di) * itemsize`` (K3 bf16: 1408)."""
+    width = config.kv_lora_rank + config.qk_rope_head_dim + _index_dim(config)
+    return width * jnp.dtype(dtype_of(config.compute_dtype)).itemsize
+
+
+def _rope_dim(config: ModelConfig) -> int:
+    return 0 if config.mla_use_nope else config.qk_rope_head_dim
+
+
+class LightningIndexer(nnx.Module):
+    """DeepSeek-V3.2 lightning indexer (``dsa.md`` 1.3), without the FP8/Hadamard deployment.
+
+    ``wq_b``: ``c_q`` (or x when ``q_lora_rank is None``) -> J x Di queries; ``wk``: x -> one Di
+    key per token, then ``k_norm`` (LayerNorm, eps 1e-6); half-split RoPE on the first
+    ``qk_rope_head_dim`` dims (none with NoPE); ``weights_proj`` in float32, times
+    ``J**-0.5 * Di**-0.5``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, j, di = config.hidden_size, config.index_n_heads, config.index_head_dim
+        q_in, q_axis = ((config.q_lora_rank, "q_lora") if config.q_lora_rank is not None
+                        else (d, "embed"))
+        pd, cd = dtype_of(config.param_dtype), dtype_of(config.compute_dtype)
+        self.wq_b = Linear(q_in, j * di, axes=(q_axis, "index_heads"), rngs=rngs,
+                           param_dtype=pd, compute_dtype=cd)
+        self.wk = Linear(d, di, axes=("embed", None), rngs=rngs, param_dtype=pd, compute_dtype=cd)
+        self.k_norm = LayerNorm(di, eps=1e-6, param_dtype=pd)
+        self.weights_proj = Linear(d, j, axes=("embed", None), rngs=rngs, param_dtype=pd,
+                                   compute_dtype=f32)
+
+    def __call__(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array):
+        """x ``[B, T, D]``, q_latent ``[B, T, q_lora | D]`` -> q ``[B, T, J, Di]``,
+        k ``[B, T, Di]``, weights ``[B, T, J]`` (float32)."""
+        c = self.config
+        b, t, _ = x.shape
+        j, di, r = c.index_n_heads, c.index_head_dim, _rope_dim(c)
+        q = self.wq_b(q_latent).reshape(b, t, j, di)
+        k = self.k_norm(self.wk(x))
+        if r:
+            inv_freq = rope_inv_freq(r, c.rope_theta, c.rope_scaling)
+            q = jnp.concatenate([rope_half_split(q[..., :r], positions, inv_freq), q[..., r:]], -1)
+            k = jnp.concatenate([rope_half_split(k[..., :r], positions, inv_freq), k[..., r:]], -1)
+        w = self.weights_proj(x) * (j ** -0.5 * di ** -0.5)
+        return q, k, w
+
+
+class GatedDSA(nnx.Module):
+    """Gated (sparse) MLA mixer; see the module docstring. ``indexer`` is None for dense MLA."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        d, n, r = c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim
+        lin = functools.partial(Linear, rngs=rngs, param_dtype=dtype_of(c.param_dtype),
+                                compute_dtype=dtype_of(c.compute_dtype))
+        norm = functools.partial(RMSNorm, eps=c.rms_norm_eps, param_dtype=dtype_of(c.param_dtype))
+        if c.q_lora_rank is not None:
+            self.q_a_proj = lin(d, c.q_lora_rank, axes=("embed", "q_lora"))
+            self.q_a_layernorm = norm(c.q_lora_rank)
+            self.q_b_proj = lin(c.q_lora_rank, n * c.qk_head_dim, axes=("q_lora", "heads"))
+        else:
+            self.q_proj = lin(d, n * c.qk_head_dim, axes=("embed", "heads"))
+        self.kv_a_proj_with_mqa = lin(d, c.kv_lora_rank + r, axes=("embed", None))
+        self.kv_a_layernorm = norm(c.kv_lora_rank)
+        self.kv_b_proj = lin(c.kv_lora_rank, n * (c.qk_nope_head_dim + c.v_head_dim),
+                             axes=("kv_lora", "heads"))
+        self.g_proj = (lin(d, n * c.v_head_dim, axes=("embed", "heads"))
+                       if c.mla_use_output_gate else None)
+        self.o_proj = lin(n * c.v_head_dim, d, axes=("heads", "embed"))
+        self.indexer = LightningIndexer(c, rngs=rngs) if c.use_indexer else None
+
+    # ---- the call ----
+    def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
+                 cache: DSACache | None = None, indexer_loss: str = "none"):
+        """x ``[B, T, D]``, positions ``[B, T]`` int -> (y ``[B, T, D]``, cache, aux).
+
+        ``aux = {"indexer_kl": f32 scalar}``, the mean over valid queries of the indexer KL of
+        ``indexer_loss`` ("dense": full visible set, dense attention; "sparse": the selected set,
+        top-k attention); 0 for "none" or without an indexer. Both losses read the indexer on
+        stop-gradient inputs and a stop-gradient target, so their gradient reaches only indexer
+        parameters; the output never depends differentiably on the indexer.
+        """
+        self._check(x, positions, segment_ids, cache, indexer_loss)
+        q_nope, q_pe, q_latent = self._queries(x, positions)
+        c_kv, k_pe = self._latent_kv(x, positions)
+        if cache is None:
+            o, kl = self._attend_sequence(x, q_latent, q_nope, q_pe, c_kv, k_pe, positions,
+                                          segment_ids, indexer_loss)
+        else:
+            o, cache = self._attend_cache(x, q_latent, q_nope, q_pe, c_kv, k_pe, positions,
+                                          segment_ids, cache)
+            kl = jnp.zeros((), f32)
+        return self._gate_and_project(x, o), cache, {"indexer_kl": kl}
+
+    # ---- projections ----
+    def _queries(self, x, positions):
+        """q_nope ``[B, T, N, nope]``, q_pe ``[B, T, N, rope]``, q_latent (c_q, or x)."""
+        c = self.config
+        b, t, _ = x.shape
+        if c.q_lora_rank is not None:
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_latent)
+        else:
+            q_latent, q = x, self.q_proj(x)
+        q = q.reshape(b, t, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        if _rope_dim(c):
+            q_pe = rope_interleaved(q_pe, positions, self._inv_freq())
+        return q_nope, q_pe, q_latent
+
+    def _latent_kv(self, x, positions):
+        """c_kv ``[B, T, kv_lora]`` (normed), k_pe ``[B, T, rope]`` (RoPE'd unless NoPE)."""
+        c = self.config
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = self.kv_a_layernorm(kv[..., :c.kv_lora_rank]), kv[..., c.kv_lora_rank:]
+        if _rope_dim(c):
+            k_pe = rope_interleaved(k_pe, positions, self._inv_freq())
+        return c_kv, k_pe
+
+    def _inv_freq(self):
+        c = self.config
+        return rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+
+    def _kv_b(self):
+        """``W_UK [kv_lora, N, nope]``, ``W_UV [kv_lora, N, v]`` from ``kv_b_proj``."""
+        c = self.config
+        w = self.kv_b_proj.kernel[...].astype(dtype_of(c.compute_dtype))
+        w = w.reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+
+    def _absorb(self, q_nope, q_pe):
+        """Absorbed queries ``[B, T, N, kv_lora + rope]``: ``[q_nope @ W_UK^T ; q_pe]``."""
+        w_uk, _ = self._kv_b()
+        q_lat = jnp.einsum("btnh,cnh->btnc", q_nope, w_uk)
+        return jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+
+    def _unabsorb(self, o_lat):
+        """``[B, T, N, kv_lora]`` latent outputs -> ``[B, T, N, v]`` through ``W_UV``."""
+        _, w_uv = self._kv_b()
+        return jnp.einsum("btnc,cnd->btnd", o_lat.astype(w_uv.dtype), w_uv)
+
+    def _gate_and_project(self, x, o):
+        """``o_proj(o * sigmoid(g_proj(x)))``; o ``[B, T, N, v]``."""
+        b, t, n, v = o.shape
+        o = o.astype(f32)
+        if self.g_proj is not None:
+            o = o * jax.nn.sigmoid(self.g_proj(x).astype(f32)).reshape(b, t, n, v)
+        return self.o_proj(o.reshape(b, t, n * v).astype(dtype_of(self.config.compute_dtype)))
+
+    # ---- attention without a cache ----
+    def _attend_sequence(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
+                         indexer_loss):
+        c = self.config
+        b, t, n, _ = q_nope.shape
+        scale, chunk = mla_softmax_scale(c), c.dsa_query_chunk_size
+        order = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+        vis = dict(q_pos=order, kv_pos=order, q_seg=seg, kv_seg=seg, chunk_size=chunk)
+        kl_t = None
+        if self.indexer is None or indexer_loss == "dense":  # dense causal, MHA form
+            kv = self.kv_b_proj(c_kv).reshape(b, t, n, c.qk_nope_head_dim + c.v_head_dim)
+            k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+            k_pe_h = jnp.broadcast_to(k_pe[:, :, None, :], (b, t, n, k_pe.shape[-1]))
+            q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, T, N, nope + rope]
+            k = jnp.concatenate([k_nope, k_pe_h.astype(k_nope.dtype)], axis=-1)
+            o, _ = dense_attention(q, k, v, scale, **vis)
+            if self.indexer is not None:  # dense warm-up loss
+                iq, ik, iw = self.indexer(*_detached(x, q_latent), positions)
+                kl_t = indexer_kl_dense(q, k, scale, iq, ik, iw, **vis)
+        else:  # top-k sparse, absorbed form
+            detach = indexer_loss == "sparse"
+            iq, ik, iw = self.indexer(*(_detached(x, q_latent) if detach else (x, q_latent)),
+                                      positions)
+            idx = indexer_topk(iq, ik, iw, c.index_topk, **vis)  # [B, T, K]
+            q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
+            kv = jnp.concatenate([c_kv, k_pe.astype(c_kv.dtype)], axis=-1)  # [B, T, kv_lora + rope]
+            o_lat, _ = sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank, chunk_size=chunk)
+            o = self._unabsorb(o_lat)
+            if detach:
+                kl_t = indexer_kl_sparse(q_abs, kv, idx, scale, iq, ik, iw, chunk_size=chunk)
+        if kl_t is None:
+            return o, jnp.zeros((), f32)
+        valid = (seg != 0).astype(f32)
+        return o, jnp.sum(kl_t * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+
+    # ---- attention over a cache ----
+    def _attend_cache(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids, cache):
+        c = self.config
+        b, t = positions.shape
+        big = cache.max_len
+        rows = jnp.arange(b)[:, None]
+        # padding tokens (segment 0) are not written; positions >= max_len are dropped too
+        if segment_ids is None:
+            write, q_seg = positions, jnp.ones((b, t), jnp.int32)
+        else:
+            write, q_seg = jnp.where(segment_ids != 0, positions, big), (segment_ids != 0)
+            q_seg = q_seg.astype(jnp.int32)
+        put = lambda buf, new: buf.at[rows, write].set(new.astype(buf.dtype), mode="drop")  # noqa
+        kv_latent, k_rope = put(cache.kv_latent, c_kv), put(cache.k_rope, k_pe)
+        index_keys = cache.index_keys
+        vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(big, dtype=jnp.int32),
+                                                             (b, big)),
+                   q_seg=q_seg, kv_seg=jnp.ones((b, big), jnp.int32),
+                   chunk_size=c.dsa_query_chunk_size)
+        scale = mla_softmax_scale(c)
+        q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
+        kv = jnp.concatenate([kv_latent, k_rope], axis=-1)  # [B, L, kv_lora + rope]
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer(x, q_latent, positions)
+            index_keys = put(index_keys, ik)
+            idx = indexer_topk(iq, index_keys, iw, c.index_topk, **vis)
+            o_lat, _ = sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
+                                            chunk_size=c.dsa_query_chunk_size)
+        else:
+            o_lat, _ = dense_attention(q_abs, kv[:, :, None, :], kv[:, :, None, :c.kv_lora_rank],
+                                       scale, **vis)
+        new_cache = DSACache(kv_latent=kv_latent, k_rope=k_rope, index_keys=index_keys)
+        return self._unabsorb(o_lat), new_cache
+
+    # ---- input checks ----
+    def _check(self, x, positions, segment_ids, cache, indexer_loss):
+        c = self.config
+        if indexer_loss not in INDEXER_LOSSES:
+            raise ValueError(f"indexer_loss must be one of {INDEXER_LOSSES}, got {indexer_loss!r}")
+        if x.ndim != 3 or x.shape[-1] != c.hidden_size:
+            raise ValueError(f"x must be [B, T, hidden_size={c.hidden_size}], got {x.shape}")
+        if positions.shape != x.shape[:2] or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(f"positions must be integer [B, T] = {x.shape[:2]}, got "
+                             f"{positions.dtype}{list(positions.shape)}")
+        if segment_ids is not None and segment_ids.shape != x.shape[:2]:
+            raise ValueError(f"segment_ids must be [B, T] = {x.shape[:2]}, got {segment_ids.shape}")
+        if cache is None:
+            return
+        if indexer_loss != "none":
+            raise ValueError(f"indexer_loss={indexer_loss!r} is for training without a cache")
+        want = (x.shape[0], cache.max_len)
+        for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", c.qk_rope_head_dim),
+                        ("index_keys", _index_dim(c))):
+            if getattr(cache, name).shape != want + (d,):
+                raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
+                                 f"{want + (d,)} (batch {x.shape[0]})")
+
+
+def _detached(x, q_latent):
+    return jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
