@@ -231,20 +231,25 @@ def assert_route_matches(c, x, w, bias):
     return idx, wt
 
 
-@pytest.mark.parametrize("name,changes", [
-    ("plain_top_k_one_group", dict()),
+@pytest.mark.parametrize("name,changes,bias_shift", [
+    ("plain_top_k_one_group", dict(), 0.0),
     ("groups_4_keep_2", dict(num_experts=16, num_expert_group=4, topk_group=2,
-                             num_experts_per_token=3)),
+                             num_experts_per_token=3), 0.0),
+    ("groups_4_keep_2_negative_bias", dict(num_experts=16, num_expert_group=4, topk_group=2,
+                                           num_experts_per_token=3), -2.0),
     ("groups_8_keep_3_softmax", dict(num_experts=16, num_expert_group=8, topk_group=3,
-                                     num_experts_per_token=4, moe_router_activation_func="softmax")),
+                                     num_experts_per_token=4,
+                                     moe_router_activation_func="softmax"), 0.0),
     ("greedy_ignores_groups", dict(num_experts=16, num_expert_group=4, topk_group=1,
-                                   use_grouped_topk=False, num_experts_per_token=4)),
+                                   use_grouped_topk=False, num_experts_per_token=4), 0.0),
     ("softmax_unnormalised_scaled", dict(moe_router_activation_func="softmax",
-                                         moe_renormalize=False, routed_scaling_factor=2.446)),
+                                         moe_renormalize=False, routed_scaling_factor=2.446), 0.0),
 ])
-def test_route_matches_bruteforce(name, changes):
+def test_route_matches_bruteforce(name, changes, bias_shift):
+    """``bias_shift`` < -1 makes every biased score negative: masked groups must lose anyway."""
     c = TINY.replace(**changes)
-    assert_route_matches(c, *router_inputs(c))
+    x, w, bias = router_inputs(c)
+    assert_route_matches(c, x, w, bias + np.float32(bias_shift))
 
 
 def test_bias_chooses_but_weights_come_from_unbiased_scores():
