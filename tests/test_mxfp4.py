@@ -120,7 +120,8 @@ def test_quantize_matches_reference(rule):
 
 def test_round_to_nearest_even_and_saturation():
     # floor rule with amax 7 -> shared exponent 0 (X = 1): elements are the grid itself
-    vals = np.array([7.0, 2.5, 5.0, 0.25, 0.75, 1.25, 3.5, -2.5, -0.25, 5.5, 0.26, 1.75], np.float32)
+    vals = np.array([7.0, 2.5, 5.0, 0.25, 0.75, 1.25, 3.5, -2.5, -0.25, 5.5, 0.26, 1.75],
+                    np.float32)
     x = np.zeros(32, np.float32)
     x[:vals.size] = vals
     b, s = quant(jnp.asarray(x), "floor")
