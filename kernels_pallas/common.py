@@ -59,11 +59,12 @@ class BlockSizes:
 
 # Defaults and minimums. GPU (Pallas Triton): every loaded tile must have a power-of-two size and
 # tl.dot needs M, N, K >= 16, so block_m >= 16 and block_k / 2 >= 16; decode (M <= 16) is weight
-# bandwidth bound, so one 16-row tile and wide N tiles. TPU (Mosaic): lanes are N (multiples of
-# 128), int8 scale rows come in sublane tiles of 32, so block_k = 1024 (32 scale rows per step).
-# CPU: small tiles that exercise the multi-tile paths in interpret mode.
+# bandwidth bound, so one 16-row tile, and N tiles of 64 give N/64 programs (112 for N = 7168) to
+# fill the SMs (untuned: no GPU was available when this was written). TPU (Mosaic): lanes are N
+# (multiples of 128), int8 scale rows come in sublane tiles of 32, so block_k = 1024 (32 scale
+# rows per step). CPU: small tiles that exercise the multi-tile paths in interpret mode.
 _DEFAULTS = {
-    "gpu": BlockSizes(block_m=16, block_n=128, block_k=256),
+    "gpu": BlockSizes(block_m=16, block_n=64, block_k=256),
     "tpu": BlockSizes(block_m=16, block_n=256, block_k=1024),
     "cpu": BlockSizes(block_m=16, block_n=128, block_k=256),
 }

@@ -254,3 +254,11 @@ def test_kernels_lower_for_triton_and_mosaic(platform):
             x, wg, g, interpret=False, platform=platform), x, platform)
         target = "triton" if platform == "gpu" else "tpu_custom_call"
         assert target in dense.mlir_module() and target in grouped.mlir_module()
+
+
+def test_empty_inputs():
+    rng = np.random.default_rng(13)
+    blocks, scales = exact_weight(rng, (3, 16), 64)
+    assert mxfp4_matmul(jnp.zeros((0, 64)), blocks[0], scales[0]).shape == (0, 16)
+    y = mxfp4_grouped_matmul(jnp.zeros((0, 64)), blocks, scales, jnp.zeros((3,), jnp.int32))
+    assert y.shape == (0, 16)

@@ -189,6 +189,8 @@ def mxfp4_matmul_prepared(x: jax.Array, w: MXFP4Weights, *, interpret: bool | No
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.k)                                                   # [M, K]
     m = x2.shape[0]
+    if m == 0:
+        return jnp.zeros((*lead, w.n), jnp.float32)
     kp, np_ = w.packed.shape[0] * 2, w.packed.shape[1]
     bm = _block_m(m, block_m, platform)
     mp = common.round_up(m, bm)
@@ -256,6 +258,8 @@ def mxfp4_grouped_matmul_prepared(x_sorted: jax.Array, w: MXFP4Weights, group_si
     kp = kp2 * 2
     m = x_sorted.shape[0]
     check_group_sizes(group_sizes, e, m, "mxfp4_grouped_matmul")
+    if m == 0:
+        return jnp.zeros((0, w.n), jnp.float32)
     bm = _block_m(max(1, m // e), block_m, platform)
     num_tiles = -(-m // bm) + min(e, m)
     tile_expert, tile_valid, src, dest, row_valid = group_tiles(group_sizes, m, bm, num_tiles)
