@@ -267,6 +267,26 @@ def test_sparse_attention_gradients_match_dense_reference():
     assert np.all(np.asarray(gs[0])[0, 3] == 0)  # the empty row gets no gradient
 
 
+def test_key_parts_equal_one_array():
+    """kv given as (latent, rope) parts (the cache layout) == the concatenated array."""
+    q, kv, idx, scale, v = _sparse_case()
+    whole = dsa.sparse_mla_attention(q, kv, idx, scale, v, chunk_size=4)
+    split = dsa.sparse_mla_attention(q, (kv[..., :9], kv[..., 9:]), idx, scale, v, chunk_size=4)
+    for a, b in zip(whole, split):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    pos, seg = _causal_packed(2, 11)
+    kv11 = kv[:, :11, None]
+    vis = dict(q_pos=pos, kv_pos=pos, q_seg=seg, kv_seg=seg, chunk_size=4)
+    whole = dsa.dense_attention(q, kv11, kv11[..., :v], scale, **vis)
+    split = dsa.dense_attention(q, (kv11[..., :9], kv11[..., 9:]), kv11[..., :v], scale, **vis)
+    for a, b in zip(whole, split):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="add up to"):
+        dsa.sparse_mla_attention(q, (kv[..., :9], kv[..., 10:]), idx, scale, v)
+    with pytest.raises(ValueError, match="add up to"):
+        dsa.dense_attention(q, (kv11[..., :9],), kv11[..., :v], scale, **vis)
+
+
 def test_sparse_attention_rejects_bad_shapes():
     q, kv, idx, scale, v = _sparse_case()
     with pytest.raises(ValueError, match="kv must be"):

@@ -31,9 +31,10 @@ B, T = 2, 24  # T > topk and > one query chunk
 
 @functools.cache
 def _graphdef(cfg):
-    return nnx.split(GatedDSA(cfg, rngs=nnx.Rngs(0)))[0]
+    return nnx.split(nnx.eval_shape(lambda: GatedDSA(cfg, rngs=nnx.Rngs(0))))[0]
 
 
+@functools.cache
 def make_state(cfg, seed=0):
     """Parameters with every norm weight/bias perturbed (so a misused norm shows)."""
     state = nnx.state(GatedDSA(cfg, rngs=nnx.Rngs(seed)))
@@ -172,8 +173,9 @@ def np_kl(logits, score, mask, seg):
 # ---------------------------------------------------------------------------------------------
 
 def test_parameter_names_shapes_axes():
-    shapes = {"/".join(str(k) for k in path): (v[...].shape, v.axes)
-              for path, v in nnx.to_flat_state(nnx.state(GatedDSA(TINY, rngs=nnx.Rngs(0))))}
+    abstract = nnx.eval_shape(lambda: GatedDSA(TINY, rngs=nnx.Rngs(0)))
+    shapes = {"/".join(str(k) for k in path): (v.get_value().shape, v.axes)
+              for path, v in nnx.to_flat_state(nnx.state(abstract))}
     assert shapes == {
         "q_a_proj/kernel": ((64, 32), ("embed", "q_lora")),
         "q_a_layernorm/weight": ((32,), (None,)),
@@ -189,9 +191,9 @@ def test_parameter_names_shapes_axes():
         "indexer/k_norm/bias": ((16,), (None,)),
         "indexer/weights_proj/kernel": ((64, 4), ("embed", None)),
     }
+    no_lora_dense = NOLORA.replace(index_topk=None, index_n_heads=None, index_head_dim=None)
     names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(
-        GatedDSA(NOLORA.replace(index_topk=None, index_n_heads=None, index_head_dim=None),
-                 rngs=nnx.Rngs(0))))}
+        nnx.eval_shape(lambda: GatedDSA(no_lora_dense, rngs=nnx.Rngs(0)))))}
     assert names == {"q_proj/kernel", "kv_a_proj_with_mqa/kernel", "kv_a_layernorm/weight",
                      "kv_b_proj/kernel", "o_proj/kernel"}
 
@@ -226,7 +228,7 @@ def test_indexer_losses_match_numpy_reference(loss):
 def test_short_sequence_equals_dense_mla():
     """T <= index_topk: every visible token is selected, so Gated DSA == dense gated MLA."""
     state = make_state(TINY)
-    dense_state = nnx.state(GatedDSA(DENSE, rngs=nnx.Rngs(0)))
+    dense_state = nnx.state(nnx.eval_shape(lambda: GatedDSA(DENSE, rngs=nnx.Rngs(0))))
     shared = {k: v for k, v in nnx.to_pure_dict(state).items() if k != "indexer"}
     nnx.replace_by_pure_dict(dense_state, shared)
     x, pos = inputs(t=8)
@@ -294,8 +296,8 @@ def test_packed_segments_equal_separate_documents():
 def test_loss_gradients_reach_only_intended_parameters(loss):
     gd = _graphdef(TINY)
     state = make_state(TINY)
-    x, pos = inputs()
-    r = jax.random.normal(jax.random.key(9), (B, T, 64))
+    x, pos = inputs(t=12)  # > topk 8, one query chunk (the chunk loop's grads: test_dsa.py)
+    r = jax.random.normal(jax.random.key(9), (B, 12, 64))
 
     @jax.jit
     def grads(state, x):
