@@ -1,0 +1,170 @@
+"""Gated DSA vs dense gated MLA: decode-step time by context length, prefill time by length.
+
+Tiny layer dims (the ``tiny`` preset: D 64, 4 heads, kv_lora 32, rope 8, indexer 4 x 16) with
+DeepSeek-V3.2's ``index_topk`` 2048, on whatever device JAX picks (CPU here). Measured side by
+side in one run:
+
+* decode: one layer step (T = 1, query at the last position of a full cache of L slots, the
+  cache donated so it is written in place), Gated DSA vs the same layer with
+  ``index_topk=None``; and its parts: indexer top-k over L keys,
+  sparse attention over the K selected keys, dense attention over L keys. The sparse part stays
+  flat past K; the indexer grows linearly with L (``dsa.md`` 6).
+* prefill: the cache prefill of L tokens (absorbed form), DSA vs dense.
+
+Prints ratios dense / DSA (> 1: DSA faster) and writes bench/results/dsa.json.
+
+    .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdsa.model.config import get_preset  # noqa: E402
+from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
+from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
+
+
+def seconds(fn, *args, reps: int) -> float:
+    """Median wall time of ``fn(*args)`` after one compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_seconds(step, state, x, positions, cache, reps: int) -> float:
+    """Median time of one decode step, the (donated) cache threaded from step to step."""
+    y, cache = step(state, x, positions, cache)
+    jax.block_until_ready(y)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        y, cache = step(state, x, positions, cache)
+        jax.block_until_ready(y)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def layer_fn(cfg, donate: bool):
+    """Jitted layer call ``(state, x, positions, cache) -> (y, cache)``; donating the cache lets
+    decode write it in place, as a server would."""
+    graphdef, state = nnx.split(GatedDSA(cfg, rngs=nnx.Rngs(0)))
+
+    def step(state, x, positions, cache):
+        return nnx.merge(graphdef, state)(x, positions=positions, cache=cache)[:2]
+
+    return jax.jit(step, donate_argnums=(3,) if donate else ()), state
+
+
+def filled_cache(cfg, b: int, length: int):
+    c = init_dsa_cache(cfg, b, length)
+    ks = jax.random.split(jax.random.key(1), 3)
+    fill = lambda k, a: jax.random.normal(k, a.shape, a.dtype)  # noqa: E731
+    return type(c)(kv_latent=fill(ks[0], c.kv_latent), k_rope=fill(ks[1], c.k_rope),
+                   index_keys=fill(ks[2], c.index_keys))
+
+
+def decode_parts(cfg, b: int, length: int, reps: int) -> dict:
+    """The three attention-side parts of one decode step, on random inputs."""
+    n, dk, v = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    j, di = cfg.index_n_heads, cfg.index_head_dim
+    ks = jax.random.split(jax.random.key(2), 5)
+    q = jax.random.normal(ks[0], (b, 1, n, dk))
+    kv = jax.random.normal(ks[1], (b, length, dk))
+    iq, ik = jax.random.normal(ks[2], (b, 1, j, di)), jax.random.normal(ks[3], (b, length, di))
+    iw = jax.random.normal(ks[4], (b, 1, j))
+    vis = dict(q_pos=jnp.full((b, 1), length - 1, jnp.int32),
+               kv_pos=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)),
+               q_seg=jnp.ones((b, 1), jnp.int32), kv_seg=jnp.ones((b, length), jnp.int32),
+               chunk_size=1)
+    topk = jax.jit(lambda iq, ik, iw: indexer_topk(iq, ik, iw, cfg.index_topk, **vis))
+    idx = topk(iq, ik, iw)
+    scale = dk ** -0.5
+    sparse = jax.jit(lambda q, kv, idx: sparse_mla_attention(q, kv, idx, scale, v, chunk_size=1))
+    dense = jax.jit(lambda q, kv: dense_attention(q, kv[:, :, None], kv[:, :, None, :v], scale,
+                                                  **vis))
+    return {"indexer_topk_ms": 1e3 * seconds(topk, iq, ik, iw, reps=reps),
+            "sparse_attention_ms": 1e3 * seconds(sparse, q, kv, idx, reps=reps),
+            "dense_attention_ms": 1e3 * seconds(dense, q, kv, reps=reps)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer lengths and repetitions")
+    p.add_argument("--topk", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    args = p.parse_args()
+    reps = 5 if args.quick else 20
+    contexts = [4096, 16384] if args.quick else [4096, 16384, 65536]
+    prefills = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
+    dsa_cfg = get_preset("tiny").replace(index_topk=args.topk, dsa_query_chunk_size=256)
+    dense_cfg = dsa_cfg.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
+    cfgs = {"dsa": dsa_cfg, "dense": dense_cfg}
+    decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
+    prefillers = {name: layer_fn(cfg, donate=False) for name, cfg in cfgs.items()}
+    b = args.batch
+    x = jax.random.normal(jax.random.key(0), (b, 1, dsa_cfg.hidden_size))
+
+    decode = []
+    for length in contexts:
+        row = {"context": length}
+        pos = jnp.full((b, 1), length - 1, jnp.int32)
+        for name, (step, state) in decoders.items():
+            cache = filled_cache(cfgs[name], b, length)
+            row[f"{name}_step_ms"] = 1e3 * decode_seconds(step, state, x, pos, cache, reps=reps)
+        row.update(decode_parts(dsa_cfg, b, length, reps))
+        row["step_ratio_dense_over_dsa"] = row["dense_step_ms"] / row["dsa_step_ms"]
+        row["attention_ratio_dense_over_sparse"] = (row["dense_attention_ms"]
+                                                    / row["sparse_attention_ms"])
+        decode.append(row)
+        print(f"decode L={length:>6}: step dsa {row['dsa_step_ms']:8.3f} ms, dense "
+              f"{row['dense_step_ms']:8.3f} ms, dense/dsa {row['step_ratio_dense_over_dsa']:5.2f}x"
+              f" | parts: indexer {row['indexer_topk_ms']:7.3f} ms, sparse attn "
+              f"{row['sparse_attention_ms']:7.3f} ms, dense attn {row['dense_attention_ms']:7.3f}"
+              f" ms", flush=True)
+
+    prefill = []
+    for length in prefills:
+        row = {"length": length}
+        xs = jax.random.normal(jax.random.key(3), (1, length, dsa_cfg.hidden_size))
+        pos = jnp.arange(length, dtype=jnp.int32)[None]
+        for name, (step, state) in prefillers.items():
+            cache = init_dsa_cache(cfgs[name], 1, length)
+            row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
+        row["ratio_dense_over_dsa"] = row["dense_ms"] / row["dsa_ms"]
+        prefill.append(row)
+        print(f"prefill T={length:>5}: dsa {row['dsa_ms']:9.2f} ms, dense "
+              f"{row['dense_ms']:9.2f} ms, dense/dsa {row['ratio_dense_over_dsa']:5.2f}x", flush=True)
+
+    first, last = decode[0], decode[-1]
+    growth = {part: last[part] / first[part]
+              for part in ("indexer_topk_ms", "sparse_attention_ms", "dense_attention_ms",
+                           "dsa_step_ms", "dense_step_ms")}
+    print(f"growth {first['context']} -> {last['context']} ({last['context'] // first['context']}x"
+          " context): " + ", ".join(f"{k[:-3]} {v:.2f}x" for k, v in growth.items()))
+    result = {"device": str(jax.devices()[0]), "quick": args.quick, "batch": b,
+              "index_topk": args.topk, "config": "tiny (D 64, N 4, kv_lora 32, rope 8, J 4, Di 16)",
+              "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
+    out = Path(__file__).parent / "results" / "dsa.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
