@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kdsa.cli import forward_cmd, params_cmd
+from kdsa.cli import forward_cmd, launch_local, params_cmd
+from kdsa.sharding.distributed import JoinError, initialize
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kdsa", description="kdsa: Kimi K3 successor (KDA + Gated DSA MoE) in JAX")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (params_cmd, forward_cmd):
+    for mod in (params_cmd, forward_cmd, launch_local):
         mod.register(sub)
     return p
 
@@ -20,8 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command != "launch-local":
+            initialize()  # joins a multi-process job when one is configured; else nothing
         return int(args.run(args) or 0)
-    except ValueError as e:  # config and input errors: one clear line, non-zero exit
+    except (ValueError, JoinError) as e:  # config and input errors: one clear line, non-zero exit
         print(f"kdsa {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -82,7 +82,7 @@ def count_params(config: ModelConfig, preset: str = "custom") -> ParamReport:
         return config.mixer_kinds[start + path[3]]
 
     comps = {c: 0 for c in COMPONENTS}
-    for path, var in nnx.state(model, nnx.Variable).flat_state():
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
         comps[_component(path, mixer_of_layer)] += math.prod(var.shape)
     total = sum(comps.values())
     frac = config.num_experts_per_token / config.num_experts if config.num_experts else 0.0

@@ -1,0 +1,78 @@
+"""Multi-host start-up: ``initialize()`` from flags or environment, with a clear timeout.
+
+Every host of a job runs the same command. The coordinator address, process count and this
+process's id come from arguments, else from ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` /
+``KDSA_PROCESS_ID`` (set by ``kdsa launch-local``), else from JAX's cluster auto-detection
+(TPU pods, SLURM, Open MPI, ...) when ``auto=True``. A single process needs nothing.
+On CPU the cross-process collectives use gloo.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+ENV_COORDINATOR = "KDSA_COORDINATOR"
+ENV_NUM_PROCESSES = "KDSA_NUM_PROCESSES"
+ENV_PROCESS_ID = "KDSA_PROCESS_ID"
+
+_initialized = False
+
+
+class JoinError(RuntimeError):
+    """A process could not join the multi-process job (peer missing or unreachable)."""
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, timeout_s: int = 120,
+               auto: bool = False) -> bool:
+    """Join the multi-process job if one is configured. Returns True if distributed.
+
+    Raises ``ValueError`` for incomplete settings and ``JoinError`` naming the coordinator
+    and the process count when the peers do not all arrive within ``timeout_s``.
+    """
+    global _initialized
+    if _initialized:
+        return True
+    coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
+    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    given = [v is not None for v in (coordinator_address, num_processes, process_id)]
+    if not any(given):
+        if auto:
+            jax.distributed.initialize(initialization_timeout=timeout_s)
+            _initialized = True
+            return jax.process_count() > 1
+        return False
+    if not all(given):
+        raise ValueError(
+            f"multi-host settings are incomplete: coordinator={coordinator_address!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}; set all three "
+            f"(flags or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} is outside [0, num_processes={num_processes})")
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address,
+                                   num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - re-raised with the job's shape in the message
+        raise JoinError(
+            f"process {process_id} of {num_processes} could not join the job at coordinator "
+            f"{coordinator_address} within {timeout_s}s: a peer is missing or unreachable "
+            f"(every host must run the same command; process 0 hosts the coordinator). "
+            f"Cause: {e}") from e
+    _initialized = True
+    return True
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None

@@ -1,0 +1,115 @@
+"""The one table from logical axis names to mesh axes, per layout (``train``, ``generate``).
+
+Parameters carry logical names in their ``axes`` metadata (glossary in ``model/layers.py``);
+parameters stacked by the layer scan have one more leading dimension, named ``layers``.
+Activations are constrained by logical names prefixed ``act_``. A logical name maps to a tuple
+of mesh axes (sharded over their product) or ``None`` (replicated). When a dimension is not
+divisible by the mesh axes' product, or a mesh axis is already used by an earlier dimension of
+the same array, that dimension falls back to replicated; ``replicated_report`` lists the large
+parameters that end up fully replicated so such fallbacks are visible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+Rules = Mapping[str, tuple[str, ...] | None]
+
+RULES: dict[str, Rules] = {
+    # Training: FSDP over `fsdp` (weights' model dim), experts over `expert`, heads and FFN
+    # hidden over `tensor`, batch over data x fsdp x expert, sequence over `sequence`.
+    "train": {
+        "embed": ("fsdp",), "vocab": ("tensor",), "mlp": ("tensor",), "heads": ("tensor",),
+        "q_lora": None, "kv_lora": None, "index_heads": ("tensor",),
+        "experts": ("expert",), "expert_embed": ("fsdp",), "expert_mlp": ("tensor",),
+        "layers": None,
+        "act_batch": ("data", "fsdp", "expert"), "act_seq": ("sequence",), "act_embed": None,
+        "act_heads": ("tensor",), "act_vocab": ("tensor",),
+    },
+    # Generation: no FSDP (weights stay resident), experts over `expert`, heads over `tensor`,
+    # requests over data x fsdp; caches follow the batch.
+    "generate": {
+        "embed": None, "vocab": ("tensor",), "mlp": ("tensor",), "heads": ("tensor",),
+        "q_lora": None, "kv_lora": None, "index_heads": ("tensor",),
+        "experts": ("expert",), "expert_embed": None, "expert_mlp": ("tensor",),
+        "layers": None,
+        "act_batch": ("data", "fsdp"), "act_seq": None, "act_embed": None,
+        "act_heads": ("tensor",), "act_vocab": ("tensor",),
+    },
+}
+
+
+def get_rules(layout: str) -> Rules:
+    try:
+        return RULES[layout]
+    except KeyError:
+        raise ValueError(f"unknown layout {layout!r}; choose from {sorted(RULES)}") from None
+
+
+def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
+                    rules: Rules) -> P:
+    """PartitionSpec for an array of ``shape`` whose dims have logical names ``axes``."""
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {axes} do not match shape {shape}")
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(axes, shape):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        mesh_axes = tuple(a for a in (rules[name] or ()) if a not in used
+                          and mesh.shape.get(a, 1) > 1)
+        size = math.prod(mesh.shape[a] for a in mesh_axes)
+        if not mesh_axes or dim % size:
+            spec.append(None)
+            continue
+        used.update(mesh_axes)
+        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return P(*spec)
+
+
+def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:
+    """Logical axes of a parameter, with ``layers`` prepended for scan-stacked ones."""
+    axes = tuple(var.get_metadata().get("axes", (None,) * var.ndim))
+    extra = var.ndim - len(axes)
+    if extra < 0:
+        raise ValueError(f"parameter of shape {var.shape} has more axis names {axes}")
+    return ("layers",) * extra + axes
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, layout: str) -> nnx.State:
+    """A NamedSharding for every variable in ``state`` (same tree structure)."""
+    rules = get_rules(layout)
+    return jax.tree.map(
+        lambda v: NamedSharding(mesh, logical_to_spec(variable_axes(v), v.shape, mesh, rules)),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, layout: str) -> nnx.Module:
+    """Place every variable of ``model`` on ``mesh`` by the layout's rules (in place)."""
+    state = nnx.state(model)
+    shardings = state_shardings(state, mesh, layout)
+    nnx.update(model, jax.tree.map(
+        lambda v, s: v.replace(jax.device_put(v[...], s)), state, shardings,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return model
+
+
+def replicated_report(state: nnx.State, mesh: Mesh, layout: str,
+                      min_bytes: int = 1 << 20) -> list[str]:
+    """Names of parameters of at least ``min_bytes`` that the layout leaves fully replicated."""
+    rules = get_rules(layout)
+    out = []
+    for path, v in nnx.to_flat_state(state):
+        nbytes = v.size * v.dtype.itemsize
+        spec = logical_to_spec(variable_axes(v), v.shape, mesh, rules)
+        if nbytes >= min_bytes and all(s is None for s in spec):
+            out.append(f"{'/'.join(map(str, path))} {tuple(v.shape)} {nbytes / 2**20:.1f} MiB")
+    return out
