@@ -139,7 +139,7 @@ def _dt_bias_init(key, shape, dtype):
 
 
 class KDA(nnx.Module):
-    """Kimi Delta Attention mixer: ``__call__(x, *, segment_ids=None, cache=None) -> (y, cache)``."""
+    """Kimi Delta Attention mixer: ``__call__(x, *, segment_ids, cache)`` -> ``(y, cache)``."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         lac = config.linear_attn_config

@@ -157,12 +157,14 @@ def test_right_padded_batch_equals_each_row_alone():
     row0 = jnp.concatenate([x[0]] + [s[0] for s in steps])
     y_ref, conv_ref, s_ref = numpy_layer(layer, row0)
     assert err(jnp.concatenate([y[0]] + [s[0] for s in ys]), y_ref) <= 1e-4
-    assert err(cache.conv_state[0], conv_ref) <= 1e-5 and err(cache.recurrent_state[0], s_ref) <= 1e-5
+    assert err(cache.conv_state[0], conv_ref) <= 1e-5
+    assert err(cache.recurrent_state[0], s_ref) <= 1e-5
     y_ref, conv_ref, s_ref = numpy_layer(layer, x[1, :lengths[1]])
     assert err(y[1, :lengths[1]], y_ref) <= 1e-4
     assert float(jnp.max(jnp.abs(y[1, lengths[1]:]))) == 0.0 and float(
         jnp.max(jnp.abs(jnp.concatenate([s[1] for s in ys])))) == 0.0
-    assert err(cache.conv_state[1], conv_ref) <= 1e-5 and err(cache.recurrent_state[1], s_ref) <= 1e-5
+    assert err(cache.conv_state[1], conv_ref) <= 1e-5
+    assert err(cache.recurrent_state[1], s_ref) <= 1e-5
 
 
 def test_packed_documents_equal_separate_documents():
