@@ -26,7 +26,9 @@ _ACTIVATIONS = ("silu", "situ")
 _ROUTER_ACTS = ("sigmoid", "softmax")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots_saveable", "nothing_saveable")
-_IMPLS = ("xla",)  # "pallas" arrives with the kernels
+_IMPLS = ("xla",)  # attention kernels: "pallas" arrives with them
+_MOE_IMPLS = ("xla", "pallas")  # "pallas": the grouped MXFP4 kernel (expert_weight_format="mxfp4")
+_EXPERT_FORMATS = ("bf16", "mxfp4")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,6 +129,9 @@ class ModelConfig:
     dsa_query_chunk_size: int = 256
     attention_impl: str = "xla"
     moe_impl: str = "xla"
+    # routed experts: "bf16" = float weights in param_dtype; "mxfp4" = packed MXFP4 bytes (frozen)
+    expert_weight_format: str = "bf16"
+    expert_qat: bool = False  # forward through fake_quantize_mxfp4 (STE) of the float experts
 
     def __post_init__(self):
         _validate(self)
@@ -220,6 +225,7 @@ class ModelConfig:
 _OURS = frozenset({
     "param_dtype", "compute_dtype", "initializer_range", "scan_layers", "remat_policy",
     "kda_chunk_size", "dsa_query_chunk_size", "attention_impl", "moe_impl",
+    "expert_weight_format", "expert_qat",
 })
 _NULLABLE = frozenset({
     "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size", "index_n_heads",
@@ -288,7 +294,9 @@ def _validate(c: ModelConfig) -> None:
     _choice(c, "compute_dtype", _DTYPES)
     _choice(c, "remat_policy", _REMAT)
     _choice(c, "attention_impl", _IMPLS)
-    _choice(c, "moe_impl", _IMPLS)
+    _choice(c, "moe_impl", _MOE_IMPLS)
+    _choice(c, "expert_weight_format", _EXPERT_FORMATS)
+    _validate_expert_format(c)
     if c.hidden_act == "situ" and c.activation_situ_beta <= 0:
         raise ValueError(f"activation_situ_beta must be > 0, got {c.activation_situ_beta}")
     if c.activation_situ_linear_beta is not None and c.activation_situ_linear_beta <= 0:
@@ -351,6 +359,24 @@ def _validate(c: ModelConfig) -> None:
         v = getattr(c, name)
         if v is not None and not 0 <= v < c.vocab_size:
             raise ValueError(f"{name}={v} is outside the vocabulary [0, {c.vocab_size})")
+
+
+def _validate_expert_format(c: ModelConfig) -> None:
+    """MXFP4 experts / QAT: 32-element blocks along each routed expert's contracting dim."""
+    if not isinstance(c.expert_qat, bool):
+        raise ValueError(f"expert_qat must be true or false, got {c.expert_qat!r}")
+    if c.expert_qat and c.expert_weight_format != "bf16":
+        raise ValueError("expert_qat=True trains float master weights: it needs "
+                         f"expert_weight_format='bf16', got {c.expert_weight_format!r}")
+    if c.moe_impl == "pallas" and c.expert_weight_format != "mxfp4":
+        raise ValueError("moe_impl='pallas' is the grouped MXFP4 kernel: it needs "
+                         f"expert_weight_format='mxfp4', got {c.expert_weight_format!r}")
+    if c.num_experts and (c.expert_weight_format == "mxfp4" or c.expert_qat):
+        for name, v in (("expert_hidden_size", c.expert_hidden_size),
+                        ("moe_intermediate_size", c.moe_intermediate_size)):
+            if v % 32:
+                raise ValueError(f"MXFP4 experts need {name} to be a multiple of 32 (the block "
+                                 f"size along the contracting dim), got {v}")
 
 
 def get_preset(name: str) -> ModelConfig:
