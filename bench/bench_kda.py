@@ -1,0 +1,191 @@
+"""KDA: chunked throughput (forward, forward+backward) vs tokamax, and decode-step time by context.
+
+Measured side by side in one run, on the same inputs (B=1, H=4, K=V=64, float32, JAX's device):
+
+* ours: ``kdsa.model.kda.kda_chunked`` (C=64) with the K3 lower-bound gate activation
+  (``kda_layer.kda_gate``, lb=-5) in the same jit.
+* peer: tokamax's pure-JAX chunked KDA (``tokamax._src.ops.kda.api.kimi_delta_attention``,
+  ``implementation="xla_chunked"``, C=64), which requires the fused lower-bound gate, on the same
+  raw gate, ``a_log`` and ``dt_bias`` (inputs pre-transposed to its [H, B, T, K] layout).
+  If tokamax cannot be imported or run, the output and the JSON say so and no peer number exists.
+* decode: one ``KDA`` layer step (T=1, cache donated) from a cache prefilled with 1K vs 64K
+  tokens (``--quick``: 1K vs 16K). The state is constant size, so the ratio should be ~1.
+
+Prints tokens/s and ratios ours/peer (> 1: ours faster) and writes bench/results/kda.json.
+The CPU here is shared: the load average at start and end is recorded with the numbers.
+
+    .venv/bin/python bench/bench_kda.py [--quick] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdsa.model.kda import kda_chunked  # noqa: E402
+from kdsa.model.kda_layer import KDA, init_kda_cache, kda_gate  # noqa: E402
+from kdsa.model.presets import small  # noqa: E402
+
+H, K, LB = 4, 64, -5.0
+
+
+def seconds(fn, *args, reps: int) -> float:
+    """Median wall time of ``fn(*args)`` after one compile-and-warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_inputs(t: int, seed: int = 0):
+    r = np.random.default_rng(seed)
+    q, k = r.standard_normal((2, 1, t, H, K))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, raw, w = r.standard_normal((3, 1, t, H, K))
+    beta = 1.0 / (1.0 + np.exp(-r.standard_normal((1, t, H))))
+    a_log = r.uniform(-1.0, 1.0, (H,))
+    dt_bias = r.uniform(-1.0, 1.0, (H * K,))
+    return [jnp.asarray(x, jnp.float32) for x in (q, k, v, raw, beta, w, a_log, dt_bias)]
+
+
+def ours_fn(a_log, dt_bias):
+    def run(q, k, v, raw, beta):
+        g = kda_gate(raw + dt_bias.reshape(H, K), a_log, LB)
+        return kda_chunked(q, k, v, g, beta, chunk_size=64)[0]
+    return run
+
+
+def peer_fn(a_log, dt_bias):
+    from tokamax._src.ops.kda import api  # the peer, imported only here
+
+    def run(q, k, v, raw, beta):
+        o, _ = api.kimi_delta_attention(q, k, v, raw, beta, a_log=a_log, delta_time_bias=dt_bias,
+                                        use_gate_in_kernel=True, lower_bound=LB,
+                                        implementation="xla_chunked")
+        return o
+    return run
+
+
+def fwd_bwd(fn, w):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2, 3, 4)))
+
+
+def throughput(lengths, reps):
+    rows, peer_error = [], None
+    for t in lengths:
+        q, k, v, raw, beta, w, a_log, dt_bias = make_inputs(t)
+        ours = ours_fn(a_log, dt_bias)
+        row = {"T": t, "ours_fwd_tok_s": t / seconds(jax.jit(ours), q, k, v, raw, beta, reps=reps),
+               "ours_fwd_bwd_tok_s": t / seconds(fwd_bwd(ours, w), q, k, v, raw, beta, reps=reps)}
+        if peer_error is None:
+            try:
+                peer = peer_fn(a_log, dt_bias)
+                hb = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B,T,H,..] -> [H,B,T,..]
+                pargs = [hb(x) for x in (q, k, v, raw, beta)]
+                o_peer = jax.jit(peer)(*pargs)
+                o_ours = jax.jit(ours)(q, k, v, raw, beta)
+                row["max_abs_diff_vs_peer"] = float(jnp.max(jnp.abs(hb(o_ours) - o_peer)))
+                row["peer_fwd_tok_s"] = t / seconds(jax.jit(peer), *pargs, reps=reps)
+                row["peer_fwd_bwd_tok_s"] = t / seconds(fwd_bwd(peer, hb(w)), *pargs, reps=reps)
+                row["fwd_ratio_ours_over_peer"] = row["ours_fwd_tok_s"] / row["peer_fwd_tok_s"]
+                row["fwd_bwd_ratio_ours_over_peer"] = (row["ours_fwd_bwd_tok_s"]
+                                                       / row["peer_fwd_bwd_tok_s"])
+            except Exception as e:  # noqa: BLE001  the peer is optional: report why it is absent
+                peer_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        rows.append(row)
+        peer = (f"peer fwd {row['peer_fwd_tok_s']:9.0f} fwd+bwd {row['peer_fwd_bwd_tok_s']:8.0f}"
+                f" | ours/peer fwd {row['fwd_ratio_ours_over_peer']:.2f}"
+                f" fwd+bwd {row['fwd_bwd_ratio_ours_over_peer']:.2f}"
+                f" | max|do| {row['max_abs_diff_vs_peer']:.1e}") if "peer_fwd_tok_s" in row \
+            else "peer: not run"
+        print(f"T={t:6d} tok/s ours fwd {row['ours_fwd_tok_s']:9.0f} fwd+bwd "
+              f"{row['ours_fwd_bwd_tok_s']:8.0f} | {peer}", flush=True)
+    if peer_error:
+        print(f"peer (tokamax xla_chunked) unavailable: {peer_error}")
+    return rows, peer_error
+
+
+def decode(contexts, reps):
+    """Median decode-step time per context, the contexts' steps interleaved to share any drift."""
+    base = small()
+    cfg = base.replace(linear_attn_config=dataclasses.replace(
+        base.linear_attn_config, num_heads=H, head_dim=K))
+    graphdef, params = nnx.split(KDA(cfg, rngs=nnx.Rngs(0)))
+    run = lambda p, x, c: nnx.merge(graphdef, p)(x, cache=c)  # noqa: E731
+    prefill = jax.jit(run)
+    step = jax.jit(run, donate_argnums=2)
+    x_t = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, cfg.hidden_size)),
+                      jnp.float32)
+    caches = {}
+    for ctx in contexts:
+        x = jnp.asarray(np.random.default_rng(ctx).standard_normal((1, ctx, cfg.hidden_size)),
+                        jnp.float32)
+        _, caches[ctx] = prefill(params, x, init_kda_cache(cfg, 1))
+        y, caches[ctx] = step(params, x_t, caches[ctx])                 # compile + warm up
+        jax.block_until_ready(y)
+    times = {ctx: [] for ctx in contexts}
+    for _ in range(max(reps, 50)):
+        for ctx in contexts:
+            t0 = time.perf_counter()
+            y, caches[ctx] = step(params, x_t, caches[ctx])
+            jax.block_until_ready(y)
+            times[ctx].append(time.perf_counter() - t0)
+    out = {ctx: statistics.median(ts) for ctx, ts in times.items()}
+    for ctx in contexts:
+        print(f"decode step (KDA layer D={cfg.hidden_size} H={H} K={K}) after {ctx:6d} tokens: "
+              f"{out[ctx] * 1e6:8.1f} us", flush=True)
+    lo, hi = min(contexts), max(contexts)
+    ratio = out[hi] / out[lo]
+    print(f"decode time ratio context {hi} / {lo}: {ratio:.2f} (constant-size state: ~1)")
+    return {"layer": {"hidden_size": cfg.hidden_size, "num_heads": H, "head_dim": K},
+            "step_seconds_by_context": {str(c): s for c, s in out.items()},
+            "ratio_longest_over_shortest": ratio}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="T = 1K, 4K; decode at 1K vs 16K")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    lengths = (1024, 4096) if args.quick else (1024, 4096, 16384)
+    contexts = (1024, 16384) if args.quick else (1024, 65536)
+    load0 = os.getloadavg()[0]
+    print(f"device {jax.devices()[0].platform}, B=1 H={H} K=V={K} float32, C=64, lb={LB}; "
+          f"load average {load0:.1f} on {os.cpu_count()} CPUs")
+    rows, peer_error = throughput(lengths, args.reps)
+    dec = decode(contexts, args.reps)
+    result = {
+        "bench": "kda", "quick": args.quick, "device": jax.devices()[0].platform,
+        "shape": {"B": 1, "H": H, "K": K, "V": K, "dtype": "float32", "chunk_size": 64,
+                  "gate": f"lower bound {LB}"},
+        "throughput": rows,
+        "peer": {"name": "tokamax xla_chunked kimi_delta_attention",
+                 "available": peer_error is None, "error": peer_error},
+        "decode": dec,
+        "load_average": {"start": load0, "end": os.getloadavg()[0], "cpus": os.cpu_count()},
+        "timing": "median wall time of --reps calls after a warm-up call",
+    }
+    path = Path(__file__).parent / "results" / "kda.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
