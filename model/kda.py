@@ -246,7 +246,7 @@ def _chunk_terms(q, k, v, g, beta, seg, chunk_size, scale):
     in_doc = (seg == seg_in[..., None]).astype(jnp.float32)[..., None]  # [N, B, 1, C, 1]
     last_doc = (seg == seg[..., -1:]).astype(jnp.float32)[..., None]
     cg = jnp.cumsum(g, axis=-2)                                        # chunk-local only
-    aqk, akk = _pair_products(scale * q, k, cg, same)             # [N, B, H, C, C]
+    aqk, akk = _pair_products(scale * q, k, cg, same)                  # [N, B, H, C, C]
     a = beta[..., None] * akk * jnp.tril(jnp.ones((c, c), jnp.float32), -1)
     gam = jnp.exp(cg) * in_doc                                         # [N, B, H, C, K]
     rhs = jnp.concatenate([gam * k, v], axis=-1) * beta[..., None]     # [N, B, H, C, K+V]
