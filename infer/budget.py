@@ -89,6 +89,8 @@ class ThinkingBudget:
         self._recent = (self._recent + [token_id])[-len(self.end_marker):]
         if tuple(self._recent) == self.end_marker:
             self.in_reasoning = False
+            if not self._closing:  # the model's own marker: its first tokens were counted
+                self.reasoning_tokens -= len(self.end_marker) - 1
             return []
         if self._closing:
             return []

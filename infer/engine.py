@@ -1,0 +1,384 @@
+"""Continuous batching over a fixed number of slots: requests, scheduling, stops, metrics.
+
+Each :meth:`Engine.step`:
+
+1. drops cancelled requests (a finished or cancelled request frees its slot at once);
+2. moves waiting requests into free slots and prefills them chunk by chunk, at most
+   ``prefill_tokens_per_step`` prompt tokens per step (at least one chunk), so running
+   requests keep decoding while long prompts come in; a request whose last chunk is done samples
+   its first token from the prefill logits;
+3. runs one decode step for every slot that is generating (rows at their own positions) and
+   samples each row with its own parameters and random stream (``sampling.py``).
+
+Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``),
+the chat parser (events ``reasoning`` / ``content`` / ``tool_call``; without a parser raw text
+events), stop token ids (the format's end of message unless ``ignore_eos``), stop strings
+(matched on the content, or the raw text without a parser; the text is cut before the stop and
+content is held back by ``len(stop) - 1`` characters so a stream never shows a partial stop),
+``max_tokens`` and the context (``max_len``). Events go to ``Request.on_event`` from the engine
+thread; :meth:`Engine.generate` is the batch API.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from kdsa.infer.budget import BudgetConfig, ThinkingBudget
+from kdsa.infer.sampling import SamplingParams, sample_jit
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: list[int]
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    reasoning_cap: int | None = None  # thinking budget (None: no cap)
+    in_reasoning: bool = False  # the prompt opened the reasoning span
+    parser: object | None = None  # a chat OutputParser (None: raw text)
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    on_event: Callable[["Event"], None] | None = None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.admitted or self.arrival) - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    text: str  # content (with a parser) or raw text, cut at a stop string
+    output: object | None  # the parser's AssistantOutput, content cut like text
+    finish_reason: str  # stop | length | abort
+    reasoning_tokens: int
+    forced_close: bool
+    metrics: RequestMetrics
+
+    @property
+    def tokens_per_s(self) -> float:
+        m = self.metrics
+        dt = (m.finished or 0) - (m.first_token or 0)
+        return (len(self.token_ids) - 1) / dt if dt > 0 else 0.0
+
+
+@dataclasses.dataclass
+class Event:
+    request_id: str
+    token_id: int | None
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    deltas: list[tuple[str, object]]  # (reasoning|content|text|tool_call, value)
+    completion: Completion | None = None  # set on the last event
+
+
+class _Active:
+    """A request in a slot."""
+
+    def __init__(self, req: Request, seed: int, engine: "Engine"):
+        self.req, self.seed = req, seed
+        sp = req.sampling
+        self.metrics = RequestMetrics(time.perf_counter())
+        self.prefilled = 0
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.forced: collections.deque[int] = collections.deque()
+        self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else engine.eos_ids)
+        self.budget = None
+        if engine.reasoning_end_ids and req.in_reasoning:
+            self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
+                                         end_marker=engine.reasoning_end_ids,
+                                         after=engine.after_reasoning_ids, in_reasoning=True)
+            self.forced.extend(self.budget.start())
+        self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # content / raw text so far
+        self.sent = 0  # characters of text already emitted
+        self.hold = max((len(s) for s in sp.stop), default=1) - 1
+        self.finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
+                 max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
+                 seed: int = 0):
+        self.runner, self.tok = runner, tokenizer
+        self.budgets = budgets or BudgetConfig()
+        self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
+        self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
+        self.eos_ids = set(chat_format.stop_ids) if chat_format else {tokenizer.eos_id}
+        self.num_top = max_top_logprobs
+        self.prefill_budget = prefill_tokens_per_step or 4 * runner.prefill_chunk
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[_Active] = collections.deque()
+        self._cancel: set[str] = set()
+        self.slots: list[_Active | None] = [None] * runner.num_slots
+        self.stats = collections.Counter()
+        self.started = time.perf_counter()
+
+    # ---- thread-safe API ----
+    def submit(self, req: Request) -> str:
+        """Queue a request (from any thread). Bad prompts raise ValueError here."""
+        n, limit = len(req.prompt), self.runner.max_len
+        if n < 1:
+            raise ValueError("the prompt is empty")
+        if n >= limit:
+            raise ValueError(f"prompt of {n} tokens does not fit the context of {limit} tokens "
+                             f"(at least one generated token is needed)")
+        bad = [t for t in req.prompt if not 0 <= int(t) < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside [0, {self.runner.vocab_size})")
+        if req.sampling.top_logprobs > self.num_top:
+            raise ValueError(f"top_logprobs={req.sampling.top_logprobs} exceeds the engine's "
+                             f"{self.num_top}")
+        seed = req.sampling.seed
+        if seed is None:
+            seed = int(self._rng.integers(0, 2**31 - 1))
+        act = _Active(req, seed, self)
+        with self._lock:
+            self._waiting.append(act)
+            self._lock.notify_all()
+        return req.request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancel.add(request_id)
+            self._lock.notify_all()
+
+    @property
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s is not None for s in self.slots)
+
+    # ---- the loop ----
+    def step(self) -> bool:
+        """One scheduling iteration; returns False when there was nothing to do."""
+        self._apply_cancellations()
+        did = self._prefill_some()
+        if any(a is not None and a.prefilled == len(a.req.prompt) for a in self.slots):
+            self._decode()
+            did = True
+        return did
+
+    def generate(self, requests: list[Request]) -> list[Completion]:
+        """Run ``requests`` to completion (batch API); completions in request order."""
+        done: dict[str, Completion] = {}
+        for r in requests:
+            user_cb = r.on_event
+
+            def cb(ev, user_cb=user_cb):
+                if ev.completion is not None:
+                    done[ev.request_id] = ev.completion
+                if user_cb is not None:
+                    user_cb(ev)
+            r.on_event = cb
+            self.submit(r)
+        while self.has_work():
+            self.step()
+        return [done[r.request_id] for r in requests]
+
+    def serve_forever(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        """The server's engine thread: step while there is work, sleep on the queue otherwise."""
+        while not stop.is_set():
+            if not self.step():
+                with self._lock:
+                    if not self._waiting and not self._cancel:
+                        self._lock.wait(idle_wait_s)
+
+    # ---- scheduling ----
+    def _apply_cancellations(self) -> None:
+        with self._lock:
+            if not self._cancel:
+                return
+            cancel, self._cancel = self._cancel, set()
+            keep = [a for a in self._waiting if a.req.request_id not in cancel]
+            dropped = [a for a in self._waiting if a.req.request_id in cancel]
+            self._waiting = collections.deque(keep)
+        for a in dropped:
+            self._finish(None, a, "abort")
+        for i, a in enumerate(self.slots):
+            if a is not None and a.req.request_id in cancel:
+                self._finish(i, a, "abort")
+
+    def _prefill_some(self) -> bool:
+        budget, did = self.prefill_budget, False
+        with self._lock:
+            for i in range(len(self.slots)):
+                if self.slots[i] is None and self._waiting:
+                    self.slots[i] = self._waiting.popleft()
+                    self.slots[i].metrics.admitted = time.perf_counter()
+        for i, a in enumerate(self.slots):
+            while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+                chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
+                logits = self.runner.prefill(i, chunk, a.prefilled)
+                a.prefilled += len(chunk)
+                budget -= len(chunk)
+                did = True
+                self.stats["prefill_tokens"] += len(chunk)
+                if a.prefilled == len(a.req.prompt):
+                    self._sample_and_apply([(0, i)], logits)
+                    a = self.slots[i]
+        return did
+
+    def _decode(self) -> None:
+        s = len(self.slots)
+        rows = [i for i, a in enumerate(self.slots)
+                if a is not None and a.prefilled == len(a.req.prompt)]
+        tokens, pos, active = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool)
+        for i in rows:
+            a = self.slots[i]
+            tokens[i], pos[i], active[i] = a.tokens[-1], len(a.req.prompt) + len(a.tokens) - 1, 1
+        t0 = time.perf_counter()
+        logits = self.runner.decode(tokens, pos, active)
+        self._sample_and_apply([(i, i) for i in rows], logits)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_rows"] += len(rows)
+
+    def _sample_and_apply(self, pairs: list[tuple[int, int]], logits) -> None:
+        """Sample every (logits row, slot) pair and apply the tokens."""
+        n = logits.shape[0]
+        temp, top_p, min_p = (np.ones(n, np.float32), np.ones(n, np.float32),
+                              np.zeros(n, np.float32))
+        top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),
+                                  np.zeros(n, np.int32))
+        forced = np.full(n, -1, np.int32)
+        for r, i in pairs:
+            a, sp = self.slots[i], self.slots[i].req.sampling
+            temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+            seeds[r], counters[r] = a.seed, len(a.tokens)
+            if a.forced:
+                forced[r] = a.forced.popleft()
+        out = sample_jit(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
+                         num_top=self.num_top)
+        tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
+        for r, i in pairs:
+            self._apply(i, int(tok[r]), float(lp[r]), top_ids[r], top_lp[r])
+
+    def _apply(self, i: int, token: int, logprob: float, top_ids, top_lp) -> None:
+        a = self.slots[i]
+        req, sp = a.req, a.req.sampling
+        now = time.perf_counter()
+        if a.metrics.first_token is None:
+            a.metrics.first_token = now
+        a.tokens.append(token)
+        a.logprobs.append(logprob)
+        k = sp.top_logprobs
+        top = [(int(t), float(v)) for t, v in zip(top_ids[:k], top_lp[:k])]
+        a.top.append(top)
+        self.stats["generated_tokens"] += 1
+        piece = "" if self.tok.is_special(token) else a.raw.decode(self.tok.token_bytes(token))
+        if a.budget is not None:
+            a.forced.extend(a.budget.observe(token, piece))
+        deltas: list[tuple[str, object]] = []
+        if req.parser is not None:
+            for kind, value in req.parser.feed(token):
+                if kind == "content":
+                    a.text += value
+                else:
+                    deltas.append((kind, value))
+        else:
+            a.text += piece
+        reason = None
+        if token in a.stop_ids:
+            reason = "stop"
+        cut = self._find_stop(a)
+        if cut is not None:
+            a.text, reason = a.text[:cut], "stop"
+        elif len(a.tokens) >= sp.max_tokens or len(req.prompt) + len(a.tokens) >= \
+                self.runner.max_len:
+            reason = reason or "length"
+        if reason is not None and req.parser is not None:
+            for kind, value in req.parser.flush():
+                if kind == "content" and cut is None:
+                    a.text += value
+                elif kind != "content":
+                    deltas.append((kind, value))
+        upto = len(a.text) if reason else max(a.sent, len(a.text) - a.hold)
+        if upto > a.sent:
+            deltas.append(("content" if req.parser is not None else "text", a.text[a.sent:upto]))
+            a.sent = upto
+        ev = Event(req.request_id, token, logprob, top, deltas)
+        if reason is not None:
+            ev.completion = self._finish(i, a, reason, emit=False)
+        if req.on_event is not None:
+            req.on_event(ev)
+
+    def _find_stop(self, a: _Active) -> int | None:
+        stops = a.req.sampling.stop
+        if not stops:
+            return None
+        lo = a.sent  # text before it was checked on earlier tokens
+        hits = [j for j in (a.text.find(s, lo) for s in stops) if j >= 0]
+        return min(hits) if hits else None
+
+    def _finish(self, i: int | None, a: _Active, reason: str, emit: bool = True) -> Completion:
+        a.metrics.finished = time.perf_counter()
+        output = None
+        if a.req.parser is not None:
+            output = a.req.parser.finish()
+            output = dataclasses.replace(output, content=a.text)
+        b = a.budget
+        comp = Completion(a.req.request_id, len(a.req.prompt), a.tokens, a.logprobs, a.top,
+                          a.text, output, reason, b.reasoning_tokens if b else 0,
+                          bool(b and b.forced_close), a.metrics)
+        if i is not None:
+            self.slots[i] = None
+        self.stats["finished"] += 1
+        self.stats[f"finish_{reason}"] += 1
+        self._record(comp)
+        if emit and a.req.on_event is not None:
+            a.req.on_event(Event(a.req.request_id, None, None, [], [], comp))
+        return comp
+
+    # ---- metrics ----
+    def _record(self, c: Completion) -> None:
+        m = c.metrics
+        if m.ttft_s is not None:
+            self.stats["ttft_sum"] += m.ttft_s
+            self.stats["ttft_n"] += 1
+        self.stats["queue_sum"] += m.queue_s
+
+    def metrics(self) -> dict:
+        st, elapsed = self.stats, time.perf_counter() - self.started
+        n = max(st["ttft_n"], 1)
+        return {
+            "requests_finished": st["finished"], "queue_length": self.queue_length,
+            "active_slots": sum(a is not None for a in self.slots),
+            "num_slots": len(self.slots), "generated_tokens": st["generated_tokens"],
+            "prefill_tokens": st["prefill_tokens"],
+            "tokens_per_s": st["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+            "mean_ttft_s": st["ttft_sum"] / n, "mean_queue_s": st["queue_sum"] / max(
+                st["finished"], 1),
+            "decode_steps": st["decode_steps"],
+            "mean_decode_step_s": st["decode_s"] / max(st["decode_steps"], 1),
+            "mean_batch": st["decode_rows"] / max(st["decode_steps"], 1),
+            "finish_reasons": {k[7:]: v for k, v in st.items() if k.startswith("finish_")},
+            "uptime_s": elapsed,
+        }

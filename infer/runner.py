@@ -1,0 +1,134 @@
+"""The model side of generation: jitted prefill and decode steps over a fixed set of cache slots.
+
+``ModelRunner`` owns the decode cache (``Transformer.init_cache(num_slots, max_len)``: leaves
+``[repeats, slots, ...]``, the slot axis is axis 1) and two compiled steps:
+
+* ``prefill(slot, tokens, start)``: one chunk of one request's prompt, padded to a length
+  bucket (powers of two from ``min_bucket`` to ``prefill_chunk``; right padding marked by
+  ``segment_ids = 0``), run on that slot's cache row (``dynamic_slice`` on axis 1, zeroed when
+  ``start == 0`` so a reused slot starts clean), written back with ``dynamic_update_slice``.
+  Returns the logits of the chunk's last real token ``[1, V]``. A prompt longer than
+  ``prefill_chunk`` is prefilled chunk by chunk (the KDA state and DSA cache continue).
+* ``decode(tokens, positions, active)``: one token for every slot ``[S]``, each at its own
+  position; inactive slots are padding (``segment_ids = 0``: their KDA state and DSA cache are
+  left as they are). Returns logits ``[S, V]``.
+
+Shapes are static, so prefill compiles once per bucket and decode once. The cache is donated to
+each step. With a mesh the model is placed by the ``generate`` layout
+(``kdsa.sharding.rules.shard_model``) and the cache's slot axis is split over ``data x fsdp``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
+    """Powers of two from ``min_bucket`` up to ``max_bucket`` (which is always included)."""
+    if min_bucket < 1 or max_bucket < min_bucket:
+        raise ValueError(f"need 1 <= min_bucket <= prefill_chunk, got {min_bucket}, "
+                         f"{max_bucket}")
+    out, b = [], min_bucket
+    while b < max_bucket:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_bucket,)
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
+                 min_bucket: int = 16, mesh=None):
+        cfg = model.config
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if not 1 <= max_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_len={max_len} must be in [1, max_position_embeddings="
+                             f"{cfg.max_position_embeddings}]")
+        self.config, self.num_slots, self.max_len = cfg, num_slots, max_len
+        self.vocab_size = cfg.vocab_size
+        self.prefill_chunk = min(prefill_chunk, max_len)
+        self.buckets = length_buckets(min(min_bucket, self.prefill_chunk), self.prefill_chunk)
+        self.mesh = mesh
+        if mesh is not None:
+            from kdsa.sharding.rules import shard_model
+            shard_model(model, mesh, "generate")
+        self.graphdef, self.state = nnx.split(model)
+        cache = model.init_cache(num_slots, max_len)
+        if mesh is not None:
+            cache = jax.device_put(cache, self._cache_sharding(cache))
+        self.cache = cache
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef),
+                                donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef),
+                               donate_argnums=(1,))
+
+    def _cache_sharding(self, cache):
+        axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
+        size = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+        spec = P(None, axes if len(axes) > 1 else axes[0]) if axes and \
+            self.num_slots % size == 0 else P()
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), cache)
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"chunk of {n} tokens exceeds prefill_chunk={self.prefill_chunk}")
+
+    def prefill(self, slot: int, tokens, start: int = 0) -> jax.Array:
+        """One prompt chunk into ``slot`` at positions ``start..`` -> last-token logits [1, V]."""
+        n = len(tokens)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+        if n < 1 or start < 0 or start + n > self.max_len:
+            raise ValueError(f"prefill of {n} tokens at {start} does not fit max_len "
+                             f"{self.max_len}")
+        b = self.bucket(n)
+        ids = np.zeros((1, b), np.int32)
+        ids[0, :n] = tokens
+        logits, self.cache = self._prefill(self.state, self.cache, np.int32(slot), ids,
+                                           np.int32(start), np.int32(n), np.bool_(start == 0))
+        return logits
+
+    def decode(self, tokens, positions, active) -> jax.Array:
+        """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32."""
+        logits, self.cache = self._decode(self.state, self.cache,
+                                          np.asarray(tokens, np.int32),
+                                          np.asarray(positions, np.int32),
+                                          np.asarray(active, bool))
+        return logits
+
+    def warmup(self) -> None:
+        """Compile every prefill bucket and the decode step (on slot 0, which is then reset by
+        the next prefill into it)."""
+        for b in self.buckets:
+            self.prefill(0, [0] * b, 0)
+        s = self.num_slots
+        self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
+
+
+def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh):
+    model = nnx.merge(graphdef, state)
+    b = ids.shape[1]
+    row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
+    row = jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
+    idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
+    out = model.forward(ids, positions=start + idx,
+                        segment_ids=(idx < length).astype(jnp.int32), cache=row)
+    last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
+    cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
+                         cache, out.cache)
+    return last, cache                                                  # [1, V]
+
+
+def _decode_step(graphdef, state, cache, tokens, positions, active):
+    model = nnx.merge(graphdef, state)
+    out = model.forward(tokens[:, None], positions=positions[:, None],
+                        segment_ids=active[:, None].astype(jnp.int32), cache=cache)
+    return out.logits[:, 0], out.cache                                  # [S, V]

@@ -1,0 +1,91 @@
+"""A deterministic stand-in for the model runner: it "writes" a scripted assistant turn.
+
+Random-weight models produce random tokens, so end-to-end checks of thinking budgets, tool calls
+and stop handling drive the engine with this runner instead (same interface as
+``runner.ModelRunner``: ``prefill(slot, tokens, start)``, ``decode(tokens, positions, active)``,
+``num_slots``, ``max_len``, ``vocab_size``, ``prefill_chunk``). Its logits put all weight on
+the next token of a script that depends only on what the slot has seen:
+
+* prompt ending inside ``think`` (the generation prompt opened the reasoning): reasoning text
+  (``reasoning`` repeated, for ``reasoning_tokens`` tokens, or without end when ``None``), then
+  the format's end-of-thinking marker, then ``answer`` (which starts with the answer opener);
+* after an end-of-thinking marker (the model's or a forced one): the rest of ``answer``;
+* prompt opening the answer directly (thinking off): ``answer`` without its opener.
+
+After the script it repeats ``eos``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class ScriptedRunner:
+    def __init__(self, tokenizer, chat_format, *, answer_ids: list[int],
+                 reasoning: str = "Hmm, let me think about it some more. ",
+                 reasoning_tokens: int | None = None, num_slots: int = 4, max_len: int = 4096,
+                 prefill_chunk: int = 64):
+        self.tok, self.fmt = tokenizer, chat_format
+        self.vocab_size = tokenizer.vocab_size
+        self.num_slots, self.max_len, self.prefill_chunk = num_slots, max_len, prefill_chunk
+        self.close = list(chat_format.reasoning_end_ids)
+        self.opener = list(chat_format.after_reasoning_ids)
+        self.answer = list(answer_ids)
+        self.reason_unit = tokenizer.encode(reasoning)
+        self.reasoning_tokens = reasoning_tokens
+        self.eos = chat_format.stop_ids[0]
+        from kdsa.infer.chat import Message
+        probe = [Message("user", "x")]
+        with_gen = chat_format.render(probe, thinking=True)
+        self.think_prompt = with_gen[len(chat_format.render(probe, thinking=True,
+                                                            add_generation_prompt=False)):]
+        self.seen: list[list[int]] = [[] for _ in range(num_slots)]
+        self.prompt_len = [0] * num_slots
+        self.thinking = [False] * num_slots
+        self.calls = {"prefill": 0, "decode": 0}
+
+    def _next(self, slot: int) -> int:
+        g = self.seen[slot][self.prompt_len[slot]:]
+        if not self.thinking[slot]:
+            rest = self.answer[len(self.opener):]
+            return rest[len(g)] if len(g) < len(rest) else self.eos
+        j = _find(g, self.close)
+        if j is None:
+            k = len(g)
+            if self.reasoning_tokens is not None and k >= self.reasoning_tokens:
+                return self.close[k - self.reasoning_tokens]
+            return self.reason_unit[k % len(self.reason_unit)]
+        m = len(g) - (j + len(self.close))
+        return self.answer[m] if m < len(self.answer) else self.eos
+
+    def _logits(self, slots) -> np.ndarray:
+        out = np.zeros((len(slots), self.vocab_size), np.float32)
+        for r, s in enumerate(slots):
+            if s is not None:
+                out[r, self._next(s)] = 20.0
+        return out
+
+    def prefill(self, slot: int, tokens, start: int = 0) -> np.ndarray:
+        self.calls["prefill"] += 1
+        if start == 0:
+            self.seen[slot] = []
+        self.seen[slot] += [int(t) for t in tokens]
+        self.prompt_len[slot] = len(self.seen[slot])
+        n = len(self.think_prompt)
+        self.thinking[slot] = self.seen[slot][-n:] == self.think_prompt
+        return self._logits([slot])
+
+    def decode(self, tokens, positions, active) -> np.ndarray:
+        self.calls["decode"] += 1
+        for s in range(self.num_slots):
+            if active[s]:
+                self.seen[s].append(int(tokens[s]))
+        return self._logits([s if active[s] else None for s in range(self.num_slots)])
+
+
+def _find(seq: list[int], pat: list[int]) -> int | None:
+    n = len(pat)
+    for i in range(len(seq) - n + 1):
+        if seq[i:i + n] == pat:
+            return i
+    return None

@@ -1,0 +1,216 @@
+"""Generation engine: greedy equals the full forward, batching equals running alone, slot reuse,
+chunked prefill, stops, cancellation, thinking budgets per level, a sharded run."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.chat import Message, get_format
+from kdsa.infer.engine import Engine, Request
+from kdsa.infer.runner import ModelRunner, length_buckets
+from kdsa.infer.sampling import SamplingParams
+from kdsa.infer.scripted import ScriptedRunner
+from kdsa.infer.tokenizer import ByteTokenizer
+from kdsa.model.config import get_preset
+from kdsa.model.transformer import Transformer
+
+MAX_LEN, SLOTS, CHUNK, NEW = 48, 4, 16, 6
+LENGTHS = [5, 20, 11, 3, 9, 34]  # 20 and 34 > CHUNK: chunked prefill; 6 requests > 4 slots
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    runner = ModelRunner(model, num_slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                         min_bucket=CHUNK)
+    return Engine(runner, ByteTokenizer(model.config.vocab_size), max_top_logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(0, 256, n)] for n in LENGTHS]
+
+
+def _greedy(n=NEW, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def batched(engine, prompts):
+    return engine.generate([Request(p, _greedy(top_logprobs=3)) for p in prompts])
+
+
+def test_greedy_equals_argmax_of_full_forward(model, prompts, batched):
+    """Every generated token is the argmax of an uncached full forward over prompt + output."""
+    seqs = np.zeros((len(prompts), MAX_LEN), np.int32)  # right padding: causal, so harmless
+    for r, (p, c) in enumerate(zip(prompts, batched)):
+        seqs[r, :len(p) + NEW] = p + c.token_ids
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(seqs)))
+    for r, (p, c) in enumerate(zip(prompts, batched)):
+        want = logits[r, len(p) - 1:len(p) - 1 + NEW]
+        assert c.token_ids == [int(t) for t in want.argmax(-1)]
+        lp = jax.nn.log_softmax(want, -1)
+        np.testing.assert_allclose(c.logprobs, lp[np.arange(NEW), c.token_ids], atol=2e-4)
+        top = [[i for i, _ in step] for step in c.top_logprobs]
+        assert [t[0] for t in top] == c.token_ids  # greedy token is the top-1
+        assert c.finish_reason == "length" and len(c.token_ids) == NEW
+
+
+def test_batch_equals_alone_and_slots_are_reused(engine, prompts, batched):
+    for p, c in zip(prompts, batched):
+        alone = engine.generate([Request(p, _greedy())])[0]
+        assert alone.token_ids == c.token_ids
+        np.testing.assert_allclose(alone.logprobs, c.logprobs, atol=1e-5)
+    m = engine.metrics()
+    assert m["requests_finished"] >= len(prompts) * 2 and m["active_slots"] == 0
+    assert m["mean_batch"] > 1  # rows decoded together
+    assert m["queue_length"] == 0 and m["mean_ttft_s"] > 0
+
+
+def test_seeded_sampling_is_independent_of_batch(engine, prompts):
+    sp = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=i, max_tokens=5,
+                         ignore_eos=True) for i in range(3)]
+    together = engine.generate([Request(p, s) for p, s in zip(prompts, sp)])
+    for p, s, c in zip(prompts, sp, together):
+        assert engine.generate([Request(p, s)])[0].token_ids == c.token_ids
+    other_seed = dataclass_replace(sp[0], seed=99)
+    assert engine.generate([Request(prompts[0], other_seed)])[0].token_ids != \
+        together[0].token_ids
+
+
+def dataclass_replace(sp, **kw):
+    import dataclasses
+    return dataclasses.replace(sp, **kw)
+
+
+def test_context_limit_and_bad_prompts(engine, prompts):
+    c = engine.generate([Request(prompts[5], _greedy(n=100))])[0]
+    assert c.finish_reason == "length" and len(prompts[5]) + len(c.token_ids) == MAX_LEN
+    with pytest.raises(ValueError, match="does not fit the context"):
+        engine.submit(Request([1] * MAX_LEN))
+    with pytest.raises(ValueError, match="outside"):
+        engine.submit(Request([1, 999]))
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(Request([]))
+
+
+def test_length_buckets():
+    assert length_buckets(8, 16) == (8, 16)
+    assert length_buckets(16, 100) == (16, 32, 64, 100)
+    with pytest.raises(ValueError):
+        length_buckets(0, 4)
+
+
+# ---- scripted model: stops, budgets, cancellation ----
+
+TOK = ByteTokenizer(384)
+FMT = get_format("xtml", TOK)
+ANSWER = "The answer is 42."
+
+
+def _answer_ids(fmt=FMT, tok=TOK, text=ANSWER):
+    msg = Message("assistant", text, "r")
+    full = fmt.render([Message("user", "q"), msg], add_generation_prompt=False)
+    gen = fmt.render([Message("user", "q")])
+    close = list(fmt.reasoning_end_ids)
+    body = full[len(gen):]
+    i = next(j for j in range(len(body)) if body[j:j + len(close)] == close)
+    return body[i + len(close):]
+
+
+CAPS = {"low": 5, "high": 30, "max": 60}
+GRACE = 8
+
+
+def _scripted_engine(**kw):
+    runner = ScriptedRunner(TOK, FMT, answer_ids=_answer_ids(), **kw)
+    return Engine(runner, TOK, chat_format=FMT,
+                  budgets=BudgetConfig(caps=dict(CAPS), grace=GRACE))
+
+
+def _chat_request(effort, eng, thinking=True, **sp):
+    prompt = FMT.render([Message("user", "What is 6 x 7?")], effort=effort, thinking=thinking)
+    return Request(prompt, SamplingParams(temperature=0.0, max_tokens=200, **sp),
+                   reasoning_cap=eng.budgets.cap(effort) if thinking else None,
+                   in_reasoning=thinking, parser=FMT.parser(thinking=thinking))
+
+
+@pytest.mark.parametrize("effort,reasoning_tokens,ends", [
+    ("low", 5 + GRACE, "let me t"),        # no sentence end within the grace window: hard cut
+    ("high", 37, "some more."),            # the sentence ends inside the window: cut there
+    ("max", 60 + GRACE, "it som")])        # the next sentence end is too far
+def test_budget_caps_per_level(effort, reasoning_tokens, ends):
+    eng = _scripted_engine()
+    c = eng.generate([_chat_request(effort, eng)])[0]
+    out = c.output
+    assert c.forced_close and c.reasoning_tokens == reasoning_tokens
+    assert c.reasoning_tokens <= CAPS[effort] + GRACE
+    assert out.reasoning.endswith(ends) and len(out.reasoning) == reasoning_tokens
+    assert out.content == ANSWER and out.complete and c.finish_reason == "stop"
+
+
+def test_budget_not_forced_below_cap_and_thinking_off():
+    eng = _scripted_engine(reasoning_tokens=4)
+    c = eng.generate([_chat_request("low", eng)])[0]
+    assert not c.forced_close and c.reasoning_tokens == 4 and c.output.content == ANSWER
+    c = eng.generate([_chat_request("low", eng, thinking=False)])[0]
+    assert c.reasoning_tokens == 0 and c.output.reasoning == "" and c.output.content == ANSWER
+
+
+def test_zero_cap_closes_at_once():
+    eng = Engine(ScriptedRunner(TOK, FMT, answer_ids=_answer_ids()), TOK, chat_format=FMT,
+                 budgets=BudgetConfig(caps={"low": 0, "high": 1, "max": 2}, grace=0))
+    c = eng.generate([_chat_request("low", eng)])[0]
+    assert c.reasoning_tokens == 0 and c.output.reasoning == "" and c.output.content == ANSWER
+
+
+def test_stop_strings_are_cut_and_never_streamed():
+    eng = _scripted_engine(reasoning_tokens=4)
+    seen = []
+    req = _chat_request("low", eng, stop=("is 4",))
+    req.on_event = lambda ev: seen.extend(v for k, v in ev.deltas if k == "content")
+    c = eng.generate([req])[0]
+    assert c.finish_reason == "stop" and c.text == "The answer " and "".join(seen) == c.text
+    c = eng.generate([_chat_request("low", eng, stop_token_ids=(ord("a"),))])[0]
+    assert TOK.decode(c.token_ids).endswith("The a")
+
+
+def test_cancel_frees_the_slot():
+    eng = _scripted_engine()  # reasons without end until the cap
+    reqs = [_chat_request("max", eng) for _ in range(eng.runner.num_slots + 1)]
+    for r in reqs:
+        eng.submit(r)
+    eng.step()
+    assert eng.queue_length == 1
+    eng.cancel(reqs[0].request_id)
+    eng.step()
+    assert eng.slots[0] is not None and eng.slots[0].req is reqs[-1]  # the waiting one moved in
+    assert eng.metrics()["finish_reasons"]["abort"] == 1
+
+
+@pytest.mark.skipif(not os.environ.get("KDSA_SLOW_TESTS"),
+                    reason="two more compiles (~50 s on 2 cores): set KDSA_SLOW_TESTS=1")
+def test_sharded_generate_layout_matches(model, prompts, batched):
+    """The same requests on a data=2 x expert=2 x tensor=2 mesh give the same greedy tokens."""
+    from kdsa.sharding.mesh import make_mesh
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 host devices (conftest)")
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    sharded = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+    runner = ModelRunner(sharded, num_slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                         min_bucket=CHUNK, mesh=mesh)
+    eng = Engine(runner, ByteTokenizer(model.config.vocab_size), max_top_logprobs=3)
+    got = eng.generate([Request(p, _greedy()) for p in prompts[:4]])
+    assert [c.token_ids for c in got] == [c.token_ids for c in batched[:4]]
+    leaf = jax.tree.leaves(runner.cache)[0]
+    assert len(leaf.sharding.device_set) == 8
