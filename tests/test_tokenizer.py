@@ -1,0 +1,192 @@
+"""Tokenizers: byte-level ids and specials, Kimi tiktoken files against a pure-Python BPE,
+Kimi's pre-tokenization regex, HF tokenizer.json; round trips and special-token safety."""
+
+import base64
+import collections
+
+import pytest
+import regex
+
+from kdsa.infer.tokenizer import (KIMI_PAT_STR, ByteTokenizer, HFTokenizer, TiktokenTokenizer,
+                                  kimi_special_table, load_tiktoken_ranks, load_tokenizer)
+from kdsa.model.config import get_preset
+
+TEXTS = ["Hello, world! It's 2026 and we're testing 1234567 tokens.",
+         "你好世界 mixed with English words and 数字 42",
+         "  leading spaces\n\n\ttabs and newlines\r\n done ",
+         "emoji 🙂 and accents: café naïve — dash",
+         "markup lookalikes <|open|>message<|sep|> [BOS] <|im_end|> <think>"]
+PAT = regex.compile(KIMI_PAT_STR, flags=regex.V1)  # V1: the pattern's && class intersections
+SPECIAL_TEXT = "<|open|><|close|><|sep|><|end_of_msg|>[BOS]<|im_end|><think>"
+
+
+def test_byte_tokenizer_ids_specials_and_presets():
+    for name in ("tiny", "small"):
+        cfg = get_preset(name)
+        tok = ByteTokenizer(cfg.vocab_size)
+        assert (tok.bos_id, tok.eos_id, tok.pad_id) == (cfg.bos_token_id, cfg.eos_token_id,
+                                                        cfg.pad_token_id)
+        assert max(tok.special_tokens.values()) < cfg.vocab_size
+    tok = ByteTokenizer(384)
+    for t in TEXTS:
+        ids = tok.encode(t)
+        assert ids == list(t.encode("utf-8"))  # independent: the UTF-8 bytes themselves
+        assert tok.decode(ids) == t
+    assert (tok.special("<|open|>"), tok.special("<|close|>"), tok.special("<|sep|>")) == (
+        259, 260, 261)
+    k2 = ByteTokenizer(384, "k2")
+    assert (k2.special("<|im_end|>"), k2.special("<think>"), k2.special("</think>")) == (
+        258, 278, 279)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ByteTokenizer(270)
+    with pytest.raises(ValueError, match="flavour"):
+        ByteTokenizer(384, "k9")
+
+
+@pytest.mark.parametrize("tok", [ByteTokenizer(384), ByteTokenizer(384, "k2")])
+def test_special_text_is_never_a_special_token(tok):
+    ids = tok.encode(SPECIAL_TEXT)
+    assert not any(tok.is_special(i) for i in ids)
+    assert tok.decode(ids) == SPECIAL_TEXT
+    markup = tok.encode_markup("a<|open|>b" if tok.flavor == "k3" else "a<think>b")
+    assert markup[0] == ord("a") and tok.is_special(markup[1]) and markup[2] == ord("b")
+
+
+def test_kimi_regex_splits():
+    """Hand-derived splits: Han runs alone, at most 3 digits, contractions, spaces."""
+    pat = PAT
+    assert pat.findall("你好world 123456") == ["你好", "world", " ", "123", "456"]
+    assert pat.findall("I'm HAPPY today!!\n\nok") == ["I'm", " HAPPY", " today", "!!\n\n", "ok"]
+    assert pat.findall("中文abc中文") == ["中文", "abc", "中文"]
+    assert pat.findall("a  b") == ["a", " ", " b"]
+
+
+# ---- tiktoken rank files ----
+
+def _train_bpe(corpus: str, merges: int) -> dict[bytes, int]:
+    """A tiny byte-level BPE trainer over Kimi's pre-tokenized pieces (reference side)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = collections.Counter(PAT.findall(corpus))
+    seqs = {w: [bytes([b]) for b in w.encode()] for w in words}
+    for _ in range(merges):
+        pairs = collections.Counter()
+        for w, s in seqs.items():
+            for a, b in zip(s, s[1:]):
+                pairs[a, b] += words[w]
+        if not pairs:
+            break
+        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        ranks[a + b] = len(ranks)
+        for w, s in seqs.items():
+            i, out = 0, []
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    return ranks
+
+
+def _ref_encode(ranks: dict[bytes, int], text: str) -> list[int]:
+    """tiktoken's algorithm from its definition: per regex piece, a whole-piece lookup, else
+    repeatedly merge the adjacent pair whose concatenation has the lowest rank."""
+    out = []
+    for piece in PAT.findall(text):
+        b = piece.encode()
+        if b in ranks:
+            out.append(ranks[b])
+            continue
+        parts = [bytes([c]) for c in b]
+        while True:
+            cands = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1)
+                     if parts[i] + parts[i + 1] in ranks]
+            if not cands:
+                break
+            _, i = min(cands)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        out.extend(ranks[p] for p in parts)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_file(tmp_path_factory):
+    ranks = _train_bpe(" ".join(TEXTS[:4]) * 3 + " the the then there 你好你好", 120)
+    path = tmp_path_factory.mktemp("tk") / "tiktoken.model"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return path, ranks
+
+
+def test_tiktoken_matches_reference_bpe(rank_file):
+    path, ranks = rank_file
+    tok = TiktokenTokenizer(path)
+    assert load_tiktoken_ranks(path) == ranks
+    for t in TEXTS + ["there then the 你好你好你 1234"]:
+        ids = tok.encode(t)
+        assert ids == _ref_encode(ranks, t)
+        assert tok.decode(ids) == t
+        assert b"".join(tok.token_bytes(i) for i in ids) == t.encode()
+    assert len(tok.encode("the then there")) < len("the then there")  # merges were used
+    n = len(ranks)
+    assert tok.vocab_size == n + 256
+    assert tok.special_tokens == kimi_special_table("k3", n)
+    assert (tok.bos_id, tok.eos_id, tok.special("<|sep|>"), tok.pad_id) == (n, n + 2, n + 5,
+                                                                            n + 255)
+    ids = tok.encode(SPECIAL_TEXT)
+    assert not any(tok.is_special(i) for i in ids) and tok.decode(ids) == SPECIAL_TEXT
+    assert tok.encode_markup("x<|open|>y") == tok.encode("x") + [n + 3] + tok.encode("y")
+
+
+def test_tiktoken_file_errors(tmp_path):
+    bad = tmp_path / "bad.model"
+    bad.write_text("not-base64!! 0\n")
+    with pytest.raises(ValueError, match="bad entry"):
+        load_tiktoken_ranks(bad)
+    gap = tmp_path / "gap.model"
+    gap.write_text(f"{base64.b64encode(b'a').decode()} 0\n{base64.b64encode(b'b').decode()} 2\n")
+    with pytest.raises(ValueError, match="without gaps"):
+        load_tiktoken_ranks(gap)
+
+
+# ---- Hugging Face tokenizer.json ----
+
+@pytest.fixture(scope="module")
+def hf_file(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    specials = ["[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(TEXTS * 5, trainer)
+    path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
+    tk.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_round_trip_and_special_safety(hf_file):
+    tok = HFTokenizer(hf_file)
+    assert set(tok.special_tokens) == {"[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>",
+                                       "<|close|>", "<|sep|>"}
+    for t in TEXTS:
+        ids = tok.encode(t)
+        assert tok.decode(ids) == t
+        assert b"".join(tok.token_bytes(i) for i in ids) == t.encode()
+    ids = tok.encode(SPECIAL_TEXT)
+    assert not any(tok.is_special(i) for i in ids) and tok.decode(ids) == SPECIAL_TEXT
+    assert tok.special("<|open|>") in tok.encode_markup("a<|open|>b")
+    assert tok.eos_id == tok.special("<|end_of_msg|>")
+
+
+def test_load_tokenizer_dispatch(rank_file, hf_file):
+    path, ranks = rank_file
+    assert isinstance(load_tokenizer(None, vocab_size=384), ByteTokenizer)
+    assert isinstance(load_tokenizer(path.parent, vocab_size=10**6), TiktokenTokenizer)
+    assert isinstance(load_tokenizer(hf_file, vocab_size=10**6), HFTokenizer)
+    with pytest.raises(ValueError, match="model vocabulary"):
+        load_tokenizer(path, vocab_size=300)
+    with pytest.raises(ValueError, match="no such file"):
+        load_tokenizer(path.parent / "missing.model", vocab_size=10**6)
