@@ -40,6 +40,11 @@ from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved
 
 INDEXER_LOSSES = ("none", "dense", "sparse")
 f32 = jnp.float32
+# q_a_layernorm / kv_a_layernorm eps: fixed 1e-6 whatever rms_norm_eps says (1e-5 for Kimi):
+# DeepSeek-V3's reference MLA (RMSNorm default eps) and transformers 5.18 DeepseekV32Attention /
+# KimiLinearAttention (their RMSNorm default). With rms_norm_eps here the golden Kimi Linear
+# logits (tests/test_convert.py) were off by 1.1e-5 abs; with 1e-6, 2.7e-7.
+MLA_LATENT_NORM_EPS = 1e-6
 
 
 @struct.dataclass
@@ -130,7 +135,8 @@ class GatedDSA(nnx.Module):
         d, n, r = c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim
         lin = functools.partial(Linear, rngs=rngs, param_dtype=dtype_of(c.param_dtype),
                                 compute_dtype=dtype_of(c.compute_dtype))
-        norm = functools.partial(RMSNorm, eps=c.rms_norm_eps, param_dtype=dtype_of(c.param_dtype))
+        norm = functools.partial(RMSNorm, eps=MLA_LATENT_NORM_EPS,
+                                 param_dtype=dtype_of(c.param_dtype))
         if c.q_lora_rank is not None:
             self.q_a_proj = lin(d, c.q_lora_rank, axes=("embed", "q_lora"))
             self.q_a_layernorm = norm(c.q_lora_rank)

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from kdsa.model.config import YarnConfig, get_preset
-from kdsa.model.dsa_layer import (DSACache, GatedDSA, dsa_cache_bytes_per_token,
-                                  init_dsa_cache)
+from kdsa.model.dsa_layer import (MLA_LATENT_NORM_EPS, DSACache, GatedDSA,
+                                  dsa_cache_bytes_per_token, init_dsa_cache)
 from kdsa.model.rope import rope_inv_freq
 
 TINY = get_preset("tiny")  # NoPE, gate, q_lora 32, topk 8, query chunk 16
@@ -99,13 +99,14 @@ def np_layer(cfg, p, x, pos, seg=None):
         cfg.v_head_dim
     seg = np.ones((b, t)) if seg is None else np.asarray(seg)
     if cfg.q_lora_rank:
-        cq = np_rms(x @ p["q_a_proj"]["kernel"], p["q_a_layernorm"]["weight"], cfg.rms_norm_eps)
+        cq = np_rms(x @ p["q_a_proj"]["kernel"], p["q_a_layernorm"]["weight"],
+                    MLA_LATENT_NORM_EPS)
         q = cq @ p["q_b_proj"]["kernel"]
     else:
         cq, q = x, x @ p["q_proj"]["kernel"]
     q = q.reshape(b, t, n, nope + r)
     kva = x @ p["kv_a_proj_with_mqa"]["kernel"]
-    ckv = np_rms(kva[..., :cfg.kv_lora_rank], p["kv_a_layernorm"]["weight"], cfg.rms_norm_eps)
+    ckv = np_rms(kva[..., :cfg.kv_lora_rank], p["kv_a_layernorm"]["weight"], MLA_LATENT_NORM_EPS)
     kpe = kva[..., cfg.kv_lora_rank:]
     qpe = q[..., nope:]
     if not cfg.mla_use_nope:
