@@ -25,6 +25,9 @@ from kdsa.model.ffn import DenseFFN
 from kdsa.model.kda_layer import KDA
 from kdsa.model.layers import RMSNorm
 from kdsa.model.moe import MoE
+from kdsa.sharding.constrain import constrain
+
+ACT = ("act_batch", "act_seq", "act_embed")  # residual stream [B, T, D]; no-op without rules
 
 
 class DecoderLayer(nnx.Module):
@@ -63,18 +66,21 @@ class DecoderLayer(nnx.Module):
                                                    segment_ids=segment_ids, cache=cache,
                                                    indexer_loss=indexer_loss)
             kl = mixer_aux["indexer_kl"].astype(jnp.float32)
-        stream = res.hidden + out.astype(res.hidden.dtype)
+        stream = constrain(res.hidden + out.astype(res.hidden.dtype), ACT)
         h = self.mlp_res(stream, res.blocks, res.n_blocks) if attn_res else stream
         ffn_in = self.post_attention_layernorm(h)
         if self.ffn_kind == "moe":
             token_mask = None if segment_ids is None else segment_ids != 0
             ffn_out, stats = self.block_sparse_moe(ffn_in, token_mask=token_mask)
             load = stats["expert_load"].astype(jnp.float32)
+            dropped = stats.get("moe_dropped", jnp.zeros((), jnp.int32))  # expert parallel
         else:
             ffn_out = self.mlp(ffn_in)
             load = jnp.zeros((max(cfg.num_experts, 1),), jnp.float32)
-        res = res.replace(hidden=stream + ffn_out.astype(stream.dtype))
-        return res, cache, {"indexer_kl": kl, "expert_load": load}
+            dropped = jnp.zeros((), jnp.int32)
+        res = res.replace(hidden=constrain(stream + ffn_out.astype(stream.dtype), ACT),
+                          blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
+        return res, cache, {"indexer_kl": kl, "expert_load": load, "moe_dropped": dropped}
 
 
 class LayerGroup(nnx.Module):
@@ -86,7 +92,7 @@ class LayerGroup(nnx.Module):
 
     def __call__(self, res: Residual, first_layer: jax.Array, *, positions, segment_ids, caches,
                  indexer_loss: str):
-        new_caches, kls, loads = [], [], []
+        new_caches, kls, loads, drops = [], [], [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             res, cache, aux = layer(res, first_layer + i, positions=positions,
@@ -95,5 +101,7 @@ class LayerGroup(nnx.Module):
             new_caches.append(cache)
             kls.append(aux["indexer_kl"])
             loads.append(aux["expert_load"])
-        aux = {"indexer_kl": jnp.stack(kls), "expert_load": jnp.stack(loads)}  # [P], [P, E]
+            drops.append(aux["moe_dropped"])
+        aux = {"indexer_kl": jnp.stack(kls), "expert_load": jnp.stack(loads),  # [P], [P, E]
+               "moe_dropped": jnp.stack(drops)}  # [P]
         return res, (None if caches is None else tuple(new_caches)), aux

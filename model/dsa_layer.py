@@ -37,6 +37,7 @@ from kdsa.model.dsa import (dense_attention, indexer_kl_dense, indexer_kl_sparse
                             sparse_mla_attention)
 from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
 from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
+from kdsa.sharding import context_parallel as cp
 
 INDEXER_LOSSES = ("none", "dense", "sparse")
 f32 = jnp.float32
@@ -258,10 +259,11 @@ class GatedDSA(nnx.Module):
             detach = indexer_loss == "sparse"
             iq, ik, iw = self.indexer(*(_detached(x, q_latent) if detach else (x, q_latent)),
                                       positions)
-            idx = indexer_topk(iq, ik, iw, c.index_topk, **vis)  # [B, T, K]
+            idx = cp.indexer_topk(iq, ik, iw, c.index_topk, **vis)  # [B, T, K] (seq-parallel)
             q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
             kv = (c_kv, k_pe)  # [B, T, kv_lora] and [B, T, rope]: the key parts, kept apart
-            o_lat, _ = sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank, chunk_size=chunk)
+            o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
+                                               chunk_size=chunk)
             o = self._unabsorb(o_lat)
             if detach:
                 kl_t = indexer_kl_sparse(q_abs, kv, idx, scale, iq, ik, iw, chunk_size=chunk)

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kdsa.model.config import ModelConfig
-from kdsa.model.kda import kda_chunked, kda_step, segment_starts
+from kdsa.model.kda import kda_step, segment_starts
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, param, rms_norm
+from kdsa.sharding import context_parallel as cp
 
 
 @struct.dataclass
@@ -224,8 +225,8 @@ class KDA(nnx.Module):
         g = kda_gate(raw.reshape(b, t, h, dk), self.A_log[...], self.lower_bound)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))           # [B, T, H]
         if cache is None:
-            o, _ = kda_chunked(q, k, v, g, beta, chunk_size=self.config.kda_chunk_size,
-                               segment_ids=segment_ids)
+            o, _ = cp.kda_chunked(q, k, v, g, beta, chunk_size=self.config.kda_chunk_size,
+                                  segment_ids=segment_ids)  # sequence-parallel under rules
             new_cache = None
         elif t == 1:
             if valid is not None:                                           # finished rows
@@ -237,8 +238,8 @@ class KDA(nnx.Module):
             new_cache = KDACache(conv_state=conv_state, recurrent_state=state)
         else:
             ids = None if valid is None else valid.astype(jnp.int32)         # pads only
-            o, state = kda_chunked(q, k, v, g, beta, initial_state=cache.recurrent_state,
-                                   chunk_size=self.config.kda_chunk_size, segment_ids=ids)
+            o, state = cp.kda_chunked(q, k, v, g, beta, initial_state=cache.recurrent_state,
+                                      chunk_size=self.config.kda_chunk_size, segment_ids=ids)
             new_cache = KDACache(conv_state=conv_state, recurrent_state=state)
         if self.config.linear_attn_config.use_full_rank_gate:
             gate = self.g_proj(x)

@@ -46,6 +46,7 @@ from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, lecun_init, param
 from kdsa.model.mxfp4 import (dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4,
                               unpack_from_compressed_tensors)
+from kdsa.sharding.expert_parallel import routed_experts_fn
 
 ExpertsFn = Callable[..., jax.Array]
 
@@ -391,7 +392,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, *,
                  token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        return self._forward(x, token_mask, experts_ragged)
+        return self._forward(x, token_mask, routed_experts_fn(experts_ragged))
 
     def reference(self, x: jax.Array, *,
                   token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -411,6 +412,7 @@ class MoE(nnx.Module):
         topk_idx, topk_weight, _ = self.gate(xf)  # [N, k], [N, k]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
         r = self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn)  # [N, De]
+        r, ep_metrics = r if isinstance(r, tuple) else (r, {})  # expert parallel: moe_dropped
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         if self.routed_expert_up_proj is not None:
@@ -419,5 +421,5 @@ class MoE(nnx.Module):
             r = r + self.shared_experts(xf)
         mask = None if token_mask is None else token_mask.reshape(b * t)
         load = expert_load(topk_idx, c.num_experts, mask)  # [E]
-        metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load)}
+        metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load), **ep_metrics}
         return r.astype(cdt).reshape(b, t, d), metrics

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from kdsa.model.attn_res import AttnResScorer, Residual, initial_residual
-from kdsa.model.block import LayerGroup
+from kdsa.model.block import ACT, LayerGroup
 from kdsa.model.config import ModelConfig
 from kdsa.model.dsa_layer import init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
+from kdsa.sharding.constrain import constrain
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
 
@@ -74,6 +75,7 @@ class ModelOutput:
     cache: tuple | None  # per segment, per period position: stacked layer caches
     indexer_kl: jax.Array  # [L] float32 (0 for KDA layers)
     expert_load: jax.Array  # [L, E] float32 (0 for dense-FFN layers)
+    moe_dropped: jax.Array | None = None  # [L] int32: expert-parallel assignments over capacity
 
 
 class Transformer(nnx.Module):
@@ -114,8 +116,10 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("positions are required with a cache (the slots to write)")
             positions = default_positions(input_ids, segment_ids)
-        res = initial_residual(self.embed_tokens(input_ids), cfg.num_attn_res_blocks)
-        new_caches, kls, loads = [], [], []
+        res = initial_residual(constrain(self.embed_tokens(input_ids), ACT),
+                               cfg.num_attn_res_blocks)
+        res = res.replace(blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
+        new_caches, kls, loads, drops = [], [], [], []
         for seg_i, (start, period, repeats) in enumerate(self.segment_layout):
             seg_cache = None if cache is None else cache[seg_i]
             res, seg_cache, aux = self._run_segment(
@@ -124,14 +128,17 @@ class Transformer(nnx.Module):
             new_caches.append(seg_cache)
             kls.append(aux["indexer_kl"].reshape(period * repeats))
             loads.append(aux["expert_load"].reshape(period * repeats, -1))
+            drops.append(aux["moe_dropped"].reshape(period * repeats))
         h = res.hidden
         if cfg.attn_res_block_size is not None:
             h = self.output_attn_res(res.hidden, res.blocks, res.n_blocks)
         h = self.norm(h)
         logits = self.embed_tokens.attend(h) if cfg.tie_word_embeddings else self.lm_head(h)
+        logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
         return ModelOutput(logits=logits.astype(jnp.float32),
                            cache=None if cache is None else tuple(new_caches),
-                           indexer_kl=jnp.concatenate(kls), expert_load=jnp.concatenate(loads))
+                           indexer_kl=jnp.concatenate(kls), expert_load=jnp.concatenate(loads),
+                           moe_dropped=jnp.concatenate(drops))
 
     def _run_segment(self, stack: LayerGroup, res: Residual, start: int, period: int,
                      repeats: int, *, positions, segment_ids, caches, indexer_loss):
