@@ -80,28 +80,103 @@ def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]
     return tuple(vals)
 
 
+# Named layouts per preset (``-1`` = the remaining devices); ``--mesh`` replaces one entirely.
+# tiny/small: any device count. Kimi Linear: experts within an 8-GPU node. K3: 896 experts over
+# 64 (train, 14 each; FSDP takes the rest) or 128 devices (generate, 7 each; requests take the
+# rest); numbers behind these choices are in docs/sharding.md (``kdsa plan``).
+DEFAULT_LAYOUTS: dict[str, dict[str, dict[str, int]]] = {
+    "tiny": {"train": {"fsdp": -1}, "generate": {"data": -1}},
+    "small": {"train": {"fsdp": -1}, "generate": {"data": -1}},
+    "kimi-linear-48b": {"train": {"expert": 8, "fsdp": -1},
+                        "generate": {"expert": 8, "data": -1}},
+    "k3-2.8t": {"train": {"expert": 64, "fsdp": -1},
+                "generate": {"expert": 128, "data": -1}},
+}
+LAYOUTS = ("train", "generate")
+
+
+def layout_sizes(preset: str | None, layout: str,
+                 override: str | Mapping[str, int] | None = None) -> dict[str, int]:
+    """Axis sizes of a named layout: ``override`` if given, else the preset's default
+    (``{"fsdp": -1}`` / ``{"data": -1}`` for presets without one)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    if override:
+        return parse_mesh_spec(override)
+    fallback = {"train": {"fsdp": -1}, "generate": {"data": -1}}
+    return parse_mesh_spec(DEFAULT_LAYOUTS.get(preset or "", fallback)[layout])
+
+
+def device_array(sizes: Mapping[str, int] | str | None, devices: Sequence,
+                 dcn: Mapping[str, int] | str | None = None) -> np.ndarray:
+    """Devices arranged ``[data, fsdp, expert, tensor, sequence]``.
+
+    Without ``dcn``: ``sizes`` (one ``-1`` allowed) must multiply to the device count. With
+    ``dcn`` (multi-slice pods; devices carry ``slice_index``): ``sizes`` are the per-slice
+    (ici) parts, ``dcn`` the across-slice factors; axis ``a`` has ``ici[a] * dcn[a]`` devices
+    and moving along its dcn part changes slice (``create_hybrid_device_mesh``).
+    """
+    devices = list(devices)
+    sizes = parse_mesh_spec(sizes)
+    if dcn:
+        dcn_sizes = tuple(parse_mesh_spec(dcn).values())
+        if -1 in dcn_sizes:
+            raise ValueError(f"dcn sizes must be explicit (no -1), got {dcn}")
+        n_slices = math.prod(dcn_sizes)
+        slices = {getattr(d, "slice_index", 0) for d in devices}
+        if len(slices) != n_slices:
+            raise ValueError(f"dcn axes {_fmt(dict(zip(AXES, dcn_sizes)))} ask for {n_slices} "
+                             f"slices but the devices span {len(slices)}")
+        if len(devices) % n_slices:
+            raise ValueError(f"{len(devices)} devices do not split into {n_slices} equal slices")
+        ici = resolve_sizes(sizes, len(devices) // n_slices)
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn_sizes, devices)
+    ici = resolve_sizes(sizes, len(devices))
+    try:
+        return mesh_utils.create_device_mesh(ici, devices)
+    except (AssertionError, ValueError, NotImplementedError):
+        return np.asarray(devices).reshape(ici)
+
+
 def make_mesh(sizes: Mapping[str, int] | str | None = None, *,
               devices: Sequence[jax.Device] | None = None,
-              dcn: Mapping[str, int] | None = None) -> Mesh:
-    """A mesh over ``devices`` (default: all) with our five axes, ``Auto`` axis types.
-
-    ``dcn`` gives the across-slice factor per axis for multi-slice pods (devices must carry
-    ``slice_index``); the ``sizes`` are then the within-slice (ici) parts.
-    """
-    devices = list(devices if devices is not None else jax.devices())
-    sizes = parse_mesh_spec(sizes) if not isinstance(sizes, Mapping) else parse_mesh_spec(sizes)
-    if dcn:
-        dcn_sizes = tuple(int(dcn.get(a, 1)) for a in AXES)
-        n_slices = math.prod(dcn_sizes)
-        ici = resolve_sizes(sizes, len(devices) // n_slices)
-        arr = mesh_utils.create_hybrid_device_mesh(ici, dcn_sizes, devices)
-    else:
-        ici = resolve_sizes(sizes, len(devices))
-        try:
-            arr = mesh_utils.create_device_mesh(ici, devices)
-        except (AssertionError, ValueError, NotImplementedError):
-            arr = np.asarray(devices).reshape(ici)
+              dcn: Mapping[str, int] | str | None = None) -> Mesh:
+    """A mesh over ``devices`` (default: all, every process's) with our five axes, ``Auto``
+    axis types; see :func:`device_array` for ``sizes`` and ``dcn``."""
+    arr = device_array(sizes, devices if devices is not None else jax.devices(), dcn)
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def check_layout(config, sizes: Mapping[str, int], layout: str, *, batch: int | None = None,
+                 seq: int | None = None) -> None:
+    """Raise ``ValueError`` listing every model (and batch) dimension that ``layout`` shards
+    over mesh axes whose product does not divide it. ``sizes`` are resolved (no ``-1``).
+
+    Checked: experts (expert parallelism needs whole experts per device), attention, KDA and
+    indexer heads over the activation head axes, the routed-expert hidden size (split inside
+    the expert-parallel ``shard_map``), and, when given, the batch and sequence length over the
+    activation axes. Weight dims need not divide: the rules fall back to a prefix.
+    """
+    from kdsa.sharding.rules import get_rules
+
+    rules = get_rules(layout)
+    dims = [("experts", "num_experts", config.num_experts),
+            ("act_heads", "num_attention_heads", config.num_attention_heads),
+            ("act_heads", "linear_attn_config.num_heads", config.linear_attn_config.num_heads),
+            ("act_heads", "index_n_heads", config.index_n_heads),
+            ("expert_mlp", "moe_intermediate_size", config.moe_intermediate_size),
+            ("act_batch", "the batch size", batch), ("act_seq", "the sequence length", seq)]
+    problems = []
+    for logical, what, dim in dims:
+        axes = tuple(a for a in (rules.get(logical) or ()) if sizes.get(a, 1) > 1)
+        prod = math.prod(sizes[a] for a in axes)
+        if dim and axes and dim % prod:
+            problems.append(f"{what}={dim} is not divisible by mesh axes "
+                            f"{'x'.join(f'{a}={sizes[a]}' for a in axes)} (product {prod}, "
+                            f"logical axis {logical!r})")
+    if problems:
+        raise ValueError(f"layout {layout!r} with mesh {_fmt(sizes)} does not fit the model: "
+                         + "; ".join(problems))
 
 
 def _fmt(sizes: Mapping[str, int]) -> str:

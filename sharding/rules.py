@@ -3,10 +3,11 @@
 Parameters carry logical names in their ``axes`` metadata (glossary in ``model/layers.py``);
 parameters stacked by the layer scan have one more leading dimension, named ``layers``.
 Activations are constrained by logical names prefixed ``act_``. A logical name maps to a tuple
-of mesh axes (sharded over their product) or ``None`` (replicated). When a dimension is not
-divisible by the mesh axes' product, or a mesh axis is already used by an earlier dimension of
-the same array, that dimension falls back to replicated; ``replicated_report`` lists the large
-parameters that end up fully replicated so such fallbacks are visible.
+of mesh axes (sharded over their product) or ``None`` (replicated). A mesh axis already used by
+an earlier dimension of the same array is skipped; when a dimension is not divisible by the
+product, it takes the longest prefix of the axes that divides (replicated if none);
+``replicated_report`` lists the large parameters that end up fully replicated so such
+fallbacks are visible.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 Rules = Mapping[str, tuple[str, ...] | None]
 
 RULES: dict[str, Rules] = {
-    # Training: FSDP over `fsdp` (weights' model dim), experts over `expert`, heads and FFN
-    # hidden over `tensor`, batch over data x fsdp x expert, sequence over `sequence`.
+    # Training: FSDP over `fsdp` (weights' model dim; non-expert weights also over `expert`,
+    # which outside the MoE is one more FSDP/batch axis, as in MaxText), experts over
+    # `expert`, heads and FFN hidden over `tensor`, batch over data x fsdp x expert, sequence
+    # over `sequence`.
+    # Weight dims without an `embed` (latents, heads of up-projections) take the FSDP axes as
+    # fallbacks, so no large weight stays whole (`replicated_report`).
     "train": {
-        "embed": ("fsdp",), "vocab": ("tensor",), "mlp": ("tensor",), "heads": ("tensor",),
-        "q_lora": None, "kv_lora": None, "index_heads": ("tensor",),
+        "embed": ("fsdp", "expert"), "vocab": ("tensor",),
+        "mlp": ("tensor", "fsdp", "expert"), "heads": ("tensor", "fsdp", "expert"),
+        "q_lora": ("fsdp", "expert"), "kv_lora": ("fsdp", "expert"),
+        "index_heads": ("tensor", "fsdp", "expert"),
         "experts": ("expert",), "expert_embed": ("fsdp",), "expert_mlp": ("tensor",),
         "layers": None,
         "act_batch": ("data", "fsdp", "expert"), "act_seq": ("sequence",), "act_embed": None,
@@ -66,8 +73,9 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
             raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
         mesh_axes = tuple(a for a in (rules[name] or ()) if a not in used
                           and mesh.shape.get(a, 1) > 1)
-        size = math.prod(mesh.shape[a] for a in mesh_axes)
-        if not mesh_axes or dim % size:
+        while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
+            mesh_axes = mesh_axes[:-1]  # the longest prefix that divides
+        if not mesh_axes:
             spec.append(None)
             continue
         used.update(mesh_axes)
