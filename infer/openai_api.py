@@ -1,0 +1,191 @@
+"""OpenAI chat-completions wire format: request validation and response bodies (no HTTP).
+
+``parse_chat_request(body, ...)`` checks a ``POST /v1/chat/completions`` body and returns a
+:class:`ChatJob` (rendered prompt, sampling, effort); every problem is an :class:`ApiError`
+with the HTTP status and the offending parameter (``rl_and_serving.md`` 5 lists the fields).
+``completion_body`` / ``chunk`` build the responses: ``message.reasoning_content``,
+``tool_calls``, ``finish_reason`` (``tool_calls`` when the answer calls tools),
+``usage.completion_tokens_details.reasoning_tokens``.
+
+``reasoning_effort`` accepts ``low`` / ``high`` / ``max`` and maps the other common names as
+DeepSeek-V4 does (``minimal`` -> low, ``medium`` / ``xhigh`` -> high); ``none`` turns thinking
+off. Default ``max``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from kdsa.infer.budget import check_effort
+from kdsa.infer.chat import check_tool_choice, messages_from_openai, tools_from_openai
+from kdsa.infer.sampling import SamplingParams
+
+EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "high",
+                  "xhigh": "high", "max": "max"}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclasses.dataclass
+class ChatJob:
+    prompt: list[int]
+    sampling: list[SamplingParams]  # one per choice (n)
+    thinking: bool
+    effort: str
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    first_call_index: int
+    id: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def _get(body: dict, name: str, types, default=None, check=None, why: str = ""):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(f"{name} must be {why or types}, got a boolean", param=name)
+    if not isinstance(v, types) or (check is not None and not check(v)):
+        raise ApiError(f"{name} must be {why or types}, got {v!r}", param=name)
+    return v
+
+
+def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
+                       default_max_tokens: int | None = None) -> ChatJob:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise ApiError(f"the model {model!r} does not exist; this server serves "
+                       f"{model_name!r}", status=404, param="model", code="model_not_found")
+    try:
+        messages = messages_from_openai(body.get("messages"))
+    except ValueError as e:
+        raise ApiError(str(e), param="messages") from None
+    try:
+        tools = tools_from_openai(body.get("tools"))
+    except ValueError as e:
+        raise ApiError(f"invalid tool schema: {e}", param="tools") from None
+    try:
+        tool_choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ValueError as e:
+        raise ApiError(str(e), param="tool_choice") from None
+    raw_effort = _get(body, "reasoning_effort", str, why="a string")
+    thinking = raw_effort != "none"
+    try:
+        effort = check_effort(EFFORT_ALIASES.get(raw_effort, raw_effort) if thinking else None)
+    except ValueError as e:
+        raise ApiError(str(e), param="reasoning_effort") from None
+    response_format = _get(body, "response_format", dict, why="an object")
+    num = (int, float)
+    temperature = _get(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
+    top_p = _get(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
+    top_k = _get(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")
+    min_p = _get(body, "min_p", num, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    seed = _get(body, "seed", int, None, lambda v: v >= 0, "an integer >= 0")
+    n = _get(body, "n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]")
+    stream = _get(body, "stream", bool, False, why="a boolean")
+    opts = _get(body, "stream_options", dict, {}, why="an object")
+    logprobs = _get(body, "logprobs", bool, False, why="a boolean")
+    top_logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20,
+                        "an integer in [0, 20]")
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s
+                                                                for s in stop):
+        raise ApiError("stop must be a string or a list of at most 4 non-empty strings",
+                       param="stop")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+            max_tokens, int) or max_tokens < 1):
+        raise ApiError(f"max_tokens must be an integer >= 1, got {max_tokens!r}",
+                       param="max_tokens")
+    try:
+        prompt = chat_format.render(messages, tools=tools, tool_choice=tool_choice,
+                                    response_format=response_format, effort=effort,
+                                    thinking=thinking)
+    except ValueError as e:
+        raise ApiError(str(e), param="messages") from None
+    room = max_len - len(prompt)
+    if room < 1:
+        raise ApiError(f"the prompt is {len(prompt)} tokens; this model's context is "
+                       f"{max_len} tokens", param="messages", code="context_length_exceeded")
+    limit = min(room, max_tokens or default_max_tokens or room)
+    sampling = [SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
+                               min_p=float(min_p), seed=None if seed is None else seed + i,
+                               max_tokens=limit, stop=tuple(stop),
+                               top_logprobs=top_logprobs if logprobs else 0)
+                for i in range(n)]
+    calls = sum(len(m.tool_calls) for m in messages)
+    return ChatJob(prompt, sampling, thinking, effort, stream,
+                   bool(opts.get("include_usage")), logprobs, calls)
+
+
+def _logprob_entries(tok, ids, logprobs, tops) -> dict:
+    def entry(t, lp):
+        b = tok.token_bytes(int(t))
+        return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                        for t, lp, top in zip(ids, logprobs, tops)]}
+
+
+def finish_reason(completion) -> str:
+    out = completion.output
+    if completion.finish_reason == "stop" and out is not None and out.tool_calls:
+        return "tool_calls"
+    return "stop" if completion.finish_reason == "abort" else completion.finish_reason
+
+
+def usage(job: ChatJob, completions) -> dict:
+    gen = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": gen,
+            "total_tokens": len(job.prompt) + gen,
+            "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens
+                                                                  for c in completions)}}
+
+
+def completion_body(job: ChatJob, completions, *, model_name: str, tokenizer) -> dict:
+    choices = []
+    for i, c in enumerate(completions):
+        out = c.output
+        msg = {"role": "assistant", "content": c.text or None}
+        if job.thinking:
+            msg["reasoning_content"] = out.reasoning if out is not None else ""
+        if out is not None and out.tool_calls:
+            msg["tool_calls"] = [tc.to_openai() for tc in out.tool_calls]
+        choice = {"index": i, "message": msg, "finish_reason": finish_reason(c),
+                  "logprobs": None}
+        if job.logprobs:
+            choice["logprobs"] = _logprob_entries(tokenizer, c.token_ids, c.logprobs,
+                                                  c.top_logprobs)
+        choices.append(choice)
+    return {"id": job.id, "object": "chat.completion", "created": job.created,
+            "model": model_name, "choices": choices, "usage": usage(job, completions)}
+
+
+def chunk(job: ChatJob, *, model_name: str, index: int, delta: dict,
+          finish: str | None = None, logprobs: dict | None = None) -> dict:
+    choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+            "model": model_name, "choices": [choice]}
+
+
+def delta_of(kind: str, value, tool_index: int) -> dict:
+    if kind == "reasoning":
+        return {"reasoning_content": value}
+    if kind == "content":
+        return {"content": value}
+    return {"tool_calls": [value.to_openai(index=tool_index)]}

@@ -1,0 +1,213 @@
+"""The OpenAI-compatible server over real HTTP on 127.0.0.1 (scripted model, bounded, stopped at
+module end): non-streaming and SSE streaming, tools, budgets per effort level, errors, 16
+concurrent clients, a disconnecting client."""
+
+import concurrent.futures
+import http.client
+import json
+import socket
+import time
+
+import pytest
+
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.chat import Message, ToolCall, get_format
+from kdsa.infer.engine import Engine
+from kdsa.infer.scripted import ScriptedRunner
+from kdsa.infer.server import start_server
+from kdsa.infer.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer(384)
+FMT = get_format("xtml", TOK)
+CAPS, GRACE = {"low": 5, "high": 30, "max": 60}, 8
+CALL = ToolCall("functions.get_weather:0", "get_weather", json.dumps({"city": "Paris"}))
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+def _answer(content: str, calls=()) -> list[int]:
+    gen = FMT.render([Message("user", "q")])
+    full = FMT.render([Message("user", "q"), Message("assistant", content, "r", tuple(calls))],
+                      add_generation_prompt=False)
+    body, close = full[len(gen):], list(FMT.reasoning_end_ids)
+    i = next(j for j in range(len(body)) if body[j:j + len(close)] == close)
+    return body[i + len(close):]
+
+
+def _server(answer_ids, slots=4, caps=CAPS):
+    runner = ScriptedRunner(TOK, FMT, answer_ids=answer_ids, num_slots=slots, max_len=1024)
+    eng = Engine(runner, TOK, chat_format=FMT, budgets=BudgetConfig(caps=dict(caps),
+                                                                     grace=GRACE))
+    return start_server(eng, FMT, model_name="kdsa-test"), eng
+
+
+@pytest.fixture(scope="module")
+def chat():
+    handle, eng = _server(_answer("It is sunny."))
+    yield handle, eng
+    handle.stop()
+
+
+@pytest.fixture(scope="module")
+def tools_server():
+    handle, eng = _server(_answer("", [CALL]))
+    yield handle
+    handle.stop()
+
+
+def _post(handle, body, path="/v1/chat/completions", raw: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30)
+    data = raw if raw is not None else json.dumps(body).encode()
+    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    return r.status, text
+
+
+def _get(handle, path):
+    conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30)
+    conn.request("GET", path)
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.parametrize("effort,reasoning_tokens", [("low", 13), ("high", 37), ("max", 68)])
+def test_non_streaming_with_budget_per_level(chat, effort, reasoning_tokens):
+    status, text = _post(chat[0], {"model": "kdsa-test", "messages": USER,
+                                   "reasoning_effort": effort, "max_tokens": 200})
+    assert status == 200, text
+    body = json.loads(text)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == "It is sunny."
+    assert len(choice["message"]["reasoning_content"]) == reasoning_tokens
+    assert reasoning_tokens <= CAPS[effort] + GRACE
+    usage = body["usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == reasoning_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def _sse(text):
+    lines = [ln[6:] for ln in text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_streaming_matches_non_streaming(chat):
+    req = {"messages": USER, "reasoning_effort": "low", "stream": True, "n": 2, "seed": 1,
+           "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
+    status, text = _post(chat[0], req)
+    assert status == 200
+    chunks = _sse(text)
+    per = {0: {"reasoning": "", "content": "", "finish": None},
+           1: {"reasoning": "", "content": "", "finish": None}}
+    n_lp = 0
+    for c in chunks[:-1]:
+        ch = c["choices"][0]
+        d, slot = ch["delta"], per[ch["index"]]
+        slot["reasoning"] += d.get("reasoning_content") or ""
+        slot["content"] += d.get("content") or ""
+        slot["finish"] = ch["finish_reason"] or slot["finish"]
+        n_lp += len((ch.get("logprobs") or {}).get("content", []))
+    for slot in per.values():
+        assert slot["content"] == "It is sunny." and len(slot["reasoning"]) == 13
+        assert slot["finish"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == n_lp
+    status, text = _post(chat[0], {**req, "stream": False})
+    body = json.loads(text)
+    assert [c["message"]["content"] for c in body["choices"]] == ["It is sunny."] * 2
+    lp = body["choices"][0]["logprobs"]["content"]
+    assert len(lp) == body["usage"]["completion_tokens"] // 2 and len(lp[0]["top_logprobs"]) == 2
+
+
+def test_tool_calls_round_trip(tools_server):
+    status, text = _post(tools_server, {"messages": USER, "tools": TOOLS, "tool_choice": "auto",
+                                        "reasoning_effort": "low"})
+    body = json.loads(text)
+    msg, choice = body["choices"][0]["message"], body["choices"][0]
+    assert status == 200 and choice["finish_reason"] == "tool_calls"
+    assert msg["tool_calls"] == [CALL.to_openai()]
+    # the client sends the call, its reasoning and the result back; the next call id moves on
+    history = USER + [msg, {"role": "tool", "tool_call_id": CALL.id, "content": "sunny"}]
+    status, text = _post(tools_server, {"messages": history, "tools": TOOLS,
+                                        "reasoning_effort": "low", "stream": True})
+    calls = [tc for c in _sse(text) for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert status == 200 and [c["id"] for c in calls] == ["functions.get_weather:1"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"messages": USER, "model": "gpt-9"}, 404, "model"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": USER, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": USER, "n": True}, 400, "n"),
+    ({"messages": USER, "reasoning_effort": "ultra"}, 400, "reasoning_effort"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools"),
+    ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "x"}}}, 400,
+     "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "messages"),
+    ({"messages": USER + [{"role": "tool", "tool_call_id": "zz", "content": "r"}]}, 400,
+     "messages"),
+])
+def test_bad_requests_get_openai_errors(chat, body, status, param):
+    got, text = _post(chat[0], body)
+    err = json.loads(text)["error"]
+    assert got == status and err["param"] == param and err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_then_still_serving(chat):
+    got, text = _post(chat[0], None, raw=b"{not json")
+    assert got == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
+    assert _get(chat[0], "/health")[1]["status"] == "ok"
+    status, models = _get(chat[0], "/v1/models")
+    assert status == 200 and models["data"][0]["id"] == "kdsa-test"
+
+
+def test_sixteen_concurrent_clients(chat):
+    def one(i):
+        body = {"messages": [{"role": "user", "content": f"q{i}"}], "reasoning_effort":
+                ("low", "high", "max")[i % 3], "stream": bool(i % 2)}
+        return i, *_post(chat[0], body)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    for i, status, text in results:
+        assert status == 200
+        if i % 2:
+            content = "".join(c["choices"][0]["delta"].get("content") or ""
+                              for c in _sse(text) if c["choices"])
+        else:
+            content = json.loads(text)["choices"][0]["message"]["content"]
+        assert content == "It is sunny."
+    m = _get(chat[0], "/health")[1]["metrics"]
+    assert m["active_slots"] == 0 and m["queue_length"] == 0 and m["mean_batch"] > 1
+
+
+def test_disconnected_client_frees_its_slot():
+    handle, eng = _server(_answer("x"), slots=1, caps={**CAPS, "max": None})  # endless thought
+    try:
+        s = socket.create_connection(("127.0.0.1", handle.port))
+        body = json.dumps({"messages": USER, "stream": True, "max_tokens": 900}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        s.recv(100)  # streaming has started
+        s.close()
+        deadline = time.time() + 20
+        while time.time() < deadline and eng.metrics()["finish_reasons"].get("abort", 0) < 1:
+            time.sleep(0.05)
+        assert eng.metrics()["finish_reasons"].get("abort") == 1
+        status, text = _post(handle, {"messages": USER, "reasoning_effort": "low"})
+        assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "x"
+    finally:
+        handle.stop()
