@@ -90,7 +90,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[st
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: corrupt safetensors header (not UTF-8 JSON: {e})") from None
+        raise SafetensorsError(f"{path}: corrupt safetensors header (not UTF-8 JSON: {e})"
+                               ) from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
