@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kdsa.cli import forward_cmd, launch_local, params_cmd
+from kdsa.cli import convert_cmd
 from kdsa.sharding.distributed import JoinError, initialize
 
 
@@ -15,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in (params_cmd, forward_cmd, launch_local):
         mod.register(sub)
+    convert_cmd.register(sub)
     return p
 
 
