@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from kdsa.infer.budget import BudgetConfig, ThinkingBudget
-from kdsa.infer.sampling import SamplingParams, sample_jit
+from kdsa.infer.sampling import SamplingParams, sample, sample_jit
 
 _ids = itertools.count()
 
@@ -133,6 +133,12 @@ class Engine:
         self.num_top = max_top_logprobs
         self.prefill_budget = prefill_tokens_per_step or 4 * runner.prefill_chunk
         self._rng = np.random.default_rng(seed)
+        self._sample = sample_jit
+        if runner.mesh is not None:  # replicated results: every host reads the same tokens
+            import jax
+            from jax.sharding import NamedSharding, PartitionSpec
+            self._sample = jax.jit(sample, static_argnames=("num_top",),
+                                   out_shardings=NamedSharding(runner.mesh, PartitionSpec()))
         self._lock = threading.Condition()
         self._waiting: collections.deque[_Active] = collections.deque()
         self._cancel: set[str] = set()
@@ -275,7 +281,7 @@ class Engine:
             seeds[r], counters[r] = a.seed, len(a.tokens)
             if a.forced:
                 forced[r] = a.forced.popleft()
-        out = sample_jit(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
+        out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
                          num_top=self.num_top)
         tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
         for r, i in pairs:

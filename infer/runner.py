@@ -43,7 +43,7 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
-                 min_bucket: int = 16, mesh=None):
+                 min_bucket: int = 16, mesh=None, layout: str = "generate"):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -57,7 +57,7 @@ class ModelRunner:
         self.mesh = mesh
         if mesh is not None:
             from kdsa.sharding.rules import shard_model
-            shard_model(model, mesh, "generate")
+            shard_model(model, mesh, layout)
         self.graphdef, self.state = nnx.split(model)
         cache = model.init_cache(num_slots, max_len)
         if mesh is not None:

@@ -28,6 +28,7 @@ class ScriptedRunner:
         self.tok, self.fmt = tokenizer, chat_format
         self.vocab_size = tokenizer.vocab_size
         self.num_slots, self.max_len, self.prefill_chunk = num_slots, max_len, prefill_chunk
+        self.mesh = None
         self.close = list(chat_format.reasoning_end_ids)
         self.opener = list(chat_format.after_reasoning_ids)
         self.answer = list(answer_ids)

@@ -157,7 +157,8 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """Bytes 0-255, then the flavour's specials at 256 + offset, [UNK]/[PAD] on the last ids."""
+    """Bytes 0-255, then the flavour's specials at 256 + offset, [UNK]/[PAD] on the last ids;
+    every other id above 255 is a reserved special."""
 
     def __init__(self, vocab_size: int, flavor: str = "k3"):
         offsets = _offsets(flavor)
@@ -168,6 +169,9 @@ class ByteTokenizer(Tokenizer):
         self.vocab_size, self.flavor = vocab_size, flavor
         table = {n: 256 + o for n, o in offsets.items() if n not in _TAIL}
         table.update({"[UNK]": vocab_size - 2, "[PAD]": vocab_size - 1})
+        named = set(table.values())
+        table.update({f"<|reserved_token_{i}|>": i for i in range(256, vocab_size)
+                      if i not in named})
         self.special_tokens = table
         self._init_specials()
 
@@ -176,10 +180,7 @@ class ByteTokenizer(Tokenizer):
 
     def token_bytes(self, token_id: int) -> bytes:
         self._check_id(token_id)
-        if token_id < 256:
-            return bytes([token_id])
-        name = self._special_ids.get(token_id)
-        return (name or f"<|reserved_token_{token_id}|>").encode()
+        return bytes([token_id]) if token_id < 256 else self._special_ids[token_id].encode()
 
 
 def load_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:

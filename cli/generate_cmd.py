@@ -1,0 +1,110 @@
+"""``kdsa generate``: batched (and sharded, multi-host) generation from a JSONL of prompts.
+
+``add_engine_args`` / ``engine_from_args`` are shared with ``kdsa serve``.
+"""
+
+from __future__ import annotations
+
+
+def add_engine_args(p) -> None:
+    from kdsa.cli.config_args import add_config_args
+
+    add_config_args(p, default_preset="tiny")
+    g = p.add_argument_group("engine")
+    g.add_argument("--checkpoint", default=None,
+                   help="model folder for kdsa.model.checkpoint.load_model (else --preset with "
+                        "random weights, for smoke runs)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tiktoken.model or tokenizer.json (or a folder holding one); default: "
+                        "the checkpoint folder's, else the built-in byte-level tokenizer")
+    g.add_argument("--chat-format", default="xtml", choices=("xtml", "k2"))
+    g.add_argument("--slots", type=int, default=8, help="concurrent sequences (batch rows)")
+    g.add_argument("--max-len", type=int, default=1024, help="context per slot (tokens)")
+    g.add_argument("--prefill-chunk", type=int, default=256)
+    g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
+    g.add_argument("--mesh", default=None,
+                   help="mesh axes, e.g. data=2,tensor=4 (default: no mesh, one device)")
+    g.add_argument("--seed", type=int, default=0)
+    b = p.add_argument_group("thinking budgets (reasoning-token caps per effort level)")
+    b.add_argument("--budget-low", type=int, default=2048)
+    b.add_argument("--budget-high", type=int, default=8192)
+    b.add_argument("--budget-max", type=int, default=32768)
+    b.add_argument("--budget-grace", type=int, default=32,
+                   help="tokens to wait for a sentence end once a cap is reached")
+
+
+def engine_from_args(args):
+    """(engine, chat format, config name) from the parsed arguments."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    from kdsa.cli.config_args import config_from_args
+    from kdsa.infer.budget import BudgetConfig
+    from kdsa.infer.generate import build_engine, load_checkpoint
+    from kdsa.model.transformer import Transformer
+
+    mesh = None
+    if args.mesh:
+        from kdsa.sharding.mesh import make_mesh
+        mesh = make_mesh(args.mesh)
+    tok_path = args.tokenizer
+    if args.checkpoint:
+        if args.preset or args.config or args.overrides:
+            raise ValueError("--checkpoint brings its own config; drop --preset/--config/--set")
+        config, model = load_checkpoint(args.checkpoint, mesh=mesh)
+        name = Path(args.checkpoint).name
+        ck = Path(args.checkpoint)
+        if tok_path is None and any((ck / f).is_file() for f in ("tiktoken.model",
+                                                                 "tokenizer.json")):
+            tok_path = ck
+    else:
+        name, config = config_from_args(args)
+        model = Transformer(config, rngs=nnx.Rngs(args.seed))
+    budgets = BudgetConfig(caps={"low": args.budget_low, "high": args.budget_high,
+                                 "max": args.budget_max}, grace=args.budget_grace)
+    engine, fmt = build_engine(model, num_slots=args.slots, max_len=args.max_len,
+                               prefill_chunk=args.prefill_chunk, tokenizer_path=tok_path,
+                               chat_format=args.chat_format, budgets=budgets, mesh=mesh,
+                               layout=args.layout, seed=args.seed)
+    return engine, fmt, name
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="batched generation from a JSONL of prompts",
+                       description="Generate completions for every line of --prompts (chat "
+                                   "messages, raw text or token ids) with continuous batching "
+                                   "and write one JSON line per request to --out. Every host "
+                                   "runs the same command; process 0 writes.")
+    add_engine_args(p)
+    p.add_argument("--prompts", required=True, help="input JSONL")
+    p.add_argument("--out", required=True, help="output JSONL (written by process 0)")
+    p.add_argument("--effort", default="max", choices=("low", "high", "max"),
+                   help="thinking effort for chat requests without reasoning_effort")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import jax
+
+    from kdsa.infer.generate import read_requests, run_job
+
+    engine, fmt, name = engine_from_args(args)
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k}
+    reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
+                         seed=args.seed)
+    writer = jax.process_index() == 0
+    summary = run_job(engine, reqs, args.out, writer=writer, progress=not args.no_progress)
+    if writer:
+        print(f"model {name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt "
+              f"tokens, {summary['generated_tokens']} generated tokens in "
+              f"{summary['elapsed_s']:.1f}s ({summary['tokens_per_s']:.1f} tokens/s), mean "
+              f"TTFT {summary['mean_ttft_s']:.2f}s, finish {summary['finish_reasons']} -> "
+              f"{args.out}")
+    return 0
