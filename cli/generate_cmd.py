@@ -52,7 +52,7 @@ def engine_from_args(args):
     if args.checkpoint:
         if args.preset or args.config or args.overrides:
             raise ValueError("--checkpoint brings its own config; drop --preset/--config/--set")
-        config, model = load_checkpoint(args.checkpoint, mesh=mesh)
+        config, model = load_checkpoint(args.checkpoint, mesh=mesh, layout=args.layout)
         name = Path(args.checkpoint).name
         ck = Path(args.checkpoint)
         if tok_path is None and any((ck / f).is_file() for f in ("tiktoken.model",

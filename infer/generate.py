@@ -31,15 +31,16 @@ from kdsa.infer.tokenizer import load_tokenizer
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 
 
-def load_checkpoint(path: str | Path, mesh=None):
-    """``kdsa.model.checkpoint.load_model`` -> (config, model); a clear error until it exists."""
+def load_checkpoint(path: str | Path, mesh=None, layout: str = "generate"):
+    """``kdsa.model.checkpoint.load_model`` -> (config, model) placed by ``layout`` on
+    ``mesh``; a clear error when that module is missing."""
     try:
         from kdsa.model.checkpoint import load_model
     except ImportError:
         raise ValueError(f"--checkpoint {path}: checkpoint loading "
                          f"(kdsa.model.checkpoint.load_model) is not available in this build; "
                          f"use --preset for random weights") from None
-    return load_model(str(path), mesh=mesh)
+    return load_model(str(path), mesh=mesh, layout=layout)
 
 
 def build_engine(model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,

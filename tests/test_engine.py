@@ -214,3 +214,30 @@ def test_sharded_generate_layout_matches(model, prompts, batched):
     assert [c.token_ids for c in got] == [c.token_ids for c in batched[:4]]
     leaf = jax.tree.leaves(runner.cache)[0]
     assert len(leaf.sharding.device_set) == 8
+
+
+def test_generate_job_jsonl(tmp_path):
+    import json
+
+    from kdsa.infer.generate import read_requests, run_job
+    eng = _scripted_engine(reasoning_tokens=4)
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "chat", "messages": [{"role": "user", "content": "6 x 7?"}],
+         "reasoning_effort": "low"},
+        {"id": "raw", "prompt": "abc", "max_tokens": 3},
+        {"prompt_ids": [1, 2, 3], "max_tokens": 2, "stop": "zz"}]) + "\n")
+    reqs = read_requests(src, eng, FMT, effort="max", defaults={"max_tokens": 100,
+                                                                "temperature": 0.0}, seed=5)
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7]
+    summary = run_job(eng, reqs, tmp_path / "out.jsonl", progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["chat", "raw", "3"]
+    assert rows[0]["content"] == ANSWER and rows[0]["reasoning_tokens"] == 4
+    assert rows[1]["completion_tokens"] == 3 and len(rows[1]["logprobs"]) == 3
+    assert summary["requests"] == 3 and summary["generated_tokens"] == sum(
+        r["completion_tokens"] for r in rows)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"nothing": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: a request needs"):
+        read_requests(bad, eng, FMT, effort=None, defaults={}, seed=0)
