@@ -19,7 +19,7 @@ from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer
 
-MAX_LEN, SLOTS, CHUNK, NEW = 48, 4, 16, 6
+MAX_LEN, SLOTS, CHUNK, NEW = 128, 4, 16, 6
 LENGTHS = [5, 20, 11, 3, 9, 34]  # 20 and 34 > CHUNK: chunked prefill; 6 requests > 4 slots
 
 
@@ -241,3 +241,37 @@ def test_generate_job_jsonl(tmp_path):
     bad.write_text('{"prompt": "a"}\n{"nothing": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: a request needs"):
         read_requests(bad, eng, FMT, effort=None, defaults={}, seed=0)
+
+
+def test_real_model_over_http(engine):
+    """The real model behind the server: streamed and non-streamed greedy answers agree with
+    the engine's own tokens (thinking off keeps the prompt short)."""
+    import http.client
+    import json
+
+    from kdsa.infer.server import start_server
+    fmt = get_format("xtml", engine.tok)
+    chat_engine = Engine(engine.runner, engine.tok, chat_format=fmt, max_top_logprobs=3)
+    prompt = fmt.render([Message("user", "Hi")], thinking=False)
+    want = chat_engine.generate([Request(prompt, SamplingParams(temperature=0.0, max_tokens=5))])
+    handle = start_server(chat_engine, fmt, model_name="tiny")
+    try:
+        got = []
+        for stream in (False, True):
+            conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps({
+                "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "none",
+                "temperature": 0, "max_tokens": 5, "logprobs": True, "stream": stream}))
+            text = conn.getresponse().read().decode()
+            if stream:
+                chunks = [json.loads(x[6:]) for x in text.split("\n\n")
+                          if x.startswith("data: {")]
+                assert text.rstrip().endswith("data: [DONE]")
+                lps = [e for c in chunks for e in ((c["choices"][0].get("logprobs") or {})
+                                                   .get("content") or [])]
+            else:
+                lps = json.loads(text)["choices"][0]["logprobs"]["content"]
+            got.append([bytes(e["bytes"]) for e in lps])
+        assert got[0] == got[1] == [engine.tok.token_bytes(t) for t in want[0].token_ids]
+    finally:
+        handle.stop()
