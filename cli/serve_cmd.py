@@ -24,17 +24,13 @@ def register(sub) -> None:
 def run(args) -> int:
     import logging
 
+    from kdsa.cli.generate_cmd import engine_from_args
     from kdsa.infer.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    engine, fmt, name = engine_from_args_(args)
+    engine, fmt, name = engine_from_args(args)
     if not args.no_warmup:
         engine.runner.warmup()
     serve(engine, fmt, host=args.host, port=args.port, model_name=args.model_name or name,
           default_max_tokens=args.default_max_tokens)
     return 0
-
-
-def engine_from_args_(args):
-    from kdsa.cli.generate_cmd import engine_from_args
-    return engine_from_args(args)
