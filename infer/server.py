@@ -113,6 +113,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                               app[TOKENIZER])
     except ValueError as e:  # refused by the engine (e.g. prompt too long)
         return _error(api.ApiError(str(e)))
+    except ConnectionResetError:  # the client left; nobody reads this response
+        log.info("client disconnected from %s; cancelled", job.id)
+        return web.Response(status=499)
     finally:
         for rid in pending:  # disconnected or failed: free the slots
             engine.cancel(rid)
