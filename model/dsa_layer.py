@@ -332,3 +332,20 @@ class GatedDSA(nnx.Module):
 
 def _detached(x, q_latent):
     return jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
+
+
+# Trainable-parameter filters for the two indexer stages (DeepSeek-V3.2-Exp paper section 2.1):
+# the dense warm-up trains the indexer only (attention dense, every other weight frozen); the
+# sparse stage trains every parameter (the indexer from its KL loss only, since its inputs are
+# detached in ``indexer_loss="sparse"``). Use as ``nnx.Optimizer(model, tx, wrt=...)`` and
+# ``nnx.grad(loss, argnums=nnx.DiffState(0, ...))``.
+INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
+
+
+def indexer_stage_params(stage: str):
+    """The parameter filter to train in ``stage``: ``"dense_warmup"`` or ``"sparse"``."""
+    if stage == "dense_warmup":
+        return INDEXER_PARAMS
+    if stage == "sparse":
+        return nnx.Param
+    raise ValueError(f"indexer stage must be 'dense_warmup' or 'sparse', got {stage!r}")
