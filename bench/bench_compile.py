@@ -50,6 +50,7 @@ def compile_seconds(n: int, scan: bool, uniform: bool = True) -> float:
 
     best = float("inf")
     for _ in range(REPEATS):  # min over repeats: compile time on a shared CPU is noisy
+        jax.clear_caches()  # else the repeat is a cache hit
         t0 = time.perf_counter()
         jax.jit(f).lower(state, ids).compile()
         best = min(best, time.perf_counter() - t0)
