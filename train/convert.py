@@ -44,6 +44,16 @@ from kdsa.train import mappings as mp
 from kdsa.train.safetensors_io import DTYPES, SafetensorsCheckpoint, TensorSpec, write_checkpoint
 
 _FLOATS = ("F64", "F32", "F16", "BF16")
+_quantize = jax.jit(lambda w: quantize_mxfp4(w, check=False))               # one compile per shape
+_dequantize = jax.jit(lambda b, s: dequantize_mxfp4(b, s, jax.numpy.float32, check=False))
+
+
+def _finite(w: np.ndarray, name: str) -> np.ndarray:
+    """``w`` as float32, or ``ValueError`` naming the tensor if it holds NaN/Inf."""
+    w = np.asarray(w, np.float32)
+    if not np.isfinite(w).all():
+        raise ValueError(f"{name}: NaN or Inf values cannot be quantised to MXFP4")
+    return w
 _NP_OF = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
 
 
@@ -282,13 +292,13 @@ def _one(p: _Param, src: SafetensorsCheckpoint, layout: mp.Layout, config: Model
         w = src.tensor(base + ".weight")                                   # [N, K]
         if p.part == "float":
             return w.T
-        blocks, scales = quantize_mxfp4(jax.numpy.asarray(w))              # [N, K/32, 16]
+        blocks, scales = _quantize(_finite(w, base + ".weight"))           # [N, K/32, 16]
         return (np.asarray(blocks).reshape(w.shape[0], -1) if p.part == "packed"
                 else np.asarray(scales))
     packed, scale = src.tensor(base + ".weight_packed"), src.tensor(base + ".weight_scale")
     if p.part != "float":
         return packed if p.part == "packed" else scale
-    w = dequantize_mxfp4(packed.reshape(packed.shape[0], -1, 16), scale, jax.numpy.float32)
+    w = _dequantize(packed.reshape(packed.shape[0], -1, 16), scale)
     return np.asarray(w).T                                                 # [K, N]
 
 
@@ -455,12 +465,12 @@ def _export_expert(p: _Param, r: int, e: int, part: str, d: np.dtype, loader: _L
         return np.asarray(a.T).astype(d)                                   # [K, N] -> [N, K]
     if p.part == "float":                                                  # quantise once
         if part == "packed":
-            blocks, scales = quantize_mxfp4(jax.numpy.asarray(a.T))
+            blocks, scales = _quantize(_finite(a.T, p.key))
             stash[(p.key, r, e)] = np.asarray(scales)
             return np.asarray(blocks).reshape(blocks.shape[0], -1)
         return stash.pop((p.key, r, e))
     scale = loader.get(p.key[:-len("_packed")] + "_scale")[r, e]           # dequantise
-    w = dequantize_mxfp4(a.reshape(a.shape[0], -1, 16), scale, jax.numpy.float32)
+    w = _dequantize(a.reshape(a.shape[0], -1, 16), scale)
     return np.asarray(w).astype(d)
 
 
