@@ -11,7 +11,7 @@ save", each batch written and released before the next is produced, then one ``f
 a converter never holds the whole model. Writing is atomic: everything goes to a hidden temporary
 directory beside ``path`` which is renamed to ``path`` only when complete; a previous checkpoint
 at ``path`` is replaced only then, and an interrupted run leaves it untouched (plus a
-``NAME.kdsa-tmp-*`` directory, never at ``path``).
+``NAME.kdsa-tmp*`` directory, never at ``path``, removed by the next save).
 
 Reading: :func:`load_model` builds the model abstractly (``nnx.eval_shape``), gives every
 variable its target sharding (``kdsa.sharding.rules.state_shardings`` on ``mesh``, or one
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -82,8 +81,9 @@ def target_shardings(state: nnx.State, mesh=None, layout: str = "train") -> dict
 # ------------------------------------------------------------------------------- saving
 
 def _tmp_sibling(path: Path, tag: str) -> Path:
-    # not hidden: Orbax's partial-save finalize mishandles names starting with "."
-    return path.parent / f"{path.name}.kdsa-{tag}-{uuid.uuid4().hex[:8]}"
+    """``NAME.kdsa-TAG``: deterministic, so every process of a multi-host job agrees on it;
+    not hidden, as Orbax's partial-save finalize mishandles names starting with "."."""
+    return path.parent / f"{path.name}.kdsa-{tag}"
 
 
 def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[ParamItem], *,
@@ -105,6 +105,10 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
                        "params": want, **(metadata or {})}}
     tmp = _tmp_sibling(path, "tmp")
     primary = jax.process_index() == 0
+    if primary:  # leftovers of an interrupted run
+        for p in tmp.parent.glob(f"{tmp.name}*"):
+            shutil.rmtree(p, ignore_errors=True)
+    _sync("kdsa_checkpoint_start")
     done: set[str] = set()
     try:
         batch: dict[str, jax.Array] = {}
@@ -155,6 +159,7 @@ def _replace(tmp: Path, path: Path) -> None:
     old = None
     if path.exists():
         old = _tmp_sibling(path, "old")
+        shutil.rmtree(old, ignore_errors=True)
         os.rename(path, old)
     try:
         os.rename(tmp, path)
@@ -189,17 +194,13 @@ def read_info(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    try:
-        is_ckpt = ocp.is_orbax_checkpoint(path)
-    except Exception as e:  # noqa: BLE001 - orbax raises many kinds
-        raise CheckpointError(f"{path}: not an Orbax checkpoint ({e})") from None
-    if not is_ckpt:
-        raise CheckpointError(f"{path}: not an Orbax checkpoint (no Orbax metadata)")
+    if not any((path / f).exists() for f in ("_CHECKPOINT_METADATA", "orbax.checkpoint")):
+        raise CheckpointError(f"{path}: not an Orbax checkpoint (no _CHECKPOINT_METADATA)")
     try:
         meta = ocp.metadata(path)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path}: unreadable Orbax metadata ({type(e).__name__}: {e})"
-                              ) from None
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds
+        raise CheckpointError(f"{path}: an Orbax checkpoint whose metadata cannot be read "
+                              f"(damaged?): {type(e).__name__}: {str(e)[:300]}") from None
     ours = (meta.custom_metadata or {}).get("kdsa")
     if not isinstance(ours, dict) or "config" not in ours or "params" not in ours:
         raise CheckpointError(f"{path}: an Orbax checkpoint, but not one written by kdsa (no "

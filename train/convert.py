@@ -30,7 +30,6 @@ import resource
 import shutil
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -498,7 +497,8 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
                          info.get("hf_dtypes", {}) if same else {})
     summary = Summary("orbax-to-hf", name, tensors=len(specs), dry_run=dry_run)
     if not dry_run:
-        tmp = dst.parent / f"{dst.name}.kdsa-tmp-{uuid.uuid4().hex[:8]}"
+        tmp = dst.parent / f"{dst.name}.kdsa-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run
         tmp.mkdir(parents=True)
         bar = Progress(sum(s.nbytes for s in specs), len(specs), progress)
         try:
