@@ -26,13 +26,15 @@ RULES: dict[str, Rules] = {
     # which outside the MoE is one more FSDP/batch axis, as in MaxText), experts over
     # `expert`, heads and FFN hidden over `tensor`, batch over data x fsdp x expert, sequence
     # over `sequence`.
-    # Weight dims without an `embed` (latents, heads of up-projections) take the FSDP axes as
-    # fallbacks, so no large weight stays whole (`replicated_report`).
+    # MLA's latent dims take the FSDP axes too (q_b_proj, kv_b_proj, the indexer's wq_b have no
+    # `embed` dim), so no large weight stays whole (`replicated_report`). Heads and FFN hidden
+    # stay on `tensor` alone: with FSDP fallbacks there, o_proj / down_proj ([heads, embed])
+    # took (tensor, expert) on their first dim, a worse layout on which XLA's SPMD partitioner
+    # (JAX 0.12, CPU) also computed wrong Gated DSA outputs when no constraints were active.
     "train": {
-        "embed": ("fsdp", "expert"), "vocab": ("tensor",),
-        "mlp": ("tensor", "fsdp", "expert"), "heads": ("tensor", "fsdp", "expert"),
-        "q_lora": ("fsdp", "expert"), "kv_lora": ("fsdp", "expert"),
-        "index_heads": ("tensor", "fsdp", "expert"),
+        "embed": ("fsdp", "expert"), "vocab": ("tensor",), "mlp": ("tensor",),
+        "heads": ("tensor",), "q_lora": ("fsdp", "expert"), "kv_lora": ("fsdp", "expert"),
+        "index_heads": ("tensor",),
         "experts": ("expert",), "expert_embed": ("fsdp",), "expert_mlp": ("tensor",),
         "layers": None,
         "act_batch": ("data", "fsdp", "expert"), "act_seq": ("sequence",), "act_embed": None,

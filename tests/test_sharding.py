@@ -1,0 +1,291 @@
+"""Sharded execution equals single-device execution: EP MoE, SP KDA and DSA, whole model.
+
+8 CPU devices (``conftest.py``). References are the single-device functions of ``kdsa.model``
+(and a NumPy emulation for capacity overflow and the ragged exchange plan). Each case
+compiles once for values and gradients together.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.model import dsa as dsa_math
+from kdsa.model import kda as kda_math
+from kdsa.model import moe as moe_lib
+from kdsa.model.config import LinearAttnConfig, get_preset
+from kdsa.model.transformer import Transformer
+from kdsa.sharding import context_parallel as cp
+from kdsa.sharding.constrain import constrain, current, use_sharding
+from kdsa.sharding.expert_parallel import experts_sharded, ragged_exchange_plan
+from kdsa.sharding.mesh import make_mesh
+from kdsa.sharding.rules import shard_model
+
+TINY = get_preset("tiny")
+FAST = {"xla_backend_optimization_level": 0}  # compile options: half the CPU compile time
+
+
+def _fast(fn, *args):
+    """``jax.jit(fn)`` compiled at -O0 for ``args`` (traced under any active rules)."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST)
+
+
+def _max_err(a, b):
+    return max(float(jnp.max(jnp.abs(x - y))) for x, y in
+               zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ---------------------------------------------------------------------------------------------
+# activation constraints
+# ---------------------------------------------------------------------------------------------
+
+def test_constrain_is_a_noop_without_rules_and_shards_with_them():
+    x = jnp.ones((8, 4, 16))
+    assert current() is None and constrain(x, ("act_batch", "act_seq", "act_embed")) is x
+    mesh = make_mesh("fsdp=2,expert=2,sequence=2")
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(1)
+        return constrain(x * 2, ("act_batch", "act_seq", "act_embed"))
+
+    f(x)
+    with use_sharding(mesh, "train"):
+        y = f(x)
+    assert len(traces) == 2  # the rules are part of the jit cache key: retraced, not reused
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("fsdp", "expert"),
+                                                                       "sequence"))
+    assert y.sharding.is_equivalent_to(want, 3)
+    with pytest.raises(ValueError, match="do not match shape"), use_sharding(mesh, "train"):
+        constrain(x, ("act_batch",))
+    with pytest.raises(ValueError, match="collectives"), use_sharding(mesh, "train",
+                                                                     collectives="nccl"):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# expert parallelism
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_inputs():
+    e, de, i, n, k = TINY.num_experts, TINY.expert_hidden_size, TINY.moe_intermediate_size, 32, 2
+    ks = jax.random.split(jax.random.key(0), 6)
+    z = jax.random.normal(ks[0], (n, de))
+    idx = jax.vmap(lambda kk: jax.random.permutation(kk, e)[:k])(jax.random.split(ks[1], n))
+    w = jax.random.uniform(ks[2], (n, k))
+    ws = [jax.random.normal(kk, s) * 0.2 for kk, s in
+          zip(ks[3:], ((e, de, i), (e, de, i), (e, i, de)))]
+    return z, idx.astype(jnp.int32), w, *ws
+
+
+def _moe_loss(fn, z, idx, w, w1, w3, w2):
+    y = fn(z, idx, w, w1, w3, w2)
+    y, extra = y if isinstance(y, tuple) else (y, {})
+    return jnp.sum(jnp.sin(y)), (y, extra)
+
+
+@pytest.mark.parametrize("mesh_spec,layout,mode", [
+    ("expert=4,tensor=2", "train", "padded"),
+    ("expert=2,fsdp=2,tensor=2", "train", "ragged_emulated"),
+    ("expert=4,data=2", "generate", "auto"),  # tokens replicated over expert: psum path
+])
+def test_expert_parallel_equals_single_device(moe_inputs, mesh_spec, layout, mode):
+    z, idx, w, w1, w3, w2 = moe_inputs
+    grad = jax.grad(_moe_loss, argnums=(1, 3, 4, 5, 6), has_aux=True)
+    args = (z, idx, w, w1, w3, w2)
+    ref_g, (ref_y, _) = _fast(lambda *a: grad(lambda *b: moe_lib.experts_ragged(*b, TINY), *a),
+                              *args)(*args)
+    with use_sharding(make_mesh(mesh_spec), layout, collectives=mode) as ctx:
+        fn = lambda *a: experts_sharded(*a, TINY, ctx=ctx)  # noqa: E731
+        g, (y, extra) = _fast(lambda *a: grad(fn, *a), *args)(*args)
+    assert _max_err(y, ref_y) < 2e-6
+    assert _max_err(g, ref_g) < 1e-5
+    assert int(extra["moe_dropped"]) == 0
+
+
+def _dropped_reference(idx, e, ep, shards, cap):
+    """NumPy: which assignments the padded exchange drops (token shards in order; within a
+    shard, assignments sorted stably by expert; a pair (shard, owner) keeps ``cap``)."""
+    n, k = idx.shape
+    keep = np.ones((n, k), bool)
+    per = n // shards
+    for s in range(shards):
+        flat = idx[s * per:(s + 1) * per].reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        seen = np.zeros(ep, int)
+        for a in order:
+            owner = flat[a] // (e // ep)
+            if seen[owner] >= cap:
+                keep[s * per + a // k, a % k] = False
+            seen[owner] += 1
+    return keep
+
+
+def test_expert_parallel_overflow_is_dropped_and_counted(moe_inputs):
+    z, idx, w, w1, w3, w2 = moe_inputs
+    idx = idx.at[:, 0].set(0)  # every token wants expert 0: its owner overflows
+    mesh = make_mesh("expert=4,data=2")
+    with use_sharding(mesh, "train", moe_capacity_factor=1.0, collectives="padded") as ctx:
+        y, extra = jax.jit(lambda *a: experts_sharded(*a, TINY, ctx=ctx))(z, idx, w, w1, w3, w2)
+    m_local = (z.shape[0] // 8) * idx.shape[1]
+    keep = _dropped_reference(np.asarray(idx), TINY.num_experts, 4, 8, m_local // 4)
+    assert int(extra["moe_dropped"]) == int((~keep).sum()) > 0
+    ref = moe_lib.experts_one_hot(z, idx, w * jnp.asarray(keep), w1, w3, w2, TINY)
+    assert _max_err(y, ref) < 2e-6
+
+
+def test_ragged_exchange_plan_matches_a_numpy_all_to_all():
+    rng = np.random.default_rng(0)
+    ep, rows = 4, 9
+    counts = rng.integers(0, 6, size=(ep, ep)).astype(np.int32)  # [src, dst]
+    plans = [tuple(np.asarray(a) for a in ragged_exchange_plan(jnp.asarray(counts), me, rows))
+             for me in range(ep)]
+    buffers = [np.full(rows, -1) for _ in range(ep)]
+    for src, (send, out_off, _, _) in enumerate(plans):  # emulate ragged_all_to_all
+        for dst in range(ep):
+            for r in range(send[dst]):
+                assert buffers[dst][out_off[dst] + r] == -1  # no overlap
+                buffers[dst][out_off[dst] + r] = src
+    for me, (_, _, recv, recv_off) in enumerate(plans):
+        for src in range(ep):
+            assert recv[src] == plans[src][0][me]  # recv_sizes agree with the senders
+            assert (buffers[me][recv_off[src]:recv_off[src] + recv[src]] == src).all()
+        want = min(rows, counts[:, me].sum())  # senders fill in order until the buffer is full
+        assert (buffers[me] >= 0).sum() == want
+
+
+def test_ragged_collective_lowers_for_accelerators(moe_inputs):
+    with use_sharding(make_mesh("expert=4,tensor=2"), "train", collectives="ragged") as ctx:
+        fn = jax.jit(lambda *a: experts_sharded(*a, TINY, ctx=ctx)[0])
+        text = fn.lower(*moe_inputs).as_text()
+    assert text.count("ragged_all_to_all") == 3  # rows, expert ids, the way back
+
+
+def test_expert_parallel_rejects_indivisible_experts(moe_inputs):
+    with use_sharding(make_mesh("expert=8"), "train") as ctx, \
+            pytest.raises(ValueError, match="num_experts=6 is not divisible"):
+        z, idx, w, w1, w3, w2 = moe_inputs
+        experts_sharded(z, idx % 6, w, w1[:6], w3[:6], w2[:6], TINY, ctx=ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence parallelism
+# ---------------------------------------------------------------------------------------------
+
+def test_kda_sequence_parallel_equals_unsharded():
+    b, t, h, d = 2, 48, 2, 8
+    ks = jax.random.split(jax.random.key(1), 5)
+    q = jax.random.normal(ks[0], (b, t, h, d))
+    k = jax.random.normal(ks[1], (b, t, h, d))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jax.random.normal(ks[2], (b, t, h, d))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, d)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+    # documents cross the 12-token shard boundaries; padding inside and at a shard start
+    seg = jnp.array([[1] * 10 + [2] * 14 + [0] * 2 + [2] * 10 + [3] * 12,
+                     [0] * 12 + [5] * 30 + [0] * 6], jnp.int32)
+    s0 = jax.random.normal(jax.random.key(2), (b, h, d, d)) * 0.1
+
+    def loss(f, q, k, v, g, beta, s0):
+        o, s = f(q, k, v, g, beta, initial_state=s0, chunk_size=8, segment_ids=seg)
+        return jnp.sum(jnp.sin(o)) + jnp.sum(s * s), (o, s)
+
+    grad = jax.grad(loss, argnums=(1, 2, 3, 4, 5, 6), has_aux=True)
+    args = (q, k, v, g, beta, s0)
+    ref = _fast(lambda *a: grad(kda_math.kda_chunked, *a), *args)(*args)
+    with use_sharding(make_mesh("sequence=4,data=2"), "train"):
+        lowered = jax.jit(lambda *a: grad(cp.kda_chunked, *a)).lower(q, k, v, g, beta, s0)
+        assert "all_gather" in lowered.as_text()  # the shard_map path was taken
+        out = lowered.compile(compiler_options=FAST)(q, k, v, g, beta, s0)
+    assert _max_err(out[1], ref[1]) < 1e-5  # outputs and final state
+    assert _max_err(out[0], ref[0]) < 1e-4  # gradients (values up to ~30)
+
+
+def test_dsa_sequence_parallel_equals_unsharded():
+    b, t, j, di, n, dc, dr, topk = 2, 32, 4, 8, 4, 16, 8, 8
+    ks = jax.random.split(jax.random.key(3), 6)
+    iq, ik = jax.random.normal(ks[0], (b, t, j, di)), jax.random.normal(ks[1], (b, t, di))
+    iw = jax.random.normal(ks[2], (b, t, j))
+    q, c, r = (jax.random.normal(kk, s) for kk, s in
+               zip(ks[3:], ((b, t, n, dc + dr), (b, t, dc), (b, t, dr))))
+    order = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    seg = jnp.array([[1] * 20 + [2] * 12, [3] * 32], jnp.int32)
+    vis = dict(q_pos=order, kv_pos=order, q_seg=seg, kv_seg=seg, chunk_size=8)
+
+    def loss(mod, q, c, r):
+        idx = mod.indexer_topk(iq, ik, iw, topk, **vis)
+        o, lse = mod.sparse_mla_attention(q, (c, r), idx, 0.3, dc, chunk_size=8)
+        return jnp.sum(jnp.sin(o)), (idx, o, lse)
+
+    grad = jax.grad(loss, argnums=(1, 2, 3), has_aux=True)
+    ref_g, ref = _fast(lambda *a: grad(dsa_math, *a), q, c, r)(q, c, r)
+    with use_sharding(make_mesh("sequence=2,tensor=2,fsdp=2"), "train"):
+        lowered = jax.jit(lambda *a: grad(cp, *a)).lower(q, c, r)
+        assert "all_gather" in lowered.as_text()
+        g, out = lowered.compile(compiler_options=FAST)(q, c, r)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))  # same top-k
+    assert _max_err(out[1:], ref[1:]) < 1e-6
+    assert _max_err(g, ref_g) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole model under layouts
+# ---------------------------------------------------------------------------------------------
+
+MINI = TINY.replace(num_hidden_layers=2, first_k_dense_replace=0, attn_res_block_size=1,
+                    linear_attn_config=LinearAttnConfig(
+                        kda_layers=(1,), full_attn_layers=(2,), num_heads=2, head_dim=16,
+                        use_full_rank_gate=True, gate_lower_bound=-5.0))  # KDA+MoE, DSA+MoE
+B, T = 4, 32
+
+
+def _loss(state, graphdef, ids):
+    out = nnx.merge(graphdef, state).forward(ids[:, :-1])
+    logp = jax.nn.log_softmax(out.logits)
+    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)), out
+
+
+def _value_and_grad(state, graphdef, ids):
+    """Loss, logits, expert load, dropped count and gradients, compiled at -O0 (CPU compile
+    time dominates these tests; the numerics are the same)."""
+    fn = jax.jit(lambda st, i: jax.value_and_grad(_loss, has_aux=True)(st, graphdef, i))
+    return fn.lower(state, ids).compile(compiler_options=FAST)(state, ids)
+
+
+@pytest.fixture(scope="module")
+def mini():
+    graphdef, state = nnx.split(Transformer(MINI, rngs=nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.key(4), (B, T + 1), 0, MINI.vocab_size)
+    return graphdef, state, ids, _value_and_grad(state, graphdef, ids)
+
+
+def _sharded(graphdef, state, mesh_spec):
+    mesh = make_mesh(mesh_spec)
+    return mesh, nnx.state(shard_model(nnx.merge(graphdef, state, copy=True), mesh, "train"))
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=4,tensor=2", "fsdp=2,sequence=2,tensor=2"])
+def test_model_forward_under_layouts_equals_single_device(mini, mesh_spec):
+    graphdef, state, ids, ((_, ref), _) = mini
+    mesh, sharded = _sharded(graphdef, state, mesh_spec)
+    with use_sharding(mesh, "train"):
+        out = _fast(lambda st, i: nnx.merge(graphdef, st).forward(i[:, :-1]), sharded,
+                    ids)(sharded, ids)
+    assert _max_err(out.logits, ref.logits) < 2e-5
+    np.testing.assert_array_equal(np.asarray(out.expert_load), np.asarray(ref.expert_load))
+    assert int(out.moe_dropped.sum()) == 0 and int(ref.moe_dropped.sum()) == 0
+
+
+def test_model_gradients_under_expert_sequence_tensor_equal_single_device(mini):
+    graphdef, state, ids, ((ref_loss, ref), ref_g) = mini
+    mesh, sharded = _sharded(graphdef, state, "expert=2,sequence=2,tensor=2")
+    with use_sharding(mesh, "train"):
+        (loss, out), g = _value_and_grad(sharded, graphdef, ids)
+    assert _max_err(out.logits, ref.logits) < 2e-5
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    rel = [float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-6))
+           for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g))]
+    assert max(rel) < 1e-4
