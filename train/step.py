@@ -1,0 +1,183 @@
+"""One optimizer step: loss over micro-batches, exact gradient accumulation, update, bias update.
+
+Loss (per optimizer step, over all ``M = accum_steps`` micro-batches together)::
+
+    CE   = sum_{b,t} mask[b,t] * -log softmax(logits[b,t])[target[b,t]]  /  N,
+           N = sum_{b,t} mask[b,t]                         (valid tokens of the whole batch)
+    KL   = 1/M sum_i sum_l indexer_kl_i[l]                 (DSA indexer, per micro-batch mean)
+    loss = CE + indexer_loss_weight * KL
+
+Gradients are accumulated as sums, the denominator ``N`` applied once at the end: micro-batch
+``i`` contributes ``grad(ce_sum_i + w * N / M * kl_i)``, and the step uses ``sum_i(...) / N``.
+This is the gradient of the large-batch loss whatever the split of valid tokens between
+micro-batches (tested: 4 micro-batches vs one batch, loss and updated parameters).
+
+MoE (DeepSeek-V3 aux-loss-free balancing, report section 2.1.2): ``expert_load [L, E]`` is
+summed over the micro-batches and every ``e_score_correction_bias`` moves by
+``update_routing_bias(bias, load, bias_update_rate)`` after the step; the bias is not a
+``nnx.Param``, so the optimizer never sees it. The dense warm-up stage trains the indexer only
+and leaves the biases alone.
+
+The state is pure (``nnx.as_pure`` arrays): ``params`` (the trainable set of the indexer stage)
+and ``rest`` (every other variable, incl. routing biases), so the step is a plain ``jax.jit``
+function and the checkpoint a plain pytree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from kdsa.model.dsa_layer import indexer_stage_params
+from kdsa.model.moe import max_load_ratio, update_routing_bias
+from kdsa.train.config import TrainConfig
+
+Batch = dict[str, jax.Array]  # inputs, targets [B, T] int32; loss_mask [B, T]; segment_ids opt.
+BIAS_NAME = "e_score_correction_bias"
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # pure State: the trainable parameters
+    rest: Any  # pure State: everything else (frozen params, routing biases)
+    opt_state: Any
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    rng: jax.Array  # uint32 key data, split once per step (for stochastic parts of a step)
+
+
+def trainable_filter(tc: TrainConfig):
+    """``nnx`` filter of what the optimizer moves (the indexer stage's ``wrt``)."""
+    return nnx.Param if tc.indexer_stage == "none" else indexer_stage_params(tc.indexer_stage)
+
+
+def split_model(model: nnx.Module, tc: TrainConfig):
+    """``(graphdef, params, rest)`` with pure states; ``params`` keeps Variables for metadata."""
+    graphdef, params, rest = nnx.split(model, trainable_filter(tc), ...)
+    return graphdef, params, rest
+
+
+def init_state(model: nnx.Module, tc: TrainConfig, tx: optax.GradientTransformation):
+    """``(graphdef, TrainState)`` at step 0."""
+    graphdef, params, rest = split_model(model, tc)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+    rng = jax.random.key_data(jax.random.key(tc.seed))
+    return graphdef, TrainState(params=params, rest=rest, opt_state=tx.init(params),
+                                step=jnp.zeros((), jnp.int32), rng=rng)
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+    """``(sum of masked per-token CE, number of valid tokens)``, float32.
+
+    logits [B, T, V], targets [B, T] int, mask [B, T] (bool or 0/1).
+    """
+    if logits.shape[:2] != targets.shape or targets.shape != mask.shape:
+        raise ValueError(f"logits {logits.shape[:2]}, targets {targets.shape} and mask "
+                         f"{mask.shape} must share [B, T]")
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    m = mask.astype(jnp.float32)
+    return jnp.sum(ce * m), jnp.sum(m)
+
+
+def update_routing_biases(rest, expert_load: jax.Array, layout: tuple, rate: float):
+    """Apply ``update_routing_bias`` to every ``e_score_correction_bias`` in the pure ``rest``.
+
+    ``expert_load [L, E]``; ``layout`` = the model's ``segment_layout`` (start, period, repeats).
+    The bias at ``segments/s/layers/j`` is stacked ``[repeats, E]`` and belongs to layers
+    ``start + j + period * r``.
+    """
+    def one(path, leaf):
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        if BIAS_NAME not in keys:
+            return leaf
+        s, j = int(keys[keys.index("segments") + 1]), int(keys[keys.index("layers") + 1])
+        start, period, repeats = layout[s]
+        load = expert_load[start + j + period * jnp.arange(repeats)]  # [R, E]
+        return jax.vmap(update_routing_bias, in_axes=(0, 0, None))(leaf, load, rate)
+
+    return jax.tree_util.tree_map_with_path(one, rest)
+
+
+def _micro_batches(batch: Batch, m: int) -> Batch:
+    def split(x):
+        if x.shape[0] % m:
+            raise ValueError(f"batch of {x.shape[0]} rows does not split into {m} micro-batches")
+        return x.reshape((m, x.shape[0] // m) + x.shape[1:])  # [M, B/M, T]
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
+                tx: optax.GradientTransformation, layout: tuple) -> tuple[TrainState, dict]:
+    m = tc.accum_steps
+    mbs = _micro_batches(batch, m)
+    n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    kl_scale = tc.indexer_loss_weight * jnp.maximum(n_tok, 1.0) / m
+
+    def objective(params, mb):
+        model = nnx.merge(graphdef, params, state.rest)
+        out = model.forward(mb["inputs"], positions=mb.get("positions"),
+                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss)
+        ce_sum, _ = token_cross_entropy(out.logits, mb["targets"], mb["loss_mask"])
+        kl = jnp.sum(out.indexer_kl)
+        return ce_sum + kl_scale * kl, (ce_sum, out.indexer_kl, out.expert_load)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def body(acc, mb):
+        (_, aux), g = grad_fn(state.params, mb)
+        return jax.tree.map(jnp.add, acc, g), aux
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    g_sum, (ce_sums, kls, loads) = jax.lax.scan(body, zeros, mbs)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(n_tok, 1.0), g_sum)  # denominator last
+
+    lr = _schedule_of(tc)(state.step)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    load = jnp.sum(loads, axis=0)  # [L, E]
+    rest = state.rest
+    if tc.indexer_stage != "dense_warmup" and tc.bias_update_rate > 0:
+        rest = update_routing_biases(rest, load, layout, tc.bias_update_rate)
+    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+
+    moe = jnp.sum(load, axis=-1) > 0  # [L] layers that routed anything
+    ratios = jax.vmap(max_load_ratio)(load)
+    kl_layers = jnp.mean(kls, axis=0)  # [L]
+    metrics = {
+        "loss": jnp.sum(ce_sums) / jnp.maximum(n_tok, 1.0),
+        "indexer_kl": jnp.sum(kl_layers),
+        "grad_norm": optax.global_norm(grads),
+        "learning_rate": lr,
+        "tokens": n_tok,
+        "expert_load_max_over_mean": jnp.max(jnp.where(moe, ratios, 0.0)),
+    }
+    new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
+                           rng=rng)
+    return new_state, metrics
+
+
+@functools.lru_cache(maxsize=16)
+def _schedule_of(tc: TrainConfig):
+    from kdsa.train.optim import learning_rate_schedule
+
+    return learning_rate_schedule(tc)
+
+
+train_step = jax.jit(_train_step, static_argnames=("graphdef", "tc", "tx", "layout"))
+train_step.__doc__ = """``(state, metrics) = train_step(graphdef, state, batch, tc=, tx=, layout=)``.
+
+Jitted once per (graphdef, config, optimizer, layout) and batch shape; ``batch`` holds the whole
+optimizer step's ``batch_size`` rows, split here into ``accum_steps`` micro-batches.
+"""
+
+
+def update_model(model: nnx.Module, state: TrainState) -> nnx.Module:
+    """Write the state's parameters and biases into ``model`` (keeps its metadata); returns it."""
+    nnx.update(model, state.params, state.rest)
+    return model
