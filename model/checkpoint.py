@@ -88,13 +88,15 @@ def _tmp_sibling(path: Path, tag: str) -> Path:
 
 def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[ParamItem], *,
                 metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                on_saved: Callable[[str, jax.Array], None] | None = None) -> Path:
+                on_saved: Callable[[str, jax.Array], None] | None = None,
+                compress: bool = False) -> Path:
     """Stream ``(key, producer)`` items into a new checkpoint at ``path`` (atomic).
 
     Producers are called in order; arrays are written in batches of about ``batch_bytes`` and
     dropped after each batch. ``on_saved(key, array)`` is called once an array's batch is written.
     The keys must be exactly the model's variables for ``config`` (checked at the end, before
-    the rename). Returns ``path``.
+    the rename). ``compress``: Orbax's zstd (off by default: trained weights barely compress and
+    it costs CPU time on every write). Returns ``path``.
     """
     ocp = _ocp()
     path = Path(path)
@@ -114,10 +116,14 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         batch: dict[str, jax.Array] = {}
         size = 0
 
+        ctx = ocp.Context()
+        ctx.array.saving.use_compression = compress
+
         def flush():
             nonlocal batch, size
             if batch:
-                ocp.partial.save(tmp, {"params": batch}, custom_metadata=custom)
+                with ctx:
+                    ocp.partial.save(tmp, {"params": batch}, custom_metadata=custom)
                 for k, a in batch.items():
                     if on_saved is not None:
                         on_saved(k, a)
@@ -142,7 +148,8 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         missing = [k for k in want if k not in done]
         if missing:
             raise CheckpointError(f"{len(missing)} parameter(s) never given, e.g. {missing[:5]}")
-        ocp.partial.finalize(tmp)
+        with ctx:
+            ocp.partial.finalize(tmp)
         if primary:
             _replace(tmp, path)
         _sync("kdsa_checkpoint_renamed")

@@ -112,11 +112,26 @@ class Progress:
 
 
 def _rss_now() -> int:
+    """Current RSS; also resets the kernel's high-water mark (``clear_refs`` 5) where allowed,
+    so :func:`_peak_rss` measures from here."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _peak_rss() -> int:
+    """Peak RSS (``VmHWM``: per address space, not inherited across exec like ``ru_maxrss``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -371,9 +386,12 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
             if p.fresh:
                 return jax.device_put(_fresh(p, config, seed, fresh_cache), sh)
             if mesh is None:
-                return jax.device_put(host_slice(p, st, lay, config), sh)
-            return jax.make_array_from_callback(
-                p.shape, sh, lambda idx: host_slice(p, st, lay, config, idx))
+                a = jax.device_put(host_slice(p, st, lay, config), sh)
+            else:
+                a = jax.make_array_from_callback(
+                    p.shape, sh, lambda idx: host_slice(p, st, lay, config, idx))
+            st.release()  # the copies are made: drop the mapped pages from our RSS
+            return a
 
         bar = Progress(sum(math.prod(p.shape) * p.dtype.itemsize for p in params), len(params),
                        progress)

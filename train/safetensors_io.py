@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -149,6 +150,13 @@ class SafetensorsFile:
         flat = self._map[info.begin:info.begin + info.nbytes]
         return flat.view(info.np_dtype).reshape(info.shape)
 
+    def release(self) -> None:
+        """Drop this file's pages from the process (``MADV_DONTNEED`` on the read-only map): the
+        bytes stay in the page cache, but no longer count in our RSS. Views stay valid (pages
+        are re-read on access)."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map._mmap.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         self._map = None
 
@@ -204,6 +212,11 @@ class SafetensorsCheckpoint:
 
     def tensor(self, name: str) -> np.ndarray:
         return self.files[self.where[name]].tensor(name)
+
+    def release(self) -> None:
+        """:meth:`SafetensorsFile.release` on every shard (call after each parameter)."""
+        for f in self.files.values():
+            f.release()
 
     @property
     def total_bytes(self) -> int:
