@@ -1,0 +1,177 @@
+"""The training loop: data -> jitted step -> metrics, progress, checkpoints, SIGTERM, resume.
+
+``run_training(model_config, train_config, run_dir)`` is deterministic given ``train_config.seed``:
+the model is initialised from the seed, batch ``i`` is a pure function of ``(seed, i)``, and a
+resumed run restores parameters, routing biases, optimizer state, step, RNG and the data
+position, so on one CPU its per-step losses equal an uninterrupted run's bit for bit (tested).
+
+SIGTERM (preemption): the handler only sets a flag; the loop finishes the running step, saves a
+checkpoint synchronously and returns with ``stopped=True`` (``kdsa train`` then exits 143).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from kdsa.model.config import ModelConfig
+from kdsa.model.transformer import Transformer
+from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.config import TrainConfig
+from kdsa.train.data import make_data
+from kdsa.train.metrics import MetricsWriter, mfu
+from kdsa.train.optim import make_optimizer
+from kdsa.train.step import init_state, split_model, train_step
+
+SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: dict[int, float]  # step (1-based, after the update) -> loss of that step
+    final_step: int
+    stopped: bool  # by SIGTERM or ``stop_at`` before train_config.steps
+    resumed_from: int | None
+
+
+def check_configs(config: ModelConfig, tc: TrainConfig) -> None:
+    """Cross-checks of the two configs, before anything is built or compiled."""
+    if tc.seq_len > config.max_position_embeddings:
+        raise ValueError(f"train.seq_len={tc.seq_len} exceeds max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    if tc.indexer_stage != "none" and not config.use_indexer:
+        raise ValueError(f"train.indexer_stage={tc.indexer_stage!r} needs a DSA indexer "
+                         "(index_topk is None in the model config)")
+    if config.expert_weight_format == "mxfp4" and tc.indexer_stage != "dense_warmup":
+        raise ValueError("MXFP4 routed experts are frozen bytes: train with "
+                         "expert_weight_format='bf16' (optionally expert_qat=true)")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _StopFlag:
+    """Set by SIGTERM; the handler is installed only in the main thread."""
+
+    def __init__(self):
+        self.set = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.set = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
+                 data_path: str | Path | None = None, resume: bool = False,
+                 progress: bool = True, stop_at: int | None = None,
+                 log=_log) -> RunResult:
+    """Train ``config`` for ``tc.steps`` optimizer steps, writing into ``run_dir``.
+
+    ``resume``: continue from the newest readable checkpoint in ``run_dir`` (a fresh start when
+    there is none). ``stop_at``: stop (with a checkpoint) after that global step, as a
+    preemption would.
+    """
+    check_configs(config, tc)
+    run_dir = Path(run_dir)
+    data = make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed, data_path,
+                     eos_id=config.eos_token_id, pad_id=config.pad_token_id)
+    ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
+                        keep=tc.keep_checkpoints)
+
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(tc.seed)))
+    graphdef, params_meta, _ = split_model(abstract, tc)
+    tx = make_optimizer(tc, params_meta)
+
+    def build():
+        return init_state(Transformer(config, rngs=nnx.Rngs(tc.seed)), tc, tx)[1]
+
+    restored = None
+    if resume and ckpt.all_steps():
+        restored = ckpt.restore_latest(jax.eval_shape(build), log=log)
+        if restored is None:
+            raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
+    if restored is not None:
+        start, state, meta = restored
+        if meta.get("model_config") != config.to_hf_config():
+            raise ValueError(f"--resume: the checkpoint in {ckpt.directory} was written for "
+                             "another model config")
+        data_index = int(meta["data_index"])
+        log(f"resumed from step {start} ({ckpt.directory / str(start)})")
+    else:
+        if resume:
+            log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+        start, state, data_index = 0, build(), 0
+
+    from kdsa.model.count import count_params
+    active = count_params(config).active_params
+    writer = MetricsWriter(run_dir)
+    layout = abstract.segment_layout
+    losses: dict[int, float] = {}
+    stopped = False
+    bar = _progress(tc.steps, start, progress)
+    step = start
+    with _StopFlag() as flag:
+        while step < tc.steps:
+            batch = data.batch(data_index)
+            t0 = time.perf_counter()
+            state, m = train_step(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            dt = time.perf_counter() - t0
+            step, data_index = step + 1, data_index + 1
+            m.update(step_time_s=dt, tokens_per_s=m["tokens"] / dt,
+                     mfu=mfu(active, m["tokens"], dt, tc.peak_flops, jax.device_count()))
+            losses[step] = m["loss"]
+            writer.write(step, m)
+            bar(step, m)
+            meta = {"data_index": data_index, "train_config": tc.to_dict(),
+                    "model_config": config.to_hf_config()}
+            if flag.set or (stop_at is not None and step >= stop_at and step < tc.steps):
+                ckpt.save(step, state, meta, force=True)
+                ckpt.wait()
+                why = "SIGTERM" if flag.set else f"stop_at={stop_at}"
+                log(f"\nstopped by {why} after step {step}; checkpoint saved in "
+                    f"{ckpt.directory / str(step)}")
+                stopped = True
+                break
+            ckpt.save(step, state, meta, force=step == tc.steps)
+    ckpt.close()
+    writer.close()
+    bar(None, None)
+    return RunResult(losses=losses, final_step=step, stopped=stopped,
+                     resumed_from=None if restored is None else start)
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    """A tqdm bar on stderr (step, loss, tokens/s); ``bar(None, None)`` closes it."""
+    if not enabled:
+        return lambda step, m: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+    def update(step, m):
+        if step is None:
+            bar.close()
+            return
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}",
+                        lr=f"{m['learning_rate']:.2e}", refresh=False)
+
+    return update
