@@ -64,6 +64,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self.every = every
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -76,7 +77,7 @@ class Checkpointer:
 
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` at ``step`` (if due, or ``force``); returns whether it does."""
-        if not force and not self.manager.should_save(step):
+        if not force and step % self.every:
             return False
         if step in self.manager.all_steps():
             return False

@@ -1,0 +1,64 @@
+"""``kdsa train``: pre-train / fine-tune a preset on synthetic or JSONL data, with checkpoints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from kdsa.cli.config_args import add_config_args
+
+    p = sub.add_parser(
+        "train", help="train a model (synthetic or JSONL data), checkpointing and resuming",
+        description="Train with the jitted train step: next-token loss, AdamW or Muon, "
+                    "warm-up + cosine, gradient accumulation, MoE routing-bias updates, DSA "
+                    "indexer stages. Writes RUN_DIR/metrics.jsonl, a TensorBoard event file and "
+                    "Orbax checkpoints in RUN_DIR/checkpoints. SIGTERM saves and exits 143; "
+                    "--resume continues from the newest readable checkpoint. "
+                    "See docs/training.md.")
+    add_config_args(p, default_preset="tiny")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+    p.add_argument("--seed", type=int, default=None, help="seed of init and data (train.seed)")
+    p.add_argument("--run-dir", type=Path, required=True, help="output directory")
+    p.add_argument("--data", type=Path, default=None,
+                   help="JSONL file of {\"tokens\": [...]} or {\"text\": ...} documents "
+                        "(default: synthetic data)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in --run-dir")
+    p.add_argument("--train-set", dest="train_overrides", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="set a TrainConfig field, e.g. --train-set learning_rate=1e-3 "
+                        "--train-set accum_steps=4 (value parsed as JSON)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def train_config_from_args(args):
+    from kdsa.train.config import TrainConfig, apply_train_overrides
+
+    tc = apply_train_overrides(TrainConfig(), args.train_overrides)
+    changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None}
+    if changes:
+        tc = tc.replace(**changes)
+    return tc
+
+
+def run(args) -> int:
+    from kdsa.cli.config_args import config_from_args
+    from kdsa.train.trainer import SIGTERM_EXIT_CODE, check_configs, run_training
+
+    name, config = config_from_args(args)
+    tc = train_config_from_args(args)
+    check_configs(config, tc)  # every config error before anything compiles
+    if args.data is not None and not args.data.is_file():
+        raise ValueError(f"--data {args.data}: no such file")
+    print(f"kdsa train: {name}, {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} "
+          f"(accum {tc.accum_steps}), {tc.optimizer}, run dir {args.run_dir}", file=sys.stderr,
+          flush=True)
+    result = run_training(config, tc, args.run_dir, data_path=args.data, resume=args.resume,
+                          progress=not args.no_progress)
+    last = result.losses.get(result.final_step)
+    print(f"step {result.final_step}/{tc.steps}" + (f" loss {last:.4f}" if last is not None
+                                                    else ""), flush=True)
+    return SIGTERM_EXIT_CODE if result.stopped else 0
