@@ -3,7 +3,8 @@
     kdsa launch-local --processes 2 --devices-per-process 4 -- forward --preset tiny
 
 Each process gets ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` / ``KDSA_PROCESS_ID`` and
-``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. When one process
+``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. ``--module``
+runs another module than the kdsa CLI (``kdsa.sharding.selfcheck``, the multi-host check). When one process
 fails the others are stopped and the command exits with that process's status (no hang).
 """
 
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 
+_GRACE_S = 5  # seconds between SIGTERM and SIGKILL for the processes still running
 
 def register(sub) -> None:
     p = sub.add_parser("launch-local", help="run a kdsa command as N local processes",
@@ -26,6 +28,9 @@ def register(sub) -> None:
                    help="CPU devices per process (XLA host platform device count)")
     p.add_argument("--timeout", type=float, default=None,
                    help="stop everything after this many seconds (exit 124)")
+    p.add_argument("--module", default="kdsa.cli.main",
+                   help="Python module each process runs with the command's arguments "
+                        "(default: the kdsa CLI; e.g. kdsa.sharding.selfcheck)")
     p.add_argument("cmd", nargs="+", metavar="-- COMMAND",
                    help="the kdsa command and its arguments, after --")
     p.set_defaults(run=run)
@@ -59,7 +64,7 @@ def run(args) -> int:
                  if "xla_force_host_platform_device_count" not in f]
         flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
         env["XLA_FLAGS"] = " ".join(flags)
-        proc = subprocess.Popen([sys.executable, "-m", "kdsa.cli.main", *cmd], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", args.module, *cmd], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         threading.Thread(target=_pump, args=(proc, f"[p{pid}]"), daemon=True).start()
@@ -87,7 +92,7 @@ def run(args) -> int:
                 os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=_GRACE_S)  # JAX catches SIGTERM (preemption notice): then KILL
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
     return status if status > 0 else 1

@@ -9,6 +9,7 @@ On CPU the cross-process collectives use gloo.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -55,17 +56,63 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(coordinator_address=coordinator_address,
-                                   num_processes=num_processes, process_id=process_id,
-                                   initialization_timeout=timeout_s)
+        with _raising_client():
+            jax.distributed.initialize(coordinator_address=coordinator_address,
+                                       num_processes=num_processes, process_id=process_id,
+                                       initialization_timeout=timeout_s)
     except Exception as e:  # noqa: BLE001 - re-raised with the job's shape in the message
+        _forget_failed_client()
         raise JoinError(
             f"process {process_id} of {num_processes} could not join the job at coordinator "
             f"{coordinator_address} within {timeout_s}s: a peer is missing or unreachable "
             f"(every host must run the same command; process 0 hosts the coordinator). "
-            f"Cause: {e}") from e
+            f"Cause: {_cause(e)}") from e
     _initialized = True
     return True
+
+
+@contextlib.contextmanager
+def _raising_client():
+    """Make a failed join raise instead of killing the process.
+
+    JAX 0.12's distributed client, built without an error callback, aborts the whole process
+    (absl FATAL, exit 134) when registration times out, so no Python handler could name the
+    problem. ``jax.distributed.initialize`` does not expose the callback; while it runs, the
+    client factory gets one, and the failure surfaces as an exception from ``connect()``.
+    """
+    from jax._src import distributed as jax_distributed
+
+    factory = jax_distributed._jax.get_distributed_runtime_client
+
+    def with_callback(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", _on_coordination_error)
+        return factory(*args, **kwargs)
+
+    jax_distributed._jax.get_distributed_runtime_client = with_callback
+    try:
+        yield
+    finally:
+        jax_distributed._jax.get_distributed_runtime_client = factory
+
+
+def _cause(e: Exception) -> str:
+    if "bad_cast" in str(e):  # our callback fired: the service's status did not reach Python
+        return "the coordination service reported an error (registration timed out)"
+    return str(e)
+
+
+def _on_coordination_error(*_):
+    raise JoinError("the JAX coordination service reported an error")
+
+
+def _forget_failed_client() -> None:
+    """Drop the half-initialised client and service so exit does not re-raise their error."""
+    from jax._src import distributed as jax_distributed
+
+    state = jax_distributed.global_state
+    for name in ("client", "service", "preemption_sync_manager"):
+        if hasattr(state, name):
+            setattr(state, name, None)
 
 
 def _env_int(name: str) -> int | None:

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -102,12 +103,23 @@ def state_shardings(state: nnx.State, mesh: Mesh, layout: str) -> nnx.State:
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` on ``sharding``. For a mesh spanning several processes, ``x`` must hold the same
+    value on every process (e.g. built from the same seed); each process fills only its own
+    devices' shards from it (``make_array_from_callback``), nothing is exchanged."""
+    if sharding.is_fully_addressable or not getattr(x, "is_fully_addressable", True):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, layout: str) -> nnx.Module:
-    """Place every variable of ``model`` on ``mesh`` by the layout's rules (in place)."""
+    """Place every variable of ``model`` on ``mesh`` by the layout's rules (in place); see
+    :func:`place` for meshes over several processes."""
     state = nnx.state(model)
     shardings = state_shardings(state, mesh, layout)
     nnx.update(model, jax.tree.map(
-        lambda v, s: v.replace(jax.device_put(v[...], s)), state, shardings,
+        lambda v, s: v.replace(place(v[...], s)), state, shardings,
         is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return model
 

@@ -1,0 +1,94 @@
+"""Multi-process runs on this machine (``kdsa launch-local``, CPU devices, gloo collectives).
+
+Three bounded subprocess runs: a 2-process x 2-device sharded forward equals the
+single-device forward; a process whose peer never comes gets the clear ``JoinError`` within
+its timeout; when one process fails, launch-local stops the others and exits non-zero.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kdsa.cli.config_args import apply_overrides
+from kdsa.model.config import get_preset
+from kdsa.model.transformer import Transformer
+
+# two layers (KDA+MoE, DSA+MoE) with AttnRes: the sharded paths at the lowest compile cost
+OVERRIDES = ["num_hidden_layers=2", "first_k_dense_replace=0", "attn_res_block_size=1",
+             "linear_attn_config.kda_layers=[1]", "linear_attn_config.full_attn_layers=[2]"]
+BATCH, SEQ = 4, 16
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # launch-local sets the device count per process
+    for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _launch(*args, timeout):
+    cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+def test_two_processes_forward_equals_single_device(tmp_path):
+    out = tmp_path / "check.npz"
+    sets = [a for o in OVERRIDES for a in ("--set", o)]
+    proc, _ = _launch("--processes", "2", "--devices-per-process", "2", "--timeout", "150",
+                      "--module", "kdsa.sharding.selfcheck", "--", "--preset", "tiny", *sets,
+                      "--mesh", "expert=2,sequence=2", "--batch", str(BATCH), "--seq", str(SEQ),
+                      "--out", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "process 1 of 2, 4 devices" in proc.stdout
+    got = np.load(out)
+    # the same model, ids and loss on one device of this process (selfcheck's recipe)
+    config = apply_overrides(get_preset("tiny"), OVERRIDES)
+    graphdef, state = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    ids = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, config.vocab_size)
+
+    def loss_fn(st, ids):
+        logits = nnx.merge(graphdef, st).forward(ids[:, :-1]).logits
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)), logits
+
+    loss, logits = jax.jit(loss_fn).lower(state, ids).compile(
+        compiler_options={"xla_backend_optimization_level": 0})(state, ids)
+    np.testing.assert_allclose(got["logits"], np.asarray(logits), atol=2e-5, rtol=0)
+    assert abs(float(got["loss"]) - float(loss)) < 1e-5
+
+
+def test_missing_peer_gives_a_clear_join_error_within_the_timeout():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env(), KDSA_COORDINATOR=f"127.0.0.1:{port}", KDSA_NUM_PROCESSES="2",
+               KDSA_PROCESS_ID="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "kdsa.sharding.selfcheck", "--timeout", "3"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]  # an error, not an abort (134)
+    assert "process 1 of 2 could not join the job at coordinator" in proc.stderr
+    assert "a peer is missing or unreachable" in proc.stderr
+    assert elapsed < 45
+
+
+def test_launch_local_stops_the_others_when_one_process_fails():
+    proc, elapsed = _launch("--processes", "2", "--devices-per-process", "1", "--timeout", "60",
+                            "--module", "kdsa.sharding.selfcheck", "--", "--fail-process", "1",
+                            timeout=90)
+    assert proc.returncode == 3  # the failing process's status
+    assert "process 1 failing on purpose" in proc.stdout
+    assert "process 1 exited with 3; stopping the others" in proc.stderr
+    assert "selfcheck: process 0 of 2" not in proc.stdout  # process 0 never finished
+    assert elapsed < 45
