@@ -152,7 +152,7 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
     metrics = {
         "loss": jnp.sum(ce_sums) / jnp.maximum(n_tok, 1.0),
         "indexer_kl": jnp.sum(kl_layers),
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "learning_rate": lr,
         "tokens": n_tok,
         "expert_load_max_over_mean": jnp.max(jnp.where(moe, ratios, 0.0)),

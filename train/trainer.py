@@ -78,6 +78,21 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def prepare(config: ModelConfig, tc: TrainConfig):
+    """``(abstract_model, graphdef, tx, build)``; ``build()`` makes the step-0 ``TrainState``.
+
+    ``jax.eval_shape(build)`` is the restore template of a checkpoint.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(tc.seed)))
+    graphdef, params_meta, _ = split_model(abstract, tc)
+    tx = make_optimizer(tc, params_meta)
+
+    def build():
+        return init_state(Transformer(config, rngs=nnx.Rngs(tc.seed)), tc, tx)[1]
+
+    return abstract, graphdef, tx, build
+
+
 def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                  data_path: str | Path | None = None, resume: bool = False,
                  progress: bool = True, stop_at: int | None = None,
@@ -95,12 +110,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
 
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(tc.seed)))
-    graphdef, params_meta, _ = split_model(abstract, tc)
-    tx = make_optimizer(tc, params_meta)
-
-    def build():
-        return init_state(Transformer(config, rngs=nnx.Rngs(tc.seed)), tc, tx)[1]
+    abstract, graphdef, tx, build = prepare(config, tc)
 
     restored = None
     if resume and ckpt.all_steps():

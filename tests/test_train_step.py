@@ -1,0 +1,180 @@
+"""Train step: exact gradient accumulation, indexer stages, routing-bias update, optimizer parts,
+data packing, metrics encoding. A 2-layer tiny model (KDA + Gated DSA with MoE) keeps compiles
+short; the jitted step is shared between tests through its cache."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from kdsa.model.config import get_preset
+from kdsa.model.transformer import Transformer
+from kdsa.train.config import TrainConfig, apply_train_overrides
+from kdsa.train.data import _from_rows, pack_documents
+from kdsa.train.metrics import crc32c, event_bytes, tfrecord
+from kdsa.train.optim import learning_rate_schedule, make_optimizer, matrix_dims
+from kdsa.train.step import (init_state, split_model, token_cross_entropy, train_step,
+                             update_routing_biases)
+
+
+def small_config():
+    cfg = get_preset("tiny")
+    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=(1,), full_attn_layers=(2,))
+    return cfg.replace(num_hidden_layers=2, attn_res_block_size=None, linear_attn_config=lac)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(small_config(), rngs=nnx.Rngs(0))
+
+
+def _batch(cfg, b=4, t=16):
+    ids = jax.random.randint(jax.random.key(1), (b, t + 1), 0, cfg.vocab_size)
+    lengths = np.array([16, 3, 9, 12])  # uneven valid tokens per row / micro-batch
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.asarray(mask)}
+
+
+def _flat(state):
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+            jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def _run(model, tc, batch):
+    _, params, _ = split_model(model, tc)
+    tx = make_optimizer(tc, params)
+    graphdef, state = init_state(model, tc, tx)
+    return state, *train_step(graphdef, state, batch, tc=tc, tx=tx, layout=model.segment_layout)
+
+
+def test_cross_entropy_matches_numpy():
+    logits = np.random.default_rng(0).normal(size=(2, 3, 5)).astype(np.float32)
+    tg = np.array([[0, 4, 2], [1, 1, 3]])
+    mask = np.array([[1, 1, 0], [1, 0, 1]], np.float32)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    ce = lse - np.take_along_axis(logits, tg[..., None], -1)[..., 0]
+    s, n = token_cross_entropy(jnp.asarray(logits), jnp.asarray(tg), jnp.asarray(mask))
+    np.testing.assert_allclose(float(s), (ce * mask).sum(), rtol=1e-6)
+    assert float(n) == 4.0
+
+
+def test_accumulation_equals_large_batch(model):
+    """4 micro-batches with different valid-token counts == one batch: loss, grads, params."""
+    cfg = model.config
+    batch = _batch(cfg)
+    base = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, learning_rate=1e-2,
+                       eps=1e-3, bias_update_rate=0.01)  # eps: Adam's first step is smooth in g
+    s0, s1, m1 = _run(model, base, batch)
+    _, s4, m4 = _run(model, base.replace(accum_steps=4), batch)
+    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=2e-6)
+    np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    assert float(m1["tokens"]) == 40.0
+    p1, p4, p0 = _flat(s1.params), _flat(s4.params), _flat(s0.params)
+    moved = max(np.abs(p1[k] - p0[k]).max() for k in p1)
+    assert moved > 5e-3  # the step did move parameters (lr 1e-2)
+    for k in p1:
+        np.testing.assert_allclose(p4[k], p1[k], atol=2e-5, rtol=0, err_msg=k)
+    r1, r4, r0 = _flat(s1.rest), _flat(s4.rest), _flat(s0.rest)
+    biases = [k for k in r1 if "e_score_correction_bias" in k]
+    assert biases and all(np.array_equal(r1[k], r4[k]) for k in biases)
+    assert any(not np.array_equal(r1[k], r0[k]) for k in biases)  # biases moved, not by Adam
+    assert int(s1.step) == 1 and float(m1["learning_rate"]) == pytest.approx(1e-2)
+
+
+def test_dense_warmup_trains_only_the_indexer(model):
+    cfg = model.config
+    tc = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, learning_rate=1e-2,
+                     indexer_stage="dense_warmup")
+    s0, s1, m = _run(model, tc, _batch(cfg))
+    p0, p1 = _flat(s0.params), _flat(s1.params)
+    assert p0 and all("indexer" in k for k in p0)  # the optimizer's wrt is the indexer alone
+    assert all(not np.array_equal(p0[k], p1[k]) for k in p0)
+    assert float(m["indexer_kl"]) > 0
+    r0, r1 = _flat(s0.rest), _flat(s1.rest)
+    assert all(np.array_equal(r0[k], r1[k]) for k in r0)  # everything else, biases included
+
+
+def test_routing_bias_update_per_layer():
+    layout = ((0, 1, 1), (1, 2, 3))  # layer 0 alone; layers 1..6 as 3 repeats of period 2
+    rest = nnx.State({"segments": {1: {"layers": {1: {"block_sparse_moe": {"gate": {
+        "e_score_correction_bias": jnp.zeros((3, 4))}}}}}}})
+    load = np.zeros((7, 4), np.float32)
+    load[2] = [4, 0, 0, 0]  # segment 1, position 1, repeat 0 -> layer 1 + 1 + 0 = 2
+    load[4] = [1, 1, 1, 1]  # repeat 1 -> layer 4 (balanced: no move)
+    load[6] = [0, 0, 2, 2]  # repeat 2 -> layer 6
+    new = update_routing_biases(rest, jnp.asarray(load), layout, 0.5)
+    got = np.asarray(new["segments"][1]["layers"][1]["block_sparse_moe"]["gate"][
+        "e_score_correction_bias"])
+    np.testing.assert_array_equal(got, [[-0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0],
+                                        [0.5, 0.5, -0.5, -0.5]])
+
+
+def test_schedule_and_clipping():
+    tc = TrainConfig(steps=100, warmup_steps=10, learning_rate=1.0, min_lr_ratio=0.1)
+    lr = learning_rate_schedule(tc)
+    assert float(lr(5)) == pytest.approx(0.5)
+    assert float(lr(10)) == pytest.approx(1.0)
+    # cosine: end + (peak - end) * (1 + cos(pi * (s - w) / (D - w))) / 2
+    want = 0.1 + 0.9 * (1 + np.cos(np.pi * 45 / 90)) / 2
+    assert float(lr(55)) == pytest.approx(want, rel=1e-5)
+    assert float(lr(100)) == pytest.approx(0.1, rel=1e-5)
+    clip = optax.clip_by_global_norm(1.0)
+    g = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}  # global norm 5
+    out, _ = clip.update(g, clip.init(g))
+    np.testing.assert_allclose(out["a"], [0.6, 0.0], rtol=1e-6)
+
+
+def test_muon_dims_and_orthogonal_update():
+    assert matrix_dims(("segments", "0", "kernel"), ("layers", "embed", "heads"), 3) == (1, 2)
+    assert matrix_dims(("experts_w1",), ("layers", "experts", "embed", "mlp"), 4) == (2, 3)
+    assert matrix_dims(("norm", "weight"), ("layers", None), 2) is None  # stacked vector
+    assert matrix_dims(("embed_tokens", "embedding"), ("vocab", "embed"), 2) is None
+    w = nnx.Param(jnp.zeros((2, 8, 6)), axes=("layers", "embed", "mlp"))
+    b = nnx.Param(jnp.zeros((6,)), axes=(None,))
+    params = nnx.State({"w": w, "b": b})
+    tc = TrainConfig(optimizer="muon", learning_rate=1.0, clip_norm=0.0, weight_decay=0.0,
+                     warmup_steps=0, schedule="constant", muon_consistent_rms=None)
+    tx = make_optimizer(tc, params)
+    pure = nnx.as_pure(params)
+    g = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.ndim), x.shape), pure)
+    upd, _ = tx.update(g, tx.init(pure), pure)
+    sv = np.linalg.svd(-np.asarray(upd["w"]), compute_uv=False)  # [2, 6] per stacked layer
+    assert sv.shape == (2, 6)  # orthogonalised per layer, not across the layer axis
+    assert np.all(sv > 0.5) and np.all(sv < 1.6), sv  # Newton-Schulz: singular values ~1
+
+
+def test_train_config_errors_and_overrides():
+    tc = apply_train_overrides(TrainConfig(), ["learning_rate=1e-3", "train.optimizer=muon"])
+    assert tc.learning_rate == 1e-3 and tc.optimizer == "muon"
+    with pytest.raises(ValueError, match="accum_steps"):
+        TrainConfig(batch_size=6, accum_steps=4)
+    with pytest.raises(ValueError, match="indexer_stage"):
+        TrainConfig(indexer_stage="warm")
+    with pytest.raises(ValueError, match="unknown train config field"):
+        apply_train_overrides(TrainConfig(), ["lr=1"])
+
+
+def test_packing_and_loss_mask():
+    docs = [np.array([1, 2, 3]), np.array([10, 11, 12, 13, 14]), np.array([20, 21])]
+    tok, seg = pack_documents(docs, 6)
+    np.testing.assert_array_equal(tok, [[1, 2, 3, 0, 0, 0], [10, 11, 12, 13, 14, 0],
+                                        [20, 21, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(seg, [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0],
+                                        [1, 1, 0, 0, 0, 0]])
+    tok, seg = pack_documents([np.array([1, 2]), np.array([3, 4, 5]), np.array([6] * 8)], 6)
+    np.testing.assert_array_equal(seg[0], [1, 1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(seg[1], [1, 1, 1, 1, 1, 1])  # long document split
+    b = _from_rows(tok, seg)
+    np.testing.assert_array_equal(b["loss_mask"][0], [1, 0, 1, 1, 0])  # no cross-doc target
+
+
+def test_tensorboard_record_encoding():
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    ev = event_bytes(1.5, 3, scalars={"loss": 2.0})
+    assert ev[:9] == b"\x09" + np.float64(1.5).tobytes() and ev[9:11] == b"\x10\x03"
+    rec = tfrecord(ev)
+    assert int.from_bytes(rec[:8], "little") == len(ev) and rec[12:12 + len(ev)] == ev
