@@ -73,6 +73,16 @@ def _component(path: tuple, mixer_of_layer) -> str:
     raise ValueError(f"parameter {'/'.join(map(str, path))} has no component")
 
 
+def _num_params(var: nnx.Variable) -> int:
+    """Elements, or for packed MXFP4 experts their logical weight count (metadata
+    ``param_count`` per unstacked variable; scales count 0), times the scan-stacking factor."""
+    meta = var.get_metadata()
+    if "param_count" not in meta:
+        return math.prod(var.shape)
+    stacked = var.ndim - len(meta.get("axes", var.shape))
+    return meta["param_count"] * math.prod(var.shape[:stacked])
+
+
 def count_params(config: ModelConfig, preset: str = "custom") -> ParamReport:
     model = abstract_model(config)
     layout = model.segment_layout
@@ -83,7 +93,7 @@ def count_params(config: ModelConfig, preset: str = "custom") -> ParamReport:
 
     comps = {c: 0 for c in COMPONENTS}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        comps[_component(path, mixer_of_layer)] += math.prod(var.shape)
+        comps[_component(path, mixer_of_layer)] += _num_params(var)
     total = sum(comps.values())
     frac = config.num_experts_per_token / config.num_experts if config.num_experts else 0.0
     active = {c: (round(n * frac) if c == "routed_experts" else n) for c, n in comps.items()}

@@ -70,3 +70,11 @@ def test_params_cli_errors(capsys, tmp_path):
     good.write_text(get_preset("tiny").to_json())
     assert main(["params", "--config", str(good), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["total_params"] > 0
+
+
+def test_mxfp4_experts_count_logical_weights():
+    """Packed MXFP4 experts (uint8 bytes + scales) count as the weights they encode."""
+    bf16 = count_params(get_preset("k3-2.8t"))
+    packed = count_params(get_preset("k3-2.8t").replace(expert_weight_format="mxfp4"))
+    assert packed.components == bf16.components
+    assert packed.active_params == bf16.active_params
