@@ -19,8 +19,9 @@ from kdsa.model.transformer import Transformer
 from kdsa.sharding import context_parallel as cp
 from kdsa.sharding.constrain import constrain, current, use_sharding
 from kdsa.sharding.expert_parallel import experts_sharded, ragged_exchange_plan
-from kdsa.sharding.mesh import make_mesh
-from kdsa.sharding.rules import shard_model
+from kdsa.sharding.mesh import check_layout, device_array, layout_sizes, make_mesh
+from kdsa.sharding.reshard import reshard, reshard_state
+from kdsa.sharding.rules import shard_model, state_shardings
 
 TINY = get_preset("tiny")
 FAST = {"xla_backend_optimization_level": 0}  # compile options: half the CPU compile time
@@ -256,8 +257,13 @@ def _value_and_grad(state, graphdef, ids):
 
 
 @pytest.fixture(scope="module")
-def mini():
-    graphdef, state = nnx.split(Transformer(MINI, rngs=nnx.Rngs(0)))
+def mini_model():
+    return nnx.split(Transformer(MINI, rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def mini(mini_model):
+    graphdef, state = mini_model
     ids = jax.random.randint(jax.random.key(4), (B, T + 1), 0, MINI.vocab_size)
     return graphdef, state, ids, _value_and_grad(state, graphdef, ids)
 
@@ -289,3 +295,92 @@ def test_model_gradients_under_expert_sequence_tensor_equal_single_device(mini):
     rel = [float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-6))
            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g))]
     assert max(rel) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# meshes and layouts
+# ---------------------------------------------------------------------------------------------
+
+def test_layout_sizes_defaults_and_overrides():
+    assert layout_sizes("k3-2.8t", "train")["expert"] == 64
+    assert layout_sizes("k3-2.8t", "generate", "expert=4,tensor=2") == dict(
+        data=1, fsdp=1, expert=4, tensor=2, sequence=1)
+    assert layout_sizes("unknown-preset", "train")["fsdp"] == -1
+    mesh = make_mesh(layout_sizes("tiny", "generate"))
+    assert dict(mesh.shape)["data"] == 8 and mesh.axis_types[0] == jax.sharding.AxisType.Auto
+    with pytest.raises(ValueError, match="unknown layout 'serve'"):
+        layout_sizes("tiny", "serve")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("expert=3", r"expert=3 multiply to 3 but there are 8 devices"),
+    ("expert=3,data=-1", r"\(product 3\) do not divide the 8 devices"),
+    ("data=-1,fsdp=-1", "only one mesh axis may be -1"),
+    ("experts=2", "unknown mesh axis 'experts'"),
+    ("tensor=two", "tensor='two' is not an integer"),
+    ("tensor=0", "sizes are positive or -1"),
+])
+def test_bad_meshes_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        make_mesh(spec)
+
+
+def test_check_layout_names_the_axis_product_that_does_not_divide():
+    check_layout(TINY, {"expert": 4, "tensor": 2, "data": 1}, "train", batch=8, seq=32)
+    with pytest.raises(ValueError) as e:
+        check_layout(TINY, {"expert": 3, "tensor": 3}, "train", batch=8, seq=32)
+    msg = str(e.value)
+    assert "num_experts=8 is not divisible by mesh axes expert=3" in msg
+    assert "num_attention_heads=4 is not divisible by mesh axes tensor=3" in msg
+    assert "the batch size=8 is not divisible by mesh axes expert=3" in msg
+    with pytest.raises(ValueError, match="the sequence length=30 is not divisible by mesh axes "
+                                         "sequence=4"):
+        check_layout(TINY, {"sequence": 4}, "train", seq=30)
+
+
+def test_hybrid_mesh_keeps_the_dcn_axis_across_slices():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class FakeDevice:  # what create_hybrid_device_mesh reads from a device
+        id: int
+        slice_index: int
+        platform: str = "cpu"
+        device_kind: str = "cpu"
+        process_index: int = 0
+
+    devices = [FakeDevice(i, i // 4) for i in range(8)]
+    arr = device_array({"fsdp": 2, "tensor": 2}, devices, dcn={"data": 2})
+    assert arr.shape == (2, 2, 1, 2, 1)
+    for d in range(2):  # moving along data changes slice; everything else stays inside one
+        assert {dev.slice_index for dev in arr[d].ravel()} == {d}
+    with pytest.raises(ValueError, match="ask for 4 slices but the devices span 2"):
+        device_array({"fsdp": -1}, devices, dcn={"data": 4})
+
+
+# ---------------------------------------------------------------------------------------------
+# resharding
+# ---------------------------------------------------------------------------------------------
+
+def test_train_generate_train_resharding_is_exact_and_bounded(mini_model):
+    _, state = mini_model
+    train_mesh = make_mesh("fsdp=2,expert=2,tensor=2")
+    gen_mesh = make_mesh("expert=2,tensor=2", devices=jax.devices()[4:])  # another subset
+    train, r1 = reshard_state(state, train_mesh, "train")
+    gen, r2 = reshard_state(train, gen_mesh, "generate", donate=True)
+    back, r3 = reshard_state(gen, train_mesh, "train")
+    want = state_shardings(state, train_mesh, "train")
+    flat = lambda t: [v[...] for _, v in nnx.to_flat_state(t)]  # noqa: E731
+    for a, b, s in zip(flat(state), flat(back), [s for _, s in nnx.to_flat_state(want)]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.is_equivalent_to(s, b.ndim)
+    for v in flat(gen):
+        assert v.sharding.device_set <= set(jax.devices()[4:])
+    ptrs = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}  # noqa
+    donated = [t.is_deleted() or bool(ptrs(t) & ptrs(g)) for t, g in zip(flat(train), flat(gen))]
+    assert all(donated) and any(t.is_deleted() for t in flat(train))  # freed, or reused
+    assert r2.tree_bytes == sum(v.nbytes for v in flat(state)) and r2.arrays == len(flat(state))
+    assert r1.peak_device_bytes <= r1.source_device_bytes + r1.target_device_bytes
+    assert r2.peak_device_bytes < r2.source_device_bytes + r2.target_device_bytes  # donation
+    with pytest.raises(ValueError, match="not a Sharding"):
+        reshard([jnp.ones(3)], [None])
