@@ -39,6 +39,11 @@ def _batch(cfg, b=4, t=16):
     return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "loss_mask": jnp.asarray(mask)}
 
 
+# eps=1e-3: Adam's first step is smooth in the gradient, so tiny gradients cannot flip signs
+BASE = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, learning_rate=1e-2,
+                   eps=1e-3, bias_update_rate=0.01)
+
+
 def _flat(state):
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in
             jax.tree_util.tree_flatten_with_path(state)[0]}
@@ -66,8 +71,7 @@ def test_accumulation_equals_large_batch(model):
     """4 micro-batches with different valid-token counts == one batch: loss, grads, params."""
     cfg = model.config
     batch = _batch(cfg)
-    base = TrainConfig(steps=10, batch_size=4, seq_len=16, warmup_steps=0, learning_rate=1e-2,
-                       eps=1e-3, bias_update_rate=0.01)  # eps: Adam's first step is smooth in g
+    base = BASE
     s0, s1, m1 = _run(model, base, batch)
     _, s4, m4 = _run(model, base.replace(accum_steps=4), batch)
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=2e-6)
@@ -178,3 +182,26 @@ def test_tensorboard_record_encoding():
     assert ev[:9] == b"\x09" + np.float64(1.5).tobytes() and ev[9:11] == b"\x10\x03"
     rec = tfrecord(ev)
     assert int.from_bytes(rec[:8], "little") == len(ev) and rec[12:12 + len(ev)] == ev
+
+
+def test_bf16_compute_with_remat_keeps_f32_master_weights(model):
+    """compute_dtype=bfloat16, param_dtype=float32, remat_policy=full: one step of the same
+    model (same weights) as the f32 run; parameters stay f32, loss within bf16 rounding."""
+    cfg = model.config.replace(compute_dtype="bfloat16", remat_policy="full")
+    m16 = Transformer(cfg, rngs=nnx.Rngs(0))
+    nnx.update(m16, nnx.state(model))  # identical f32 master weights
+    _, s16, m_16 = _run(m16, BASE, _batch(cfg))
+    _, _, m_32 = _run(model, BASE, _batch(cfg))  # compiled already by the accumulation test
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(s16.params))
+    assert abs(float(m_16["loss"]) - float(m_32["loss"])) < 3e-2  # measured 6.6e-4
+    assert float(m_16["grad_norm"]) == pytest.approx(float(m_32["grad_norm"]), rel=0.1)
+
+
+def test_cli_reports_config_errors_before_building(tmp_path, capsys):
+    from kdsa.cli.main import main
+
+    rc = main(["train", "--run-dir", str(tmp_path), "--train-set", "accum_steps=3"])
+    assert rc == 2 and "accum_steps" in capsys.readouterr().err
+    rc = main(["train", "--run-dir", str(tmp_path), "--train-set", "seq_len=5000"])
+    assert rc == 2 and "max_position_embeddings" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints").exists()
