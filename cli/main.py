@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kdsa.cli import forward_cmd, launch_local, params_cmd
+from kdsa.cli import forward_cmd, launch_local, params_cmd, plan_cmd
 from kdsa.cli import convert_cmd
 from kdsa.cli import generate_cmd, serve_cmd, train_cmd
 from kdsa.sharding.distributed import JoinError, initialize
@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kdsa", description="kdsa: Kimi K3 successor (KDA + Gated DSA MoE) in JAX")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (params_cmd, forward_cmd, launch_local):
+    for mod in (params_cmd, forward_cmd, launch_local, plan_cmd):
         mod.register(sub)
     convert_cmd.register(sub)
     for mod in (generate_cmd, serve_cmd, train_cmd):

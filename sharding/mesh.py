@@ -81,16 +81,17 @@ def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]
 
 
 # Named layouts per preset (``-1`` = the remaining devices); ``--mesh`` replaces one entirely.
-# tiny/small: any device count. Kimi Linear: experts within an 8-GPU node. K3: 896 experts over
-# 64 (train, 14 each; FSDP takes the rest) or 128 devices (generate, 7 each; requests take the
-# rest); numbers behind these choices are in docs/sharding.md (``kdsa plan``).
+# tiny/small: any device count. Kimi Linear: experts within an 8-GPU node. K3 train: 896
+# experts over 64 devices (14 each), FSDP takes the rest (1024 H200: 16). K3 generate: 32-way
+# EP x 8-way TP (28 experts per device, 42.5 GiB bf16 weights), replicas take the rest; the
+# numbers behind these choices are in docs/sharding.md (``kdsa plan``).
 DEFAULT_LAYOUTS: dict[str, dict[str, dict[str, int]]] = {
     "tiny": {"train": {"fsdp": -1}, "generate": {"data": -1}},
     "small": {"train": {"fsdp": -1}, "generate": {"data": -1}},
     "kimi-linear-48b": {"train": {"expert": 8, "fsdp": -1},
                         "generate": {"expert": 8, "data": -1}},
     "k3-2.8t": {"train": {"expert": 64, "fsdp": -1},
-                "generate": {"expert": 128, "data": -1}},
+                "generate": {"expert": 32, "tensor": 8, "data": -1}},
 }
 LAYOUTS = ("train", "generate")
 

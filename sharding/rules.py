@@ -42,13 +42,16 @@ RULES: dict[str, Rules] = {
         "act_heads": ("tensor",), "act_vocab": ("tensor",),
     },
     # Generation: no FSDP (weights stay resident), experts over `expert`, heads over `tensor`,
-    # requests over data x fsdp; caches follow the batch.
+    # requests over data x fsdp x expert: attention is data-parallel across the expert axis
+    # (DeepSeek/Kimi serving's "DP attention"), so each device caches only its own requests'
+    # MLA latents (one latent per token, nothing to split over heads); the MoE sends tokens
+    # to their experts' devices (all-to-all).
     "generate": {
         "embed": None, "vocab": ("tensor",), "mlp": ("tensor",), "heads": ("tensor",),
         "q_lora": None, "kv_lora": None, "index_heads": ("tensor",),
         "experts": ("expert",), "expert_embed": None, "expert_mlp": ("tensor",),
         "layers": None,
-        "act_batch": ("data", "fsdp"), "act_seq": None, "act_embed": None,
+        "act_batch": ("data", "fsdp", "expert"), "act_seq": None, "act_embed": None,
         "act_heads": ("tensor",), "act_vocab": ("tensor",),
     },
 }

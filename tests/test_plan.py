@@ -1,0 +1,115 @@
+"""``kdsa plan``: per-device memory from the rules on abstract meshes, refusals, the CLI."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.cli.main import main
+from kdsa.model.config import get_preset
+from kdsa.model.count import abstract_model, count_params
+from kdsa.sharding.mesh import AXES, make_mesh
+from kdsa.sharding.plan import layer_activation_elements, make_plan, parse_bytes
+from kdsa.sharding.rules import replicated_report, state_shardings
+
+GiB = 2 ** 30
+TINY = get_preset("tiny")
+K3 = get_preset("k3-2.8t")
+
+
+@pytest.fixture(scope="module")
+def tiny_abstract():
+    return abstract_model(TINY)
+
+
+@pytest.fixture(scope="module")
+def k3_abstract():
+    return abstract_model(K3)
+
+
+def test_parse_bytes():
+    assert parse_bytes("141GiB") == 141 * 2 ** 30
+    assert parse_bytes("80 GB") == 80 * 10 ** 9
+    assert parse_bytes("1e6") == 10 ** 6
+    for bad in ("lots", "-3GiB", "0"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_parameter_bytes_match_jax_shard_shapes(tiny_abstract):
+    """Independent path: the busiest device's bytes from ``NamedSharding.shard_shape`` of the
+    rules' shardings on a real 8-device mesh."""
+    sizes = dict(data=1, fsdp=2, expert=2, tensor=2, sequence=1)
+    mesh = make_mesh(sizes)
+    state = nnx.state(tiny_abstract)
+    per_device = np.zeros(8)
+    trainable = 0
+    for (_, v), (_, s) in zip(nnx.to_flat_state(state),
+                              nnx.to_flat_state(state_shardings(state, mesh, "train"))):
+        nbytes = math.prod(s.shard_shape(v.shape)) * v.dtype.itemsize
+        for dev in s.device_set:
+            per_device[dev.id] += nbytes
+        if isinstance(v, nnx.Param):
+            trainable += math.prod(s.shard_shape(v.shape))
+    plan = make_plan(TINY, "train", sizes, device_memory=GiB, batch=8, seq=32,
+                     model=tiny_abstract)
+    assert plan.memory["parameters"] == per_device.max() == per_device.min()
+    assert plan.memory["gradients"] == 4 * trainable  # float32 parameters
+    assert plan.memory["optimizer"] == 8 * trainable  # 2 moments; the master is the param
+    assert plan.fits and plan.refusal() is None and plan.devices == 8
+
+
+def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
+    sizes = dict(data=2, fsdp=1, expert=2, tensor=2, sequence=1)
+    kw = dict(device_memory=GiB, seq=32, model=tiny_abstract)
+    one = make_plan(TINY, "train", sizes, batch=8, **kw)
+    two = make_plan(TINY, "train", sizes, batch=16, **kw)
+    assert two.memory["activations"] == 2 * one.memory["activations"]  # linear in tokens
+    kinds = list(zip(TINY.mixer_kinds, TINY.ffn_kinds))
+    per_token = sum(layer_activation_elements(TINY, m, f, 2) for m, f in kinds)
+    assert one.memory["activations"] == per_token * (8 // 4) * 32 * 4  # no remat: all layers
+    remat = make_plan(TINY.replace(remat_policy="full"), "train", sizes, batch=8, **kw)
+    assert remat.memory["activations"] < one.memory["activations"]
+    gen = make_plan(TINY, "generate", sizes, batch=8, **kw)
+    report = count_params(TINY)
+    b_l = 8 // 4  # requests over data x expert
+    kda_state = TINY.linear_attn_config.num_heads * TINY.linear_attn_config.head_dim ** 2 * 4
+    want = b_l * (report.cache_bytes_per_token * 32 + report.cache_bytes_per_sequence
+                  - TINY.mixer_kinds.count("kda") * kda_state // 2)  # KDA state over tensor
+    assert gen.memory["caches"] == want
+    assert gen.memory["gradients"] == gen.memory["optimizer"] == 0
+    assert set(gen.communication) == {"expert", "tensor"}
+
+
+def test_k3_train_on_1024_h200_fits_and_on_256_is_refused(k3_abstract):
+    big = make_plan(K3, "train", dict(data=1, fsdp=16, expert=64, tensor=1, sequence=1),
+                    device_memory=parse_bytes("141GiB"), batch=1024, seq=8192,
+                    model=k3_abstract)
+    assert big.fits
+    total = count_params(K3).total_params
+    assert big.memory["parameters"] == pytest.approx(2 * total / 1024, rel=0.1)
+    small = make_plan(K3, "train", dict(data=1, fsdp=4, expert=64, tensor=1, sequence=1),
+                      device_memory=parse_bytes("141GiB"), batch=256, seq=8192,
+                      model=k3_abstract)
+    assert not small.fits
+    assert "largest term: optimizer" in small.refusal()
+
+
+def test_no_large_k3_weight_is_left_whole_in_training(k3_abstract):
+    mesh = jax.sharding.AbstractMesh((1, 16, 64, 1, 1), AXES)
+    assert replicated_report(nnx.state(k3_abstract), mesh, "train", min_bytes=100 << 20) == []
+
+
+def test_plan_cli_exit_codes(capsys):
+    args = ["plan", "--preset", "tiny", "--mesh", "fsdp=2,expert=2,tensor=2", "--batch", "8",
+            "--seq", "64"]
+    assert main(args + ["--device-memory", "1GiB"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(args + ["--device-memory", "1MiB"]) == 3
+    assert "REFUSED" in capsys.readouterr().out
+    assert main(["plan", "--preset", "tiny", "--mesh", "expert=3", "--batch", "6"]) == 2
+    assert "num_experts=8 is not divisible by mesh axes expert=3" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--layout", "generate"]) == 2
+    assert "give --devices" in capsys.readouterr().err
