@@ -205,3 +205,27 @@ def test_cli_reports_config_errors_before_building(tmp_path, capsys):
     rc = main(["train", "--run-dir", str(tmp_path), "--train-set", "seq_len=5000"])
     assert rc == 2 and "max_position_embeddings" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_muon_partition_of_the_model_parameters():
+    """Muon on every weight matrix of the model (stacked layers and experts as batch axes),
+    AdamW on the embedding, the head, norms and vectors; checked on the abstract model."""
+    from kdsa.train.optim import muon_dims_tree
+
+    abstract = nnx.eval_shape(lambda: Transformer(small_config(), rngs=nnx.Rngs(0)))
+    _, params, _ = split_model(abstract, TrainConfig())
+    dims = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
+        muon_dims_tree(params), is_leaf=lambda x: x is None or isinstance(x, tuple))[0]}
+    shapes = {jax.tree_util.keystr(p): v.shape for p, v in
+              jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]}
+    assert dims.keys() == shapes.keys()
+    for name, d in dims.items():
+        if "embed_tokens" in name or "lm_head" in name:
+            assert d is None, name
+        elif name.endswith("['kernel']"):
+            assert d is not None and d.output_axis == len(shapes[name]) - 1, name
+    experts = [n for n in dims if "experts" in n and "w1" in n]
+    assert experts and all(len(shapes[n]) == 4 and tuple(dims[n]) == (2, 3) for n in experts)
+    assert any(d is None for n, d in dims.items() if "norm" in n)
+    tx = make_optimizer(TrainConfig(optimizer="muon"), params)
+    jax.eval_shape(tx.init, nnx.as_pure(params))  # the dims tree matches the parameter tree

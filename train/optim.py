@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, muon
@@ -54,7 +55,9 @@ def matrix_dims(path: tuple, axes: tuple | None, ndim: int) -> MuonDimensionNumb
     """
     if any(str(k) in ADAMW_ONLY for k in path):
         return None
-    axes = axes if axes is not None else (None,) * ndim
+    axes = tuple(axes) if axes is not None else (None,) * ndim
+    if len(axes) < ndim:  # the stack adds leading layer axes without naming them
+        axes = ("layers",) * (ndim - len(axes)) + axes
     core = [i for i, a in enumerate(axes) if a not in BATCH_AXES]
     if len(core) != 2:
         return None
@@ -65,7 +68,8 @@ def muon_dims_tree(params: nnx.State) -> nnx.State:
     """Same structure as ``nnx.as_pure(params)``: per leaf its dims (None = AdamW)."""
     def one(path, var):
         axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
-        return matrix_dims(tuple(getattr(k, "key", k) for k in path), axes, var[...].ndim)
+        ndim = len(var.get_value().shape) if isinstance(var, nnx.Variable) else jnp.ndim(var)
+        return matrix_dims(tuple(getattr(k, "key", k) for k in path), axes, ndim)
 
     return jax.tree_util.tree_map_with_path(one, params,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
