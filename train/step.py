@@ -10,7 +10,13 @@ Loss (per optimizer step, over all ``M = accum_steps`` micro-batches together)::
 Gradients are accumulated as sums, the denominator ``N`` applied once at the end: micro-batch
 ``i`` contributes ``grad(ce_sum_i + w * N / M * kl_i)``, and the step uses ``sum_i(...) / N``.
 This is the gradient of the large-batch loss whatever the split of valid tokens between
-micro-batches (tested: 4 micro-batches vs one batch, loss and updated parameters).
+micro-batches (tested: 4 micro-batches holding 16/3/9/12 valid tokens vs one batch: loss within
+rtol 2e-6, grad norm 1e-5, parameters after one AdamW step within 2e-5 at lr 1e-2, routing
+biases equal; CPU, float32).
+
+Mixed precision: ``compute_dtype=bfloat16`` with ``param_dtype=float32`` keeps float32 master
+weights and optimizer moments; measured on the 2-layer tiny model (with ``remat_policy=full``):
+loss -6.6e-4 and grad norm x1.002 against float32 compute.
 
 MoE (DeepSeek-V3 aux-loss-free balancing, report section 2.1.2): ``expert_load [L, E]`` is
 summed over the micro-batches and every ``e_score_correction_bias`` moves by
