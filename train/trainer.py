@@ -127,7 +127,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     else:
         if resume:
             log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
-        start, state, data_index = 0, build(), 0
+        # committed to the device like a restored state, so both share one compiled step
+        start, state, data_index = 0, jax.device_put(build(), jax.devices()[0]), 0
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
