@@ -4,8 +4,9 @@
 
 Each process gets ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` / ``KDSA_PROCESS_ID`` and
 ``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. ``--module``
-runs another module than the kdsa CLI (``kdsa.sharding.selfcheck``, the multi-host check). When one process
-fails the others are stopped and the command exits with that process's status (no hang).
+runs another module than the kdsa CLI (``kdsa.sharding.selfcheck``, the multi-host check).
+When one process fails the others are stopped and the command exits with that process's
+status (no hang).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def run(args) -> int:
             if all(c == 0 for c in codes):
                 return 0
             if args.timeout and time.monotonic() - start > args.timeout:
-                print(f"[launch-local] timeout after {args.timeout}s; stopping all", file=sys.stderr)
+                print(f"[launch-local] timeout after {args.timeout}s; stopping all",
+                      file=sys.stderr)
                 status = 124
                 break
             time.sleep(0.1)

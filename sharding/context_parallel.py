@@ -31,8 +31,6 @@ top-8) indices identical, outputs bitwise equal, gradients 2.9e-6.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -54,6 +52,12 @@ def _seq_spec(ctx: ShardingContext | None, logical, shape) -> P | None:
 
 def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _axis_name(entry):
+    """A spec entry as a collective's axis name (a name, or a tuple of names)."""
+    axes = _axes(entry)
+    return axes[0] if len(axes) == 1 else axes
 
 
 def _vary(x, axes):
@@ -100,8 +104,7 @@ def kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_i
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     bt, sq, hd = spec[0], spec[1], spec[2]
-    seq_axes = _axes(sq)
-    axis = seq_axes if len(seq_axes) > 1 else seq_axes[0]
+    seq_axes, axis = _axes(sq), _axis_name(sq)
     scale = dk ** -0.5 if scale is None else scale
     s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
@@ -139,7 +142,8 @@ def kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_i
 # Gated DSA: indexer top-k and sparse MLA attention with gathered keys
 # ---------------------------------------------------------------------------------------------
 
-def _self_attention(q_len, kv_len, ctx, spec):
+def _split_self_attention(spec, q_len: int, kv_len: int) -> bool:
+    """SP applies when the rules split the sequence and keys are the queries' own tokens."""
     return spec is not None and q_len == kv_len
 
 
@@ -149,11 +153,11 @@ def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chun
     Returned indices are global key positions, as unsharded."""
     ctx = current()
     spec = _seq_spec(ctx, ("act_batch", "act_seq", None, None), q.shape)
-    if not _self_attention(q.shape[1], k.shape[1], ctx, spec):
+    if not _split_self_attention(spec, q.shape[1], k.shape[1]):
         return dsa_math.indexer_topk(q, k, weights, topk, q_pos=q_pos, kv_pos=kv_pos,
                                      q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
     bt, sq = spec[0], spec[1]
-    axis = _axes(sq) if len(_axes(sq)) > 1 else sq
+    axis = _axis_name(sq)
 
     def body(q, k, w, q_pos, kv_pos, q_seg, kv_seg):
         k, kv_pos, kv_seg = (_gather_seq(x, axis) for x in (k, kv_pos, kv_seg))
@@ -172,11 +176,11 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
     ctx = current()
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
-    if not _self_attention(q.shape[1], parts[0].shape[1], ctx, spec):
+    if not _split_self_attention(spec, q.shape[1], parts[0].shape[1]):
         return dsa_math.sparse_mla_attention(q, kv, indices, sm_scale, v_dim,
                                              chunk_size=chunk_size)
     bt, sq, hd = spec[0], spec[1], spec[2]
-    axis = _axes(sq) if len(_axes(sq)) > 1 else sq
+    axis = _axis_name(sq)
 
     def body(q, idx, *parts):
         parts = tuple(_gather_seq(_vary(p, _axes(hd)), axis) for p in parts)

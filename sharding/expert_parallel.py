@@ -89,7 +89,7 @@ def receive_rows(m: int, ep: int, factor: float | None) -> int:
 
 def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *,
                     ctx: ShardingContext):
-    """Expert-parallel ``experts_ragged``: ``(y [N, De] in z.dtype, dropped [] int32)``.
+    """Expert-parallel ``experts_ragged``: ``(y [N, De] in z.dtype, {"moe_dropped": [] int32})``.
 
     Same arguments as ``kdsa.model.moe.experts_ragged`` (global shapes): z ``[N, De]``,
     topk ``[N, k]``, w1/w3 ``[E, De, I]``, w2 ``[E, I, De]``.
@@ -115,7 +115,8 @@ def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *
     up, down = P(_entry(ep_axes), None, _entry(tp_axes)), P(_entry(ep_axes), _entry(tp_axes), None)
     fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(t, t, t, up, up, down),
                        out_specs=(t, P()))
-    return fn(z, topk_idx, topk_weight, w1, w3, w2)
+    y, dropped = fn(z, topk_idx, topk_weight, w1, w3, w2)
+    return y, {"moe_dropped": dropped}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +130,8 @@ def _inverse(order: jax.Array) -> jax.Array:
 
 def _local_experts(rows, ids, w1, w3, w2, config):
     """Rows ``[R, De]`` with local expert ids ``[R]`` (``E_loc`` = empty) through the owned
-    experts; ``[R, De]``, zero for empty rows. w1/w3 ``[E_loc, De, I_loc]``, w2 ``[E_loc, I_loc, De]``."""
+    experts; ``[R, De]``, zero for empty rows. w1/w3 ``[E_loc, De, I_loc]``, w2
+    ``[E_loc, I_loc, De]``."""
     e_loc = w1.shape[0]
     dt = rows.dtype
     order = jnp.argsort(ids, stable=True)                               # empty rows last
