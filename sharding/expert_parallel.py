@@ -28,8 +28,11 @@ its own experts on all tokens and the outputs are summed (``psum``) over the exp
 Weights enter with specs ``P(ep, None, tp)`` / ``P(ep, tp, None)``: an FSDP-sharded ``De`` is
 all-gathered at the ``shard_map`` boundary by the partitioner (reduce-scattered in backward).
 
-Measured (``tests/test_sharding.py``, tiny MoE, float32 CPU, 8 devices): equal to
-``experts_ragged`` to max abs 6e-8 forward and 2e-7 on gradients for every exchange.
+Measured (tiny experts E 8, De 32, I 32, N 32, k 2, float32, 8 CPU devices): max abs error
+against ``experts_ragged`` 6.0e-7 forward and 3.6e-6 on the gradients of z, the routing
+weights and w1/w3/w2, for ``expert=4,tensor=2`` (padded), ``expert=2,fsdp=2,tensor=2`` (padded
+and emulated ragged) and ``expert=4,data=2`` (replicated tokens); ``tests/test_sharding.py``
+bounds them at 2e-6 / 1e-5.
 """
 
 from __future__ import annotations
