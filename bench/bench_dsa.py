@@ -34,17 +34,9 @@ from flax import nnx  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
+from timing import seconds  # noqa: E402  (bench/timing.py)
 
 
-def seconds(fn, *args, reps: int) -> float:
-    """Median wall time of ``fn(*args)`` after one compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def decode_seconds(step, state, x, positions, cache, reps: int) -> float:

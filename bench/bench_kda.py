@@ -37,19 +37,11 @@ from flax import nnx  # noqa: E402
 from kdsa.model.kda import kda_chunked  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache, kda_gate  # noqa: E402
 from kdsa.model.presets import small  # noqa: E402
+from timing import seconds  # noqa: E402  (bench/timing.py)
 
 H, K, LB = 4, 64, -5.0
 
 
-def seconds(fn, *args, reps: int) -> float:
-    """Median wall time of ``fn(*args)`` after one compile-and-warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_inputs(t: int, seed: int = 0):

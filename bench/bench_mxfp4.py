@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -35,17 +34,9 @@ from kdsa.kernels_pallas.mxfp4_matmul import (mxfp4_grouped_matmul_prepared,  # 
                                               mxfp4_grouped_matmul_ref, mxfp4_matmul_prepared,
                                               mxfp4_matmul_ref, prepare_mxfp4_weights)
 from kdsa.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+from timing import seconds  # noqa: E402  (bench/timing.py)
 
 
-def timeit(fn, *args, iters: int) -> float:
-    """Median seconds per call of a jitted ``fn`` (compiled and warmed up first)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def rel_error(y, y_ref, x, w_abs_t) -> float:
@@ -93,11 +84,11 @@ def main() -> None:
         yg = grouped(x, grouped_w, g)
         yg_ref = jax.jit(mxfp4_grouped_matmul_ref)(x, blocks, scales, g)
         row["grouped_rel_error"] = float(jnp.max(jnp.abs(yg - yg_ref)) / jnp.max(jnp.abs(yg_ref)))
-        t_ref = timeit(ref, x, blocks[0], scales[0], iters=iters)
-        t_bf16 = timeit(bf16_dot, x, w_kn, iters=iters)
+        t_ref = seconds(ref, x, blocks[0], scales[0], reps=iters)
+        t_bf16 = seconds(bf16_dot, x, w_kn, reps=iters)
         row.update(ref_s=t_ref, bf16_matmul_s=t_bf16)
         if on_cpu:
-            t_f32 = timeit(f32_dot, x.astype(jnp.float32), w_kn32, iters=iters)
+            t_f32 = seconds(f32_dot, x.astype(jnp.float32), w_kn32, reps=iters)
             row.update(f32_matmul_s=t_f32, cpu_bf16_over_ref=t_bf16 / t_ref,
                        cpu_f32_over_ref=t_f32 / t_ref)
             print(f"M={m:>2}  dense rel err {row['dense_rel_error']:.1e}  grouped err/max|y| "
@@ -106,8 +97,8 @@ def main() -> None:
                   f"{t_f32 * 1e3:7.2f} ms -> bf16/ref {row['cpu_bf16_over_ref']:.2f}x, "
                   f"f32/ref {row['cpu_f32_over_ref']:.2f}x", flush=True)
         else:
-            t_k = timeit(kernel, x, dense_w, iters=iters)
-            t_g = timeit(grouped, x, grouped_w, g, iters=iters)
+            t_k = seconds(kernel, x, dense_w, reps=iters)
+            t_g = seconds(grouped, x, grouped_w, g, reps=iters)
             row.update(kernel_s=t_k, grouped_kernel_s=t_g, speedup_vs_bf16=t_bf16 / t_k,
                        ref_over_kernel=t_ref / t_k)
             print(f"M={m:>2}  dense rel err {row['dense_rel_error']:.1e}  grouped err/max|y| "
