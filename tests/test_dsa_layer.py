@@ -13,6 +13,7 @@ from kdsa.model.config import YarnConfig, get_preset
 from kdsa.model.dsa_layer import (MLA_LATENT_NORM_EPS, DSACache, GatedDSA,
                                   dsa_cache_bytes_per_token, init_dsa_cache)
 from kdsa.model.rope import rope_inv_freq
+from test_dsa import np_rotate  # the NumPy RoPE reference (complex multiplication)
 
 TINY = get_preset("tiny")  # NoPE, gate, q_lora 32, topk 8, query chunk 16
 ROPE = TINY.replace(mla_use_nope=False, rope_theta=500.0, rope_scaling=YarnConfig(
@@ -73,18 +74,6 @@ def inputs(seed=1, b=B, t=T):
 # NumPy reference: MHA form, explicit [T, S] masks, float64
 # ---------------------------------------------------------------------------------------------
 
-def np_rotate(x, pos, inv, layout):
-    r = x.shape[-1]
-    z = (x[..., 0::2] + 1j * x[..., 1::2] if layout == "interleaved"
-         else x[..., : r // 2] + 1j * x[..., r // 2:])
-    ang = pos[..., None] * np.asarray(inv, np.float64)
-    z = z * np.exp(1j * ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:]))
-    out = np.empty_like(x)
-    if layout == "interleaved":
-        out[..., 0::2], out[..., 1::2] = z.real, z.imag
-    else:
-        out[..., : r // 2], out[..., r // 2:] = z.real, z.imag
-    return out
 
 
 def np_rms(x, w, eps):
