@@ -69,6 +69,74 @@ class YarnConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """MoonViT-style vision tower + projector (K2.5's ``vision_config``, reused by K3).
+
+    Names follow vLLM's ``KimiK25VisionConfig`` (``kimi_k3.md`` 5; the published ``vt_*``
+    spellings are read too). Off (``ModelConfig.vision_config = None``) in text-only presets.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    qkv_hidden_size: int | None = None  # attention width (K3: 1536); None = hidden_size
+    patch_size: int = 14
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    norm_type: str = "rmsnorm"  # rmsnorm (K3) | layernorm (K2.5)
+    norm_eps: float = 1e-6
+    attn_bias: bool = True
+    linear_bias: bool = True
+    patch_embed_proj_bias: bool = True
+    rope_theta: float = 10000.0
+    projector_ln_eps: float = 1e-5
+    max_patches: int = 16384  # per image, before merging (a clear error beyond it)
+    media_placeholder_token_id: int = 163605  # <|media_pad|>
+
+    def __post_init__(self):
+        object.__setattr__(self, "merge_kernel_size", tuple(int(k) for k in self.merge_kernel_size))
+        _positive(self, "vision_config.", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "intermediate_size", "patch_size",
+                  "init_pos_emb_height", "init_pos_emb_width", "max_patches")
+        if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
+            raise ValueError(f"vision_config.merge_kernel_size must be two positive integers, "
+                             f"got {self.merge_kernel_size}")
+        if self.norm_type not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"vision_config.norm_type must be rmsnorm or layernorm, got "
+                             f"{self.norm_type!r}")
+        q = self.attn_width
+        if q % self.num_attention_heads or (q // self.num_attention_heads) % 4:
+            raise ValueError(f"vision_config: attention width {q} must split into "
+                             f"num_attention_heads={self.num_attention_heads} heads whose size "
+                             f"is a multiple of 4 (2-D RoPE)")
+
+    @property
+    def attn_width(self) -> int:
+        return self.qkv_hidden_size or self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_width // self.num_attention_heads
+
+    @property
+    def merge_size(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "VisionConfig":
+        d = {_VISION_ALIASES.get(k, k): v for k, v in d.items()}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+
+
+_VISION_ALIASES = {"vt_hidden_size": "hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
+                   "vt_num_attention_heads": "num_attention_heads",
+                   "vt_intermediate_size": "intermediate_size"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """The whole model. See ``PRESETS`` for named instances and their sources."""
 
@@ -119,6 +187,8 @@ class ModelConfig:
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    # ---- vision tower + projector (None = text only) ----
+    vision_config: VisionConfig | None = None
     # ---- ours (exported under "kdsa") ----
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -197,9 +267,11 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict (Kimi K3, Kimi Linear, DeepSeek-V3.x)."""
+        vision = hf.get("vision_config")
         if "text_config" in hf:  # kimi_k3 wrapper: the language model is its kimi_linear text_config
             hf = hf["text_config"]
         d = dict(hf)
+        vision = d.get("vision_config", vision)
         for theirs, ours in _ALIASES.items():
             if theirs in d and ours not in d:
                 d[ours] = d[theirs]
@@ -207,10 +279,13 @@ class ModelConfig:
             d.setdefault("use_grouped_topk", True)
         kw: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
-        for name in names - _OURS - {"linear_attn_config", "rope_scaling"}:
+        for name in names - _OURS - {"linear_attn_config", "rope_scaling", "vision_config"}:
             if name in d and d[name] is not None or name in d and name in _NULLABLE:
                 kw[name] = d[name]
         kw["linear_attn_config"] = _linear_attn_from_hf(d)
+        if vision:
+            kw["vision_config"] = (vision if isinstance(vision, VisionConfig)
+                                   else VisionConfig.from_hf(vision))
         rs = d.get("rope_scaling")
         if rs and rs.get("type", rs.get("rope_type")) == "yarn":
             kw["rope_scaling"] = YarnConfig(**{k: rs[k] for k in _YARN_KEYS if k in rs})
@@ -359,6 +434,11 @@ def _validate(c: ModelConfig) -> None:
         v = getattr(c, name)
         if v is not None and not 0 <= v < c.vocab_size:
             raise ValueError(f"{name}={v} is outside the vocabulary [0, {c.vocab_size})")
+    v = c.vision_config
+    if v is not None and not 0 <= v.media_placeholder_token_id < c.vocab_size:
+        raise ValueError(f"vision_config.media_placeholder_token_id="
+                         f"{v.media_placeholder_token_id} is outside the vocabulary "
+                         f"[0, {c.vocab_size})")
 
 
 def _validate_expert_format(c: ModelConfig) -> None:

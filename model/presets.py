@@ -3,6 +3,7 @@
 | preset | source |
 |---|---|
 | ``tiny`` | ours: every code path of ``k3-2.8t`` (KDA + Gated DSA, latent MoE, SiTU, AttnRes, dense first layer) at sizes where each test runs in seconds on a CPU |
+| ``tiny-vl`` | ours: ``tiny`` plus a 2-block vision tower (hidden 32) and projector, for the vision tests |
 | ``small`` | ours: the CPU demo size (RL/SFT demo, generation smoke runs) |
 | ``kimi-linear-48b`` | the published ``moonshotai/Kimi-Linear-48B-A3B-Instruct`` ``config.json`` (dense MLA, no indexer) |
 | ``k3-2.8t`` | the published ``moonshotai/Kimi-K3`` text config (``text_config`` of ``kimi_k3``), with DeepSeek-V3.2's indexer (64 heads x 128, top-2048, ``config_671B_v3.2.json``) on its 24 MLA layers |
@@ -12,7 +13,7 @@ Facts are collected in ``shared/reference/kimi_k3.md`` (sections 1 and 4) and ``
 
 from __future__ import annotations
 
-from kdsa.model.config import LinearAttnConfig, ModelConfig
+from kdsa.model.config import LinearAttnConfig, ModelConfig, VisionConfig
 
 
 def _every_fourth(n: int, extra: tuple[int, ...] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -39,6 +40,15 @@ def tiny() -> ModelConfig:
         index_n_heads=4, index_head_dim=16, index_topk=8,
         kda_chunk_size=16, dsa_query_chunk_size=16,
     )
+
+
+def tiny_vl() -> ModelConfig:
+    """``tiny`` reading images: a 2-block MoonViT-style tower; ``<|media_pad|>`` of the byte
+    tokenizer (256 + 21) is the image placeholder."""
+    return tiny().replace(vision_config=VisionConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8, merge_kernel_size=(2, 2),
+        max_patches=1024, media_placeholder_token_id=277))
 
 
 def small() -> ModelConfig:
@@ -99,11 +109,19 @@ def k3_2p8t() -> ModelConfig:
         moe_layer_freq=1, index_n_heads=64, index_head_dim=128, index_topk=2048,
         param_dtype="bfloat16", compute_dtype="bfloat16",
         kda_chunk_size=64, dsa_query_chunk_size=256, remat_policy="full",
+        # K2.5's MoonViT3d as K3 configures it (kimi_k3.md 5): 27 blocks, 1024 wide, 12 heads
+        # over a 1536-wide attention, MLP 4096, 14 px patches, 2 x 2 merge, 64 x 64 pos grid
+        vision_config=VisionConfig(
+            hidden_size=1024, num_hidden_layers=27, num_attention_heads=12,
+            intermediate_size=4096, qkv_hidden_size=1536, patch_size=14, init_pos_emb_height=64,
+            init_pos_emb_width=64, merge_kernel_size=(2, 2), norm_type="rmsnorm",
+            media_placeholder_token_id=163605),
     )
 
 
 PRESETS = {
     "tiny": tiny,
+    "tiny-vl": tiny_vl,
     "small": small,
     "kimi-linear-48b": kimi_linear_48b,
     "k3-2.8t": k3_2p8t,
