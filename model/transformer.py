@@ -95,6 +95,14 @@ class Transformer(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"),
                                   rngs=rngs, param_dtype=pdt, compute_dtype=cdt)
+        if config.vision_config is not None:  # model/vision: tower + projector (docs/vision.md)
+            from kdsa.model.vision.projector import Projector
+            from kdsa.model.vision.tower import VisionTower
+
+            dts = {"param_dtype": config.param_dtype, "compute_dtype": config.compute_dtype}
+            self.vision_tower = VisionTower(config.vision_config, rngs=rngs, **dts)
+            self.mm_projector = Projector(config.vision_config, config.hidden_size, rngs=rngs,
+                                          **dts)
 
     def __call__(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
@@ -102,12 +110,15 @@ class Transformer(nnx.Module):
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, cache: tuple | None = None,
-                indexer_loss: str = "none") -> ModelOutput:
+                indexer_loss: str = "none", image_embeds: jax.Array | None = None,
+                image_mask: jax.Array | None = None) -> ModelOutput:
         """Full forward (cache None), prefill or decode (cache from ``init_cache``).
 
         ``positions`` [B, T] int32 (default: 0..T-1, restarting per segment); with a cache they
         are the absolute slots the tokens are written to. ``segment_ids`` [B, T] int32: packed
-        documents (no cache) or padding marks (0 = pad, right padding).
+        documents (no cache) or padding marks (0 = pad, right padding). ``image_embeds``
+        [B, T, D] replace the token embeddings where ``image_mask`` [B, T] is set (image
+        placeholders, ``model/vision/assemble.py : image_inputs``).
         """
         cfg = self.config
         if input_ids.ndim != 2:
@@ -116,8 +127,10 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("positions are required with a cache (the slots to write)")
             positions = default_positions(input_ids, segment_ids)
-        res = initial_residual(constrain(self.embed_tokens(input_ids), ACT),
-                               cfg.num_attn_res_blocks)
+        h = self.embed_tokens(input_ids)
+        if image_embeds is not None:
+            h = jnp.where(image_mask[..., None], image_embeds.astype(h.dtype), h)
+        res = initial_residual(constrain(h, ACT), cfg.num_attn_res_blocks)
         res = res.replace(blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
         new_caches, kls, loads, drops = [], [], [], []
         for seg_i, (start, period, repeats) in enumerate(self.segment_layout):

@@ -1,0 +1,1 @@
+"""MoonViT-style vision tower, projector and image-token assembly (``docs/vision.md``)."""

@@ -1,0 +1,164 @@
+"""Vision tower math against independent references: patch grids for odd sizes and the limit,
+the position-grid interpolation (NumPy loops, PIL's bilinear resize, identity), 2-D RoPE (complex
+multiplication per pair), merge order (vLLM-style permutation of a raster grid), packed images
+(several images in one row == each alone), feature placement."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from PIL import Image
+
+from kdsa.model.config import get_preset
+from kdsa.model.vision.assemble import pack_images, scatter_features
+from kdsa.model.vision.patching import merge_order, patch_grid, patchify
+from kdsa.model.vision.position import apply_rope_2d, interpolate_pos_emb, rope_2d_angles
+from kdsa.model.vision.projector import merge_patches
+from kdsa.model.vision.tower import VisionTower
+
+VC = get_preset("tiny-vl").vision_config
+
+
+@pytest.mark.parametrize("h, w, grid", [(1, 1, (2, 2)), (14, 14, (2, 2)), (28, 28, (2, 2)),
+                                        (29, 28, (4, 2)), (15, 57, (2, 6)), (100, 3, (8, 2))])
+def test_patch_grid_odd_sizes(h, w, grid):
+    assert patch_grid(h, w, 14) == grid
+    im = patchify(np.full((h, w, 3), 255, np.uint8), VC)
+    assert im.grid == grid and im.num_patches == grid[0] * grid[1]
+    assert im.num_tokens == im.num_patches // 4 and im.size == (w, h)
+    # the image itself is +1 (white), the padding to whole merge windows is 0
+    full = np.zeros((grid[0] * 14, grid[1] * 14), np.float32)
+    full[:h, :w] = 1.0
+    for (r, c), p in zip(im.pos, im.patches):
+        np.testing.assert_array_equal(p.reshape(3, 14, 14)[0], full[r * 14:(r + 1) * 14,
+                                                                     c * 14:(c + 1) * 14])
+
+
+def test_patch_layout_is_channel_row_col():
+    px = np.random.default_rng(0).integers(0, 256, (28, 28, 3)).astype(np.uint8)
+    im = patchify(px, VC)
+    i = next(k for k, (r, c) in enumerate(im.pos) if (r, c) == (1, 0))
+    ref = (px[14:28, 0:14].astype(np.float32) / 255 - 0.5) / 0.5       # [14, 14, 3]
+    np.testing.assert_allclose(im.patches[i].reshape(3, 14, 14), ref.transpose(2, 0, 1),
+                               rtol=1e-6)
+
+
+def test_patch_limit_and_bad_pixels():
+    with pytest.raises(ValueError, match=r"needs 34x34 = 1156 patches .* max_patches=1024"):
+        patchify(np.zeros((470, 470, 3), np.uint8), VC)
+    with pytest.raises(ValueError, match=r"\[height, width, 3\]"):
+        patchify(np.zeros((20, 20), np.uint8), VC)
+    with pytest.raises(ValueError, match="finite values in"):
+        patchify(np.full((20, 20, 3), np.nan, np.float32), VC)
+
+
+def _bilinear_reference(table: np.ndarray, oh: int, ow: int) -> np.ndarray:
+    """PyTorch bilinear (align_corners=False) written out pixel by pixel."""
+    ih, iw, d = table.shape
+    out = np.zeros((oh, ow, d), np.float64)
+    for i in range(oh):
+        sy = max((i + 0.5) * ih / oh - 0.5, 0.0)
+        y0 = min(int(np.floor(sy)), ih - 1)
+        y1 = y0 + 1 if y0 < ih - 1 else y0
+        ly = sy - y0
+        for j in range(ow):
+            sx = max((j + 0.5) * iw / ow - 0.5, 0.0)
+            x0 = min(int(np.floor(sx)), iw - 1)
+            x1 = x0 + 1 if x0 < iw - 1 else x0
+            lx = sx - x0
+            out[i, j] = ((1 - ly) * ((1 - lx) * table[y0, x0] + lx * table[y0, x1])
+                         + ly * ((1 - lx) * table[y1, x0] + lx * table[y1, x1]))
+    return out
+
+
+def _interp(table, gh, gw):
+    r, c = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    pos = np.stack([r, c], -1).reshape(-1, 2)
+    grid = np.broadcast_to(np.array([gh, gw]), pos.shape)
+    return np.asarray(interpolate_pos_emb(jnp.asarray(table), pos, grid)).reshape(gh, gw, -1)
+
+
+@pytest.mark.parametrize("gh, gw", [(5, 11), (2, 2), (16, 6), (13, 8), (1, 3)])
+def test_pos_emb_interpolation_matches_numpy_reference(gh, gw):
+    table = np.random.default_rng(1).normal(size=(8, 8, 5)).astype(np.float32)
+    np.testing.assert_allclose(_interp(table, gh, gw), _bilinear_reference(table, gh, gw),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pos_emb_interpolation_identity_and_pil_upsampling():
+    table = np.random.default_rng(2).normal(size=(8, 8, 3)).astype(np.float32)
+    np.testing.assert_array_equal(_interp(table, 8, 8), table)  # sizes match: the table
+    ours = _interp(table, 20, 12)
+    for ch in range(3):  # PIL's bilinear resize (upsampling: no antialias support widening)
+        pil = Image.fromarray(table[..., ch], mode="F").resize((12, 20), Image.Resampling.BILINEAR)
+        np.testing.assert_allclose(ours[..., ch], np.asarray(pil), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_2d_matches_complex_reference():
+    rng = np.random.default_rng(3)
+    p, h, d, theta = 7, 2, 16, 10000.0
+    x = rng.normal(size=(p, h, d)).astype(np.float32)
+    pos = rng.integers(0, 40, (p, 2)).astype(np.int32)
+    ours = np.asarray(apply_rope_2d(jnp.asarray(x), rope_2d_angles(jnp.asarray(pos), d, theta)))
+    ref = np.zeros_like(x)
+    for i in range(p):
+        for j in range(d // 2):
+            k, coord = j // 2, pos[i, 1] if j % 2 == 0 else pos[i, 0]  # even pairs: column
+            z = (x[i, :, 2 * j] + 1j * x[i, :, 2 * j + 1]) * np.exp(
+                1j * coord * theta ** (-4 * k / d))
+            ref[i, :, 2 * j], ref[i, :, 2 * j + 1] = z.real, z.imag
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    # relative: q.k depends only on the 2-D offset
+    q, k = jnp.asarray(x[:1]), jnp.asarray(x[1:2])
+    def dot(pq, pk):
+        a = apply_rope_2d(q, rope_2d_angles(jnp.asarray([pq]), d))
+        b = apply_rope_2d(k, rope_2d_angles(jnp.asarray([pk]), d))
+        return np.asarray(jnp.sum(a * b, -1))
+    np.testing.assert_allclose(dot((3, 5), (1, 9)), dot((13, 2), (11, 6)), rtol=1e-4, atol=1e-4)
+
+
+def test_merge_order_matches_raster_permutation():
+    gh, gw, d = 4, 6, 3
+    raster = np.arange(gh * gw * d, dtype=np.float32).reshape(gh, gw, d)
+    ref = raster.reshape(gh // 2, 2, gw // 2, 2, d).transpose(0, 2, 1, 3, 4).reshape(-1, 4 * d)
+    pos = merge_order(gh, gw)
+    ours = merge_patches(jnp.asarray(raster[pos[:, 0], pos[:, 1]])[None], 4)[0]
+    np.testing.assert_array_equal(np.asarray(ours), ref)
+
+
+@pytest.fixture(scope="module")
+def tower():
+    return VisionTower(VC, rngs=nnx.Rngs(0))
+
+
+def test_packed_images_equal_each_alone(tower):
+    rng = np.random.default_rng(4)
+    ims = [patchify(rng.integers(0, 256, s + (3,)).astype(np.uint8), VC)
+           for s in [(30, 45), (14, 20), (56, 28)]]
+    run = nnx.jit(lambda t, b: t(b.patches, b.pos, b.grid, b.segment))
+    packed = run(tower, jax.tree.map(jnp.asarray, pack_images([ims], 64)))[0]
+    at = 0
+    for im in ims:
+        alone = run(tower, jax.tree.map(jnp.asarray, pack_images([[im]], 64)))[0]
+        np.testing.assert_allclose(packed[at:at + im.num_patches], alone[:im.num_patches],
+                                   rtol=2e-5, atol=2e-5)
+        at += im.num_patches
+    # a different patch order (raster instead of merge order) permutes the outputs only
+    im = ims[0]
+    perm = np.random.default_rng(5).permutation(im.num_patches)
+    shuffled = type(im)(im.patches[perm], im.pos[perm], im.grid, im.size, im.merge_size)
+    out = run(tower, jax.tree.map(jnp.asarray, pack_images([[shuffled]], 64)))[0]
+    base = run(tower, jax.tree.map(jnp.asarray, pack_images([[im]], 64)))[0]
+    np.testing.assert_allclose(out[:im.num_patches], base[perm], rtol=2e-5, atol=2e-5)
+
+
+def test_scatter_features_lands_at_placeholders():
+    feats = jnp.arange(2 * 4 * 3, dtype=jnp.float32).reshape(2, 4, 3) + 1
+    mask = np.zeros((2, 9), bool)
+    mask[0, [1, 2, 6]] = True
+    mask[1, [0, 3, 4, 8]] = True
+    out = np.asarray(scatter_features(feats, jnp.asarray(mask)))
+    for b in range(2):
+        np.testing.assert_array_equal(out[b][mask[b]], np.asarray(feats[b, :mask[b].sum()]))
+        assert not out[b][~mask[b]].any()
