@@ -19,7 +19,8 @@ from kdsa.model.kda_layer import kda_cache_bytes_per_sequence
 
 COMPONENTS = (
     "embeddings_and_head", "kda", "dsa_attention", "dsa_indexer", "dense_ffn", "routed_experts",
-    "shared_experts", "latent_projections", "router", "norms", "attn_res",
+    "shared_experts", "latent_projections", "router", "norms", "attn_res", "vision_tower",
+    "mm_projector",
 )
 MXFP4_BITS = 4.25  # 32 x 4-bit E2M1 codes + one 8-bit E8M0 scale per block
 
@@ -50,6 +51,8 @@ def abstract_model(config: ModelConfig):
 
 def _component(path: tuple, mixer_of_layer) -> str:
     names = [p for p in path if isinstance(p, str)]
+    if names[0] in ("vision_tower", "mm_projector"):  # model/vision (every image token runs both)
+        return names[0]
     if names[0] in ("embed_tokens", "lm_head"):
         return "embeddings_and_head"
     if names[0] == "output_attn_res" or "self_attention_res" in names or "mlp_res" in names:
