@@ -92,8 +92,9 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
                 compress: bool = False) -> Path:
     """Stream ``(key, producer)`` items into a new checkpoint at ``path`` (atomic).
 
-    Producers are called in order; arrays are written in batches of about ``batch_bytes`` and
-    dropped after each batch. ``on_saved(key, array)`` is called once an array's batch is written.
+    Producers are called in order; arrays are written in batches of at most ``batch_bytes``
+    (a larger array alone) and dropped after each batch. ``on_saved(key, array)`` is called
+    once an array's batch is written.
     The keys must be exactly the model's variables for ``config`` (checked at the end, before
     the rename). ``compress``: Orbax's zstd (off by default: trained weights barely compress and
     it costs CPU time on every write). Returns ``path``.
@@ -101,8 +102,8 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     ocp = _ocp()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    want = {k: [list(v.shape), str(v.dtype)]
-            for k, v in flat_variables(nnx.state(abstract_model(config))).items()}
+    abstract = flat_variables(nnx.state(abstract_model(config)))
+    want = {k: [list(v.shape), str(v.dtype)] for k, v in abstract.items()}
     custom = {"kdsa": {"format": FORMAT_VERSION, "config": config.to_hf_config(),
                        "params": want, **(metadata or {})}}
     tmp = _tmp_sibling(path, "tmp")
@@ -134,6 +135,9 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
                 raise CheckpointError(f"parameter {key} is not in the model for this config")
             if key in done:
                 raise CheckpointError(f"parameter {key} given twice")
+            nbytes = int(np.prod(abstract[key].shape)) * np.dtype(abstract[key].dtype).itemsize
+            if batch and size + nbytes > batch_bytes:
+                flush()  # before producing: a batch never exceeds batch_bytes (or one array)
             a = produce()
             got = [list(a.shape), str(a.dtype)]
             if got != want[key]:
@@ -142,6 +146,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
             done.add(key)
             batch[key] = a
             size += a.size * a.dtype.itemsize
+            del a  # the batch holds it; nothing else may keep it alive past its flush
             if size >= batch_bytes:
                 flush()
         flush()

@@ -150,12 +150,20 @@ class SafetensorsFile:
         flat = self._map[info.begin:info.begin + info.nbytes]
         return flat.view(info.np_dtype).reshape(info.shape)
 
-    def release(self) -> None:
-        """Drop this file's pages from the process (``MADV_DONTNEED`` on the read-only map): the
-        bytes stay in the page cache, but no longer count in our RSS. Views stay valid (pages
-        are re-read on access)."""
-        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+    def release(self, name: str | None = None) -> None:
+        """Drop this file's pages (``name``'s only, when given) from the process
+        (``MADV_DONTNEED`` on the read-only map): the bytes stay in the page cache, but no longer
+        count in our RSS. Views stay valid (pages are re-read on access)."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        if name is None:
             self._map._mmap.madvise(mmap.MADV_DONTNEED)
+            return
+        info = self.tensors[name]
+        start = info.begin // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(info.begin + info.nbytes, len(self._map))
+        if end > start:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         self._map = None
@@ -213,10 +221,14 @@ class SafetensorsCheckpoint:
     def tensor(self, name: str) -> np.ndarray:
         return self.files[self.where[name]].tensor(name)
 
-    def release(self) -> None:
-        """:meth:`SafetensorsFile.release` on every shard (call after each parameter)."""
-        for f in self.files.values():
-            f.release()
+    def release(self, names: list[str] | None = None) -> None:
+        """:meth:`SafetensorsFile.release` of the named tensors' pages, or of every shard."""
+        if names is None:
+            for f in self.files.values():
+                f.release()
+            return
+        for n in names:
+            self.files[self.where[n]].release(n)
 
     @property
     def total_bytes(self) -> int:

@@ -16,8 +16,9 @@ that no rule consumes and ``ignore`` does not cover, is an error (``train/conver
 Transforms (``kind``; ours <- HF, inverted on export): ``id``; ``T`` (HF ``[out, in]`` -> our
 ``[in, out]``); ``conv`` (``[C, 1, W]`` -> ``[C, W]``); ``row`` (``[1, D]`` -> ``[D]``);
 ``a_log_4d`` (Kimi Linear ``A_log [1, 1, H, 1]`` -> ``[H]``); ``a_log_heads`` (Kimi K3 stores
-``A_log`` with 128 values for 96 heads: import keeps the first H, as vLLM's loader and the FLA
-kernels read ``A_log[h]``; export writes ``[H]``).
+``A_log`` with 128 values for 96 heads of head_dim 128, ``kimi_k3.md`` section 2: import keeps
+the first H, as vLLM's loader and the FLA kernels read ``A_log[h]``; export writes the published
+length, :func:`a_log_hf_len`, see ``train/convert_export.py``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,14 @@ def hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(ours)
 
 
+def a_log_hf_len(config: ModelConfig) -> int:
+    """Length of K3's ``A_log`` for our config: ``max(H, head_dim)``. The one published data
+    point (``kimi_k3.md``: ``[128]`` for H = 96, head_dim = 128) fits both a per-key-channel
+    length and padding up to head_dim; this rule reproduces it and never drops a head."""
+    lin = config.linear_attn_config
+    return max(lin.num_heads, lin.head_dim)
+
+
 def shape_ok(kind: str, ours: tuple[int, ...], found: tuple[int, ...]) -> bool:
     """Whether an HF tensor of shape ``found`` can give our ``ours`` (import check)."""
     if kind == "a_log_heads":
@@ -121,7 +130,8 @@ def to_ours(kind: str, a: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
 
 
 def to_hf(kind: str, a: np.ndarray) -> np.ndarray:
-    """Our array -> HF layout (inverse of :func:`to_ours`; ``a_log_heads`` writes ``[H]``)."""
+    """Our array -> HF layout (inverse of :func:`to_ours`; ``a_log_heads`` is padded by the
+    exporter, which knows the source's values past H)."""
     if kind == "T":
         return a.T
     return a.reshape(hf_shape(kind, a.shape))

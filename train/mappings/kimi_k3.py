@@ -6,7 +6,8 @@ Names and shapes: ``shared/reference/kimi_k3.md`` section 2. Text tensors carry 
 ``language_model.`` prefix (``language_model.model.layers.{i}.*``, ``language_model.lm_head``).
 Routed experts are MXFP4 compressed-tensors ``experts.{e}.w{1,3,2}.weight_packed [N, K/2]`` /
 ``weight_scale [N, K/32]`` uint8 (bf16 ``.weight`` also accepted). ``A_log`` holds 128 values
-for 96 heads; we keep the first H (vLLM loader, FLA kernels) and export ``[H]``. The vision
+for 96 heads; we keep the first H (vLLM loader, FLA kernels) and export the published length
+(``mappings.a_log_hf_len``; the source's values past H when it had them). The vision
 tower and projector are not part of the text model: skipped and reported, as are layers past
 ``num_hidden_layers`` (MTP), which vLLM's loader skips too.
 """

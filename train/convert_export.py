@@ -1,0 +1,134 @@
+"""Orbax -> Hugging Face: the tensors to write for every parameter, produced one at a time.
+
+:class:`Loader` restores one parameter at a time (Orbax partial load) and keeps only it (plus
+the scale of a packed expert weight, whose pair is needed together): one stacked parameter
+resident. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
+safetensors writer calls the producers in order, so only one HF tensor is materialised beyond
+the resident parameter.
+
+``A_log`` in the ``kimi_k3`` layout is written in the published shape (``kimi_k3.md`` section 2:
+``[128]`` for 96 heads of head_dim 128): the H values we use, then the values past H the source
+held (kept in the checkpoint metadata by ``hf_to_orbax``), else zeros -- A_log's initial value
+under K3's lower-bounded gate (``kda.md``), and never read by vLLM / FLA, which take
+``A_log[h]`` for h < H.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from kdsa.model import checkpoint as ckpt
+from kdsa.model.config import ModelConfig
+from kdsa.train import mappings as mp
+from kdsa.train.convert_plan import Param, dtype_key, expert_hf_shape, hf_names
+from kdsa.train.convert_read import dequantize_rows, quantize_rows
+from kdsa.train.safetensors_io import DTYPES, TensorSpec
+
+NP_OF = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
+
+
+def _partner(key: str) -> str | None:
+    for a, b in (("_packed", "_scale"), ("_scale", "_packed")):
+        if key.endswith(a):
+            return key[:-len(a)] + b
+    return None
+
+
+class Loader:
+    """Restores parameters one at a time; keeps the last one and its packed/scale partner."""
+
+    def __init__(self, path: Path, config: ModelConfig):
+        self.path, self.cache, self.bytes = path, {}, 0
+        self.abstract = ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
+        self.device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def get(self, key: str) -> np.ndarray:
+        if key not in self.cache:
+            keep = {key, _partner(key)}
+            for k in [k for k in self.cache if k not in keep]:
+                del self.cache[k]              # drop before restoring: one parameter resident
+            v = self.abstract[key]
+            target = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.device)
+            a = np.asarray(ckpt.load_params(self.path, {key: target})[key])
+            self.bytes += a.nbytes
+            self.cache[key] = a
+        return self.cache[key]
+
+
+def a_log_values(a: np.ndarray, name: str, config: ModelConfig, tails: dict) -> np.ndarray:
+    """``A_log`` as written in the ``a_log_heads`` layout: ours ``[H]``, then the recorded tail
+    of ``name`` or zeros up to :func:`kdsa.train.mappings.a_log_hf_len`."""
+    tail = tails.get(name)
+    if tail is None:
+        tail = np.zeros(max(mp.a_log_hf_len(config) - a.shape[0], 0), np.float32)
+    return np.concatenate([np.asarray(a, np.float32), np.asarray(tail, np.float32)])
+
+
+def export_specs(params: list[Param], layout: mp.Layout, config: ModelConfig, loader: Loader,
+                 experts: str, dtype: str, recorded: dict[str, str],
+                 tails: dict[str, list[float]]) -> list[TensorSpec]:
+    """The HF tensors (name, dtype, shape, producer) for every parameter, in parameter order.
+    ``recorded``: HF dtypes and alternative names of the source; ``tails``: A_log values past H
+    per HF name (both empty when the checkpoint did not come from this layout)."""
+    main = NP_OF[dtype]
+    specs, stash = [], {}
+
+    def dt(key: str, fixed: str | None) -> np.dtype:
+        return DTYPES[recorded.get(key) or fixed] if (recorded.get(key) or fixed) else main
+
+    for p in params:
+        rows = [None] if p.layers is None else range(len(p.layers))
+        if isinstance(p.rule, mp.Rule):
+            p.hf = recorded.get("__names__", {}).get(p.rule.hf)
+            row_shape = p.shape[1:] if p.layers is not None else p.shape
+            d = dt(p.rule.hf, p.rule.hf_dtype)
+            for r, _, name in hf_names(p, layout, config, "float"):
+                def row(p=p, r=r):
+                    return loader.get(p.key) if r is None else loader.get(p.key)[r]
+
+                if p.rule.kind == "a_log_heads":
+                    n = row_shape[0] + len(tails.get(name, ())) if name in tails \
+                        else max(mp.a_log_hf_len(config), row_shape[0])
+                    specs.append(TensorSpec(name, d, (n,), lambda row=row, name=name, d=d:
+                                            a_log_values(row(), name, config, tails).astype(d)))
+                    continue
+                specs.append(TensorSpec(
+                    name, d, mp.hf_shape(p.rule.kind, row_shape),
+                    lambda p=p, row=row, d=d: np.ascontiguousarray(
+                        mp.to_hf(p.rule.kind, row()), dtype=d)))
+            continue
+        out_parts = {"float": ["float"], "packed": ["packed"], "scale": ["scale"]}[p.part] \
+            if experts == "mxfp4" else (["float"] if p.part in ("float", "packed") else [])
+        if experts == "mxfp4" and p.part == "float":
+            out_parts = ["packed", "scale"]
+        for r in rows:
+            for e in range(config.num_experts):
+                for part in out_parts:
+                    name = (layout.layer_prefix(p.layers[r]) + p.rule.hf.format(e=e)
+                            + mp.EXPERT_SUFFIX[part])
+                    d = DTYPES["U8"] if part != "float" else dt(dtype_key(p, "float"), None)
+                    shape = expert_hf_shape(p, part, config)
+                    specs.append(TensorSpec(name, d, shape, lambda p=p, r=r, e=e, part=part, d=d:
+                                            _export_expert(p, r, e, part, d, loader, stash)))
+    return specs
+
+
+def _export_expert(p: Param, r: int, e: int, part: str, d: np.dtype, loader: Loader,
+                   stash: dict) -> np.ndarray:
+    a = loader.get(p.key)[r, e]
+    if p.part in ("packed", "scale") and part == p.part:
+        return np.asarray(a)                                               # packed/scale bytes
+    if p.part == "float" and part == "float":
+        return np.ascontiguousarray(a.T, dtype=d)                          # [K, N] -> [N, K]
+    if p.part == "float":                                                  # quantise once
+        if part == "packed":
+            packed, scales = quantize_rows(a.T, p.key)
+            stash[(p.key, r, e)] = scales
+            return packed
+        return stash.pop((p.key, r, e))
+    scale = loader.get(_partner(p.key))[r, e]                              # dequantise
+    return dequantize_rows(a, scale, d)
