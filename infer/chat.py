@@ -13,6 +13,11 @@ output) and the reasoning markers the thinking budget forces.
 
 ``messages_from_openai`` / ``tools_from_openai`` / ``check_tool_choice`` turn request JSON into
 these types and raise ``ValueError`` naming the offending field (the server answers 400).
+
+Images (``docs/vision.md``): a user message's ``parts`` hold its text and images in order; an
+image is anything with ``size`` (width, height) and ``num_tokens`` (a patched image,
+``model/vision/patching.py``). Formats render it as :func:`media_span`, whose ``num_tokens``
+``<|media_pad|>`` placeholders take the image features in the model.
 """
 
 from __future__ import annotations
@@ -49,10 +54,17 @@ class Message:
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    parts: tuple = ()  # text (str) and images in order; content is the text joined
 
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"unknown role {self.role!r}; roles are {ROLES}")
+        if self.parts and self.role != "user":
+            raise ValueError(f"only user messages carry images, not {self.role!r}")
+
+    @property
+    def images(self) -> tuple:
+        return tuple(p for p in self.parts if not isinstance(p, str))
         if self.role != "assistant" and (self.tool_calls or self.reasoning):
             raise ValueError(f"only assistant messages carry reasoning or tool_calls, not "
                              f"{self.role!r}")
@@ -117,7 +129,43 @@ def _text(content, where: str) -> str:
                      f"{type(content).__name__}")
 
 
-def messages_from_openai(raw) -> list[Message]:
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = ("<|media_begin|>", "<|media_content|>",
+                                                    "<|media_pad|>", "<|media_end|>")
+
+
+def media_span(image) -> list[tuple[str, str]]:
+    """``[("special" | "text", s)]`` of one image: ``<|media_begin|>image WxH<|media_content|>``,
+    ``num_tokens`` x ``<|media_pad|>``, ``<|media_end|>`` (``kimi_k3.md`` 5)."""
+    w, h = image.size
+    return ([("special", MEDIA_BEGIN), ("text", f"image {w}x{h}"), ("special", MEDIA_CONTENT)]
+            + [("special", MEDIA_PAD)] * image.num_tokens + [("special", MEDIA_END)])
+
+
+def _user_parts(content, where: str, image_loader) -> tuple[str, tuple]:
+    """User content with ``image_url`` parts -> (joined text, parts)."""
+    if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+        return _text(content, where), ()
+    parts = []
+    for i, p in enumerate(content):
+        if isinstance(p, dict) and p.get("type") == "image_url":
+            if image_loader is None:
+                raise ValueError(f"{where}.content[{i}]: this model does not read images (it "
+                                 f"has no vision tower)")
+            url = p.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            parts.append(image_loader(url, f"{where}.content[{i}].image_url"))
+        elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        else:
+            raise ValueError(f"{where}.content[{i}]: parts are {{'type': 'text', 'text': str}} "
+                             f"or {{'type': 'image_url', 'image_url': {{'url': str}}}}")
+    return "".join(p for p in parts if isinstance(p, str)), tuple(parts)
+
+
+def messages_from_openai(raw, image_loader=None) -> list[Message]:
+    """``image_loader(url, where)`` turns an ``image_url`` part of a user message into an image
+    (``None``: images are refused)."""
     if not isinstance(raw, list) or not raw:
         raise ValueError("messages must be a non-empty list")
     out = []
@@ -130,7 +178,7 @@ def messages_from_openai(raw) -> list[Message]:
         if role not in ROLES:
             raise ValueError(f"{where}.role must be one of {ROLES + ('developer',)}, got "
                              f"{role!r}")
-        content = _text(m.get("content"), where)
+        content = _text(m.get("content"), where) if role != "user" else None
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None and not isinstance(reasoning, str):
@@ -151,6 +199,9 @@ def messages_from_openai(raw) -> list[Message]:
             if not isinstance(cid, str) or not cid:
                 raise ValueError(f"{where}: tool messages need a string tool_call_id")
             out.append(Message("tool", content, tool_call_id=cid))
+        elif role == "user":
+            text, parts = _user_parts(m.get("content"), where, image_loader)
+            out.append(Message(role, text, parts=parts))
         else:
             out.append(Message(role, content))
     return out

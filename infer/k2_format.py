@@ -25,7 +25,7 @@ import json
 
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (AssistantOutput, ChatFormat, MalformedOutputError, Message,
-                             OutputParser, Tool, check_history, ToolCall)
+                             OutputParser, Tool, check_history, ToolCall, media_span)
 
 SYS, USER, ASST, MID, END = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>",
                              "<|im_middle|>", "<|im_end|>")
@@ -88,7 +88,13 @@ class K2Format(ChatFormat):
             turn(SYS, "thinking_effort", check_effort(effort))
         last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
         for i, m in enumerate(messages):
-            if m.role in ("system", "user"):
+            if m.parts:  # a user message with images (media_span) in order
+                out.extend([sp(USER), tx(m.role), sp(MID)])
+                for part in m.parts:
+                    out.extend([tx(part)] if isinstance(part, str) else
+                               [sp(v) if k == "special" else tx(v) for k, v in media_span(part)])
+                out.append(sp(END))
+            elif m.role in ("system", "user"):
                 turn(SYS if m.role == "system" else USER, m.role, m.content)
             elif m.role == "tool":
                 turn(SYS, "tool", f"## Return of {m.tool_call_id}\n{m.content}")

@@ -33,7 +33,7 @@ import re
 
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (AssistantOutput, ChatFormat, MalformedOutputError, Message,
-                             OutputParser, Tool, ToolCall, check_history)
+                             OutputParser, Tool, ToolCall, check_history, media_span)
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 _ATTR = re.compile(r'([A-Za-z_][\w\-]*)="([^"]*)"')
@@ -148,7 +148,13 @@ class XtmlFormat(ChatFormat):
                     self._call(b, c, j + 1)
                 b.close("tools")
         else:
-            b.open(f'message role="{m.role}"').text(m.content)
+            b.open(f'message role="{m.role}"')
+            for part in m.parts or (m.content,):  # text and images (media_span) in order
+                if isinstance(part, str):
+                    b.text(part)
+                else:
+                    for kind, v in media_span(part):
+                        b.special(v) if kind == "special" else b.text(v)
         b.close("message").special(EOM)
 
     def _call(self, b: _Builder, c: ToolCall, index: int) -> None:

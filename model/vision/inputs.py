@@ -1,0 +1,106 @@
+"""Image inputs: files and OpenAI ``image_url`` data URLs, decoded with Pillow, with limits.
+
+Every failure is a ``ValueError`` that names the image (``where``) and the problem: an unknown
+URL scheme, bad base64, bytes Pillow cannot identify or that are truncated, too many pixels,
+too many images. The pixel limit is checked from the header before the pixels are decoded
+(so a decompression bomb is refused cheaply); Pillow's own bomb check is turned into the same
+error. Decoded images are RGB ``uint8 [H, W, 3]`` (alpha dropped, palettes expanded, EXIF
+orientation not applied).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import io
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+_DATA_URL = re.compile(r"^data:(image/[A-Za-z0-9.+\-]+)?(;[^,]*)?,(.*)$", re.DOTALL)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLimits:
+    max_images: int = 8  # per request / example
+    max_pixels: int = 4096 * 4096  # per image, width x height
+    max_bytes: int = 16 * 2**20  # encoded size per image
+
+    def check_count(self, n: int, where: str = "request") -> None:
+        if n > self.max_images:
+            raise ValueError(f"{where} has {n} images; the limit is {self.max_images}")
+
+
+def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageLimits()
+                 ) -> np.ndarray:
+    """Encoded bytes (PNG, JPEG, ...) -> RGB ``uint8 [H, W, 3]``."""
+    from PIL import Image
+
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"{where}: {len(data)} bytes; the limit is {limits.max_bytes}")
+    if not data:
+        raise ValueError(f"{where}: empty image data")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
+            w, h = im.size
+            if w * h > limits.max_pixels:
+                raise ValueError(f"{where}: {w}x{h} = {w * h} pixels; the limit is "
+                                 f"{limits.max_pixels}")
+            im.load()
+            rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+    except ValueError:
+        raise
+    except (OSError, SyntaxError, EOFError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as e:
+        raise ValueError(f"{where}: cannot decode the image ({type(e).__name__}: {e})") from None
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or min(rgb.shape[:2]) < 1:
+        raise ValueError(f"{where}: decoded to an unusable shape {rgb.shape}")
+    return rgb
+
+
+def image_from_url(url, where: str = "image_url", limits: ImageLimits = ImageLimits()
+                   ) -> np.ndarray:
+    """An OpenAI ``image_url.url``: only ``data:image/...;base64,...`` URLs (a server does not
+    fetch from the network)."""
+    if not isinstance(url, str):
+        raise ValueError(f"{where} must be a string data URL, got {type(url).__name__}")
+    m = _DATA_URL.match(url)
+    if m is None:
+        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+        raise ValueError(f"{where}: only base64 data URLs (data:image/png;base64,...) are "
+                         f"accepted, got {scheme!r}...")
+    if ";base64" not in (m.group(2) or ""):
+        raise ValueError(f"{where}: the data URL is not base64-encoded")
+    payload = m.group(3)
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise ValueError(f"{where}: more than {limits.max_bytes} bytes of image data")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{where}: invalid base64 ({e})") from None
+    return decode_image(data, where, limits)
+
+
+def image_from_file(path, where: str | None = None, limits: ImageLimits = ImageLimits()
+                    ) -> np.ndarray:
+    p = Path(path)
+    where = where or str(p)
+    if not p.is_file():
+        raise ValueError(f"{where}: no such image file")
+    if p.stat().st_size > limits.max_bytes:
+        raise ValueError(f"{where}: {p.stat().st_size} bytes; the limit is {limits.max_bytes}")
+    return decode_image(p.read_bytes(), where, limits)
+
+
+def to_data_url(pixels: np.ndarray, fmt: str = "PNG") -> str:
+    """RGB ``uint8 [H, W, 3]`` -> ``data:image/png;base64,...`` (tests, clients)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(pixels, np.uint8), "RGB").save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
