@@ -39,7 +39,19 @@ MICRO = get_preset("tiny").replace(
                                         head_dim=16, use_full_rank_gate=True,
                                         gate_lower_bound=-5.0))
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
-_fwd = nnx.jit(lambda model, ids: model(ids))
+# XLA:CPU backend optimisations off: compiles here dominate the run time (same numerics class;
+# every comparison below is between models or against float32 golden files with a tolerance)
+O0 = {"xla_backend_optimization_level": 0}
+
+
+def jit_o0(f, *args):
+    """``jax.jit(f)`` compiled for ``args`` without backend optimisations."""
+    return jax.jit(f).lower(*args).compile(compiler_options=O0)
+
+
+def _fwd(model, ids):
+    graphdef, state = nnx.split(model)
+    return jit_o0(lambda st, x: nnx.merge(graphdef, st)(x), state, ids)(state, ids)
 
 
 def random_params(config, seed: int):
@@ -148,6 +160,37 @@ def test_k3_round_trip_and_logits_on_one_device_and_a_mesh(work, micro):
         np.testing.assert_array_equal(a, b, err_msg=k)
 
 
+def test_k3_a_log_in_the_published_shape(work, micro):
+    """kimi_k3 writes A_log as [max(H, head_dim)] (the published K3: [128] for 96 heads of
+    head_dim 128, kimi_k3.md section 2): our H values, then zeros for a model of ours. A source
+    with its own values past H converts with the first H (vLLM / FLA) and exports its bytes
+    back unchanged."""
+    from kdsa.train.mappings import a_log_hf_len
+
+    assert a_log_hf_len(get_preset("k3-2.8t")) == 128
+    src, hf = micro
+    h, dk = MICRO.linear_attn_config.num_heads, MICRO.linear_attn_config.head_dim
+    name = "language_model.model.layers.0.self_attn.A_log"  # layer 1 is the KDA layer
+    key = next(k for k in ckpt.flat_variables(nnx.state(ckpt.abstract_model(MICRO)))
+               if k.endswith("self_attn.A_log"))
+    ours = dict(ckpt.iter_params(src, MICRO, [key]))[key][0]                    # [H]
+    a = np.array(SafetensorsCheckpoint(hf).tensor(name))
+    assert a.shape == (max(h, dk),) == (16,) and a.dtype == np.float32
+    np.testing.assert_array_equal(a[:h], ours)
+    assert not a[h:].any()
+    tail = np.random.default_rng(5).uniform(-1, 1, dk - h).astype(np.float32)
+    with_tail = _copy_without(hf, work / "alog_src",
+                              change={name: lambda a: np.concatenate([a[:h], tail])})
+    convert.hf_to_orbax(with_tail, work / "alog_orbax", progress=False)
+    np.testing.assert_array_equal(
+        dict(ckpt.iter_params(work / "alog_orbax", MICRO, [key]))[key][0], ours)
+    convert.orbax_to_hf(work / "alog_orbax", work / "alog_hf", progress=False)
+    assert tensors(work / "alog_hf") == tensors(with_tail)
+    short = _copy_without(hf, work / "alog_short", change={name: lambda a: a[:h - 1]})
+    with pytest.raises(ValueError, match=rf"{name}: expected shape \[{h}\], found \[{h - 1}\]"):
+        convert.hf_to_orbax(short, work / "alog_bad", dry_run=True, progress=False)
+
+
 def test_mxfp4_experts_model(work, micro):
     """--experts mxfp4: packed uint8 experts, 4.25 bits/param, byte-identical MXFP4 round trip,
     logits near the float model's: relative RMS logit error measured 0.16 (max abs 0.94 with
@@ -200,8 +243,8 @@ def test_mxfp4_experts_match_one_hot_reference(impl):
     deq = [unpack_expert_weight(packed[2 * j], packed[2 * j + 1]) for j in range(3)]
     f = lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c)  # noqa: E731
     g = lambda z: experts_one_hot(z, idx, wt, *deq, c)  # noqa: E731
-    both = jax.jit(lambda z: (f(z), g(z), jax.grad(lambda z: jnp.sum(f(z) ** 2))(z),
-                              jax.grad(lambda z: jnp.sum(g(z) ** 2))(z)))
+    both = jit_o0(lambda z: (f(z), g(z), jax.grad(lambda z: jnp.sum(f(z) ** 2))(z),
+                             jax.grad(lambda z: jnp.sum(g(z) ** 2))(z)), z)
     yf, yg, df, dg = both(z)
     np.testing.assert_allclose(yf, yg, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(df, dg, rtol=1e-4, atol=1e-5)
@@ -213,8 +256,7 @@ def test_qat_layer_is_the_served_mxfp4_layer():
     x = jax.random.normal(jax.random.key(3), (2, 6, MICRO.hidden_size))
     qat = MoE(MICRO.replace(expert_qat=True), rngs=nnx.Rngs(0))
     served = MoE(MICRO.replace(expert_weight_format="mxfp4"), rngs=nnx.Rngs(0))
-    fwd = nnx.jit(lambda m, x: m(x)[0])
-    np.testing.assert_allclose(fwd(qat, x), fwd(served, x), atol=2e-6, rtol=0)
+    np.testing.assert_allclose(_fwd(qat, x)[0], _fwd(served, x)[0], atol=2e-6, rtol=0)
 
 
 def test_qat_gradient_is_straight_through():
