@@ -17,6 +17,12 @@ events), stop token ids (the format's end of message unless ``ignore_eos``), sto
 content is held back by ``len(stop) - 1`` characters so a stream never shows a partial stop),
 ``max_tokens`` and the context (``max_len``). Events go to ``Request.on_event`` from the engine
 thread; :meth:`Engine.generate` is the batch API.
+
+Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) must match its
+``<|media_pad|>`` placeholders (checked in :meth:`Engine.submit`, a ``ValueError``); when the
+request is admitted the runner encodes them once (``ModelRunner.encode_images``) and every
+prefill chunk passes the features of the placeholders it holds. A failure there finishes that
+request with ``abort`` and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import codecs
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from typing import Callable
@@ -35,6 +42,7 @@ from kdsa.infer.budget import BudgetConfig, ThinkingBudget
 from kdsa.infer.sampling import SamplingParams, sample, sample_jit
 
 _ids = itertools.count()
+log = logging.getLogger("kdsa.engine")
 
 
 @dataclasses.dataclass
@@ -46,6 +54,8 @@ class Request:
     parser: object | None = None  # a chat OutputParser (None: raw text)
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     on_event: Callable[["Event"], None] | None = None
+    answer_prefix: tuple[int, ...] = ()  # forced at the start of the answer (tool_choice)
+    images: list = dataclasses.field(default_factory=list)  # patched images, prompt order
 
 
 @dataclasses.dataclass
@@ -114,11 +124,18 @@ class _Active:
                                          end_marker=engine.reasoning_end_ids,
                                          after=engine.after_reasoning_ids, in_reasoning=True)
             self.forced.extend(self.budget.start())
+        # tool_choice: ids forced once the answer starts (at once when the prompt opened it)
+        self.prefix = tuple(req.answer_prefix)
+        if self.prefix and self.budget is None:
+            self.forced.extend(self.prefix)
+            self.prefix = ()
         self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text = ""  # content / raw text so far
         self.sent = 0  # characters of text already emitted
         self.hold = max((len(s) for s in sp.stop), default=1) - 1
         self.finish_reason: str | None = None
+        self.features = None  # [image tokens, D] once encoded
+        self.feature_index = None  # [prompt] feature row per placeholder position, -1 elsewhere
 
 
 class Engine:
@@ -158,6 +175,8 @@ class Engine:
         bad = [t for t in req.prompt if not 0 <= int(t) < self.runner.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside [0, {self.runner.vocab_size})")
+        if req.images:
+            self._check_images(req)
         if req.sampling.top_logprobs > self.num_top:
             raise ValueError(f"top_logprobs={req.sampling.top_logprobs} exceeds the engine's "
                              f"{self.num_top}")
@@ -169,6 +188,16 @@ class Engine:
             self._waiting.append(act)
             self._lock.notify_all()
         return req.request_id
+
+    def _check_images(self, req: Request) -> None:
+        vc = getattr(getattr(self.runner, "config", None), "vision_config", None)
+        if vc is None or not hasattr(self.runner, "encode_images"):
+            raise ValueError("this model does not read images (it has no vision tower)")
+        have = sum(int(t) == vc.media_placeholder_token_id for t in req.prompt)
+        want = sum(int(im.num_tokens) for im in req.images)
+        if have != want:
+            raise ValueError(f"the prompt has {have} image placeholder tokens but its "
+                             f"{len(req.images)} image(s) take {want} positions")
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -240,9 +269,12 @@ class Engine:
                     self.slots[i] = self._waiting.popleft()
                     self.slots[i].metrics.admitted = time.perf_counter()
         for i, a in enumerate(self.slots):
+            if a is not None and a.req.images and a.features is None and not self._encode(i, a):
+                did, a = True, None
             while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
                 chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
-                logits = self.runner.prefill(i, chunk, a.prefilled)
+                logits = self.runner.prefill(i, chunk, a.prefilled,
+                                             **self._chunk_images(a, len(chunk)))
                 a.prefilled += len(chunk)
                 budget -= len(chunk)
                 did = True
@@ -251,6 +283,25 @@ class Engine:
                     self._sample_and_apply([(0, i)], logits)
                     a = self.slots[i]
         return did
+
+    def _encode(self, i: int, a: _Active) -> bool:
+        """Encode a request's images once; a failure aborts that request only."""
+        try:
+            a.features = np.asarray(self.runner.encode_images(a.req.images), np.float32)
+        except Exception:  # noqa: BLE001 -- one bad request must not stop the engine
+            log.exception("encoding the images of %s failed; aborted", a.req.request_id)
+            self._finish(i, a, "abort")
+            return False
+        vc = self.runner.config.vision_config
+        ph = np.asarray(a.req.prompt) == vc.media_placeholder_token_id
+        a.feature_index = np.where(ph, np.cumsum(ph) - 1, -1)
+        return True
+
+    def _chunk_images(self, a: _Active, n: int) -> dict:
+        if a.features is None:
+            return {}
+        idx = a.feature_index[a.prefilled:a.prefilled + n]
+        return {"image_embeds": a.features[np.maximum(idx, 0)], "image_mask": idx >= 0}
 
     def _decode(self) -> None:
         s = len(self.slots)
@@ -302,6 +353,10 @@ class Engine:
         piece = "" if self.tok.is_special(token) else a.raw.decode(self.tok.token_bytes(token))
         if a.budget is not None:
             a.forced.extend(a.budget.observe(token, piece))
+            if a.prefix and not a.budget.in_reasoning:  # reasoning closed: open the answer
+                a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
+                                + a.prefix)
+                a.prefix = ()
         deltas: list[tuple[str, object]] = []
         if req.parser is not None:
             for kind, value in req.parser.feed(token):

@@ -7,6 +7,11 @@ with the HTTP status and the offending parameter (``rl_and_serving.md`` 5 lists 
 ``tool_calls``, ``finish_reason`` (``tool_calls`` when the answer calls tools),
 ``usage.completion_tokens_details.reasoning_tokens``.
 
+Images (``docs/vision.md``): with a ``vision`` config, user messages may hold ``image_url`` parts
+with base64 data URLs; they are decoded (Pillow), checked against ``image_limits`` and patched
+here, so a bad image is a 400 naming its part and never reaches the engine. ``ChatJob.images``
+lists them in prompt order.
+
 ``reasoning_effort`` accepts ``low`` / ``high`` / ``max`` and maps the other common names as
 DeepSeek-V4 does (``minimal`` -> low, ``medium`` / ``xhigh`` -> high); ``none`` turns thinking
 off. Default ``max``.
@@ -47,6 +52,7 @@ class ChatJob:
     include_usage: bool
     logprobs: bool
     first_call_index: int
+    images: list = dataclasses.field(default_factory=list)  # patched, in prompt order
     id: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -62,8 +68,31 @@ def _get(body: dict, name: str, types, default=None, check=None, why: str = ""):
     return v
 
 
+def image_loader(vision, limits=None):
+    """``(url, where) -> patched image`` for ``messages_from_openai`` (``None`` without a
+    vision tower); counts the images against ``limits.max_images``."""
+    if vision is None:
+        return None
+    from kdsa.model.vision.inputs import ImageLimits, image_from_url
+    from kdsa.model.vision.patching import patchify
+
+    limits, seen = limits or ImageLimits(), []
+
+    def load(url, where):
+        seen.append(where)
+        limits.check_count(len(seen), "the request")
+        pixels = image_from_url(url, where, limits)
+        try:
+            return patchify(pixels, vision)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    return load
+
+
 def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
-                       default_max_tokens: int | None = None) -> ChatJob:
+                       default_max_tokens: int | None = None, vision=None,
+                       image_limits=None) -> ChatJob:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model", model_name)
@@ -71,7 +100,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         raise ApiError(f"the model {model!r} does not exist; this server serves "
                        f"{model_name!r}", status=404, param="model", code="model_not_found")
     try:
-        messages = messages_from_openai(body.get("messages"))
+        messages = messages_from_openai(body.get("messages"), image_loader(vision, image_limits))
     except ValueError as e:
         raise ApiError(str(e), param="messages") from None
     try:
@@ -130,7 +159,8 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                 for i in range(n)]
     calls = sum(len(m.tool_calls) for m in messages)
     return ChatJob(prompt, sampling, thinking, effort, stream,
-                   bool(opts.get("include_usage")), logprobs, calls)
+                   bool(opts.get("include_usage")), logprobs, calls,
+                   images=[im for m in messages for im in m.images])
 
 
 def _logprob_entries(tok, ids, logprobs, tops) -> dict:

@@ -67,6 +67,7 @@ class ModelRunner:
                                 donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(_decode_step, self.graphdef),
                                donate_argnums=(1,))
+        self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
 
     def _cache_sharding(self, cache):
         axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
@@ -81,8 +82,13 @@ class ModelRunner:
                 return b
         raise ValueError(f"chunk of {n} tokens exceeds prefill_chunk={self.prefill_chunk}")
 
-    def prefill(self, slot: int, tokens, start: int = 0) -> jax.Array:
-        """One prompt chunk into ``slot`` at positions ``start..`` -> last-token logits [1, V]."""
+    def prefill(self, slot: int, tokens, start: int = 0, image_embeds=None,
+                image_mask=None) -> jax.Array:
+        """One prompt chunk into ``slot`` at positions ``start..`` -> last-token logits [1, V].
+
+        With a vision tower, ``image_embeds [n, D]`` replace the embeddings where
+        ``image_mask [n]`` is set (the chunk's image placeholders, from :meth:`encode_images`);
+        a vision model always passes them (zeros when none), so each bucket compiles once."""
         n = len(tokens)
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
@@ -92,9 +98,29 @@ class ModelRunner:
         b = self.bucket(n)
         ids = np.zeros((1, b), np.int32)
         ids[0, :n] = tokens
+        emb = mask = None
+        if self.config.vision_config is not None:
+            emb = np.zeros((1, b, self.config.hidden_size), np.float32)
+            mask = np.zeros((1, b), bool)
+            if image_embeds is not None:
+                emb[0, :n], mask[0, :n] = image_embeds, image_mask
+        elif image_embeds is not None:
+            raise ValueError("this model has no vision tower: no image embeddings")
         logits, self.cache = self._prefill(self.state, self.cache, np.int32(slot), ids,
-                                           np.int32(start), np.int32(n), np.bool_(start == 0))
+                                           np.int32(start), np.int32(n), np.bool_(start == 0),
+                                           emb, mask)
         return logits
+
+    def encode_images(self, images) -> np.ndarray:
+        """Patched images of one request (prompt order) -> features ``[tokens, D]`` float32:
+        tower + merge + projector, patches padded to a power of two (>= 64) so few shapes
+        compile."""
+        from kdsa.model.vision.assemble import pack_images
+
+        need = sum(im.num_patches for im in images)
+        batch = pack_images([list(images)], max(64, 1 << (need - 1).bit_length()))
+        feats = self._encode(self.state, batch)
+        return np.asarray(feats)[0, :sum(im.num_tokens for im in images)]
 
     def decode(self, tokens, positions, active) -> jax.Array:
         """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32."""
@@ -113,14 +139,22 @@ class ModelRunner:
         self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
 
 
-def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh):
+def _encode_step(graphdef, state, images):
+    from kdsa.model.vision.assemble import encode_images
+
+    return encode_images(nnx.merge(graphdef, state), images)            # [1, P / m, D]
+
+
+def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
+                  mask=None):
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
     row = jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
     idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
     out = model.forward(ids, positions=start + idx,
-                        segment_ids=(idx < length).astype(jnp.int32), cache=row)
+                        segment_ids=(idx < length).astype(jnp.int32), cache=row,
+                        image_embeds=embeds, image_mask=mask)
     last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
     cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
                          cache, out.cache)

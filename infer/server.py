@@ -7,7 +7,9 @@ which runs in one background thread (``Engine.serve_forever``) shared by every c
 Engine events reach each handler through an ``asyncio.Queue`` (``call_soon_threadsafe``). A
 client that disconnects (its stream write fails, or its transport closes while it waits) has
 its requests cancelled, which frees their slots. Every bad input is a 4xx with an OpenAI
-error body; an unexpected failure in one request is a 500 and the server keeps serving.
+error body; an unexpected failure in one request is a 500 and the server keeps serving. Image
+parts (a model with a vision tower) are decoded and checked in ``openai_api`` (400 on a bad or
+oversized image) and go to the engine with the request.
 
 ``start_server(engine, chat_format, ...)`` runs the app on its own event-loop thread and returns
 a handle with ``port`` and ``stop()`` (tests, notebooks); ``serve(...)`` blocks (``kdsa serve``).
@@ -32,11 +34,11 @@ ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
 
 
 def build_app(engine, chat_format, *, model_name: str = "kdsa",
-              default_max_tokens: int | None = None) -> web.Application:
+              default_max_tokens: int | None = None, image_limits=None) -> web.Application:
     app = web.Application(client_max_size=16 * 2**20)
     app[ENGINE], app[FORMAT], app[TOKENIZER] = engine, chat_format, engine.tok
     app[CONFIG] = {"model": model_name, "default_max_tokens": default_max_tokens,
-                   "created": int(time.time())}
+                   "created": int(time.time()), "image_limits": image_limits}
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -88,7 +90,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise api.ApiError(f"the request body is not valid JSON ({e})") from None
         job = api.parse_chat_request(body, model_name=cfg["model"], chat_format=fmt,
                                      max_len=engine.runner.max_len,
-                                     default_max_tokens=cfg["default_max_tokens"])
+                                     default_max_tokens=cfg["default_max_tokens"],
+                                     vision=getattr(getattr(engine.runner, "config", None),
+                                                    "vision_config", None),
+                                     image_limits=cfg.get("image_limits"))
     except api.ApiError as e:
         return _error(e)
     loop = asyncio.get_running_loop()
@@ -96,7 +101,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reqs = []
     for i, sp in enumerate(job.sampling):
         reqs.append(Request(
-            list(job.prompt), sp, reasoning_cap=engine.budgets.cap(job.effort)
+            list(job.prompt), sp, images=list(job.images), reasoning_cap=engine.budgets.cap(job.effort)
             if job.thinking else None, in_reasoning=job.thinking,
             parser=fmt.parser(thinking=job.thinking, strict=False,
                               first_call_index=job.first_call_index),
