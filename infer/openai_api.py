@@ -24,7 +24,8 @@ import time
 import uuid
 
 from kdsa.infer.budget import check_effort
-from kdsa.infer.chat import check_tool_choice, messages_from_openai, tools_from_openai
+from kdsa.infer.chat import (Message, ToolCall, check_tool_choice, messages_from_openai,
+                             tools_from_openai)
 from kdsa.infer.sampling import SamplingParams
 
 EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "high",
@@ -55,6 +56,8 @@ class ChatJob:
     images: list = dataclasses.field(default_factory=list)  # patched, in prompt order
     id: str = dataclasses.field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex[:24]}")
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    tool_choice: object = None  # checked: None | "auto" | "none" | "required" | {function}
+    answer_prefix: tuple[int, ...] = ()  # ids the engine forces to open the answer
 
 
 def _get(body: dict, name: str, types, default=None, check=None, why: str = ""):
@@ -111,6 +114,9 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         tool_choice = check_tool_choice(body.get("tool_choice"), tools)
     except ValueError as e:
         raise ApiError(str(e), param="tool_choice") from None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") != "function":
+        raise ApiError(f"tool_choice objects must have type 'function', got "
+                       f"{tool_choice.get('type')!r}", param="tool_choice")
     raw_effort = _get(body, "reasoning_effort", str, why="a string")
     thinking = raw_effort != "none"
     try:
@@ -158,9 +164,61 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                                top_logprobs=top_logprobs if logprobs else 0)
                 for i in range(n)]
     calls = sum(len(m.tool_calls) for m in messages)
+    forcing = tool_choice == "required" or isinstance(tool_choice, dict)
+    prefix = tool_call_prefix(chat_format, tool_choice, calls) if forcing else ()
     return ChatJob(prompt, sampling, thinking, effort, stream,
                    bool(opts.get("include_usage")), logprobs, calls,
-                   images=[im for m in messages for im in m.images])
+                   images=[im for m in messages for im in m.images],
+                   tool_choice=tool_choice, answer_prefix=prefix)
+
+
+def tool_call_prefix(chat_format, choice, first_call_index: int = 0) -> tuple[int, ...]:
+    """Token ids that make the answer open with a tool call: for ``"required"`` the opening
+    every call shares (up to the tool name), for ``{"function": {"name"}}`` that tool's whole
+    call header. Taken from the format's own rendering of assistant turns that call tools
+    (the common prefix of several), so it holds for any chat format."""
+    if isinstance(choice, dict):
+        calls = [(choice["function"]["name"], a) for a in ("{}", '{"a": 1}', '{"b": "x"}')]
+    else:
+        calls = [("a", "{}"), ("b", "{}")]
+    user = [Message("user", "x")]
+    gen = chat_format.render(user, thinking=False)
+    rows = []
+    for name, args in calls:
+        call = ToolCall(f"functions.{name}:{first_call_index}", name, args)
+        full = chat_format.render(user + [Message("assistant", "", None, (call,))],
+                                  thinking=False, add_generation_prompt=False)
+        if full[:len(gen)] != gen:
+            rows = []
+            break
+        rows.append(full[len(gen):])
+    n = 0
+    while rows and all(len(r) > n and r[n] == rows[0][n] for r in rows):
+        n += 1
+    if n == 0:
+        raise ApiError(f"tool_choice {choice!r} cannot be enforced with the "
+                       f"{chat_format.name} chat format (no common tool-call opening)",
+                       param="tool_choice")
+    return tuple(rows[0][:n])
+
+
+def check_tool_output(job: ChatJob, completion) -> None:
+    """``tool_choice`` "required" / a named function: a finished answer must hold a valid call
+    (of that function). The engine forces the call's opening; when the model still does not
+    complete a valid call, this is an error (500, code ``tool_choice_unsatisfied``) rather
+    than an answer that breaks the contract. A ``length`` cut is reported as such."""
+    if not job.answer_prefix or completion.finish_reason != "stop":
+        return
+    out = completion.output
+    calls = list(out.tool_calls) if out is not None else []
+    want = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
+    if calls and (want is None or all(c.name == want for c in calls)):
+        return
+    errors = "; ".join(out.errors) if out is not None and out.errors else "none"
+    raise ApiError(f"tool_choice {job.tool_choice!r}: the model's answer holds no valid "
+                   f"tool call{f' to {want!r}' if want else ''} although its opening was "
+                   f"forced (parser errors: {errors})", status=500, kind="server_error",
+                   param="tool_choice", code="tool_choice_unsatisfied")
 
 
 def _logprob_entries(tok, ids, logprobs, tops) -> dict:
@@ -172,9 +230,10 @@ def _logprob_entries(tok, ids, logprobs, tops) -> dict:
                         for t, lp, top in zip(ids, logprobs, tops)]}
 
 
-def finish_reason(completion) -> str:
+def finish_reason(completion, job: ChatJob | None = None) -> str:
     out = completion.output
-    if completion.finish_reason == "stop" and out is not None and out.tool_calls:
+    if completion.finish_reason == "stop" and out is not None and out.tool_calls and \
+            (job is None or job.tool_choice != "none"):
         return "tool_calls"
     return "stop" if completion.finish_reason == "abort" else completion.finish_reason
 
@@ -194,9 +253,9 @@ def completion_body(job: ChatJob, completions, *, model_name: str, tokenizer) ->
         msg = {"role": "assistant", "content": c.text or None}
         if job.thinking:
             msg["reasoning_content"] = out.reasoning if out is not None else ""
-        if out is not None and out.tool_calls:
+        if out is not None and out.tool_calls and job.tool_choice != "none":
             msg["tool_calls"] = [tc.to_openai() for tc in out.tool_calls]
-        choice = {"index": i, "message": msg, "finish_reason": finish_reason(c),
+        choice = {"index": i, "message": msg, "finish_reason": finish_reason(c, job),
                   "logprobs": None}
         if job.logprobs:
             choice["logprobs"] = _logprob_entries(tokenizer, c.token_ids, c.logprobs,

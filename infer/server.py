@@ -105,7 +105,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if job.thinking else None, in_reasoning=job.thinking,
             parser=fmt.parser(thinking=job.thinking, strict=False,
                               first_call_index=job.first_call_index),
-            request_id=f"{job.id}-{i}",
+            request_id=f"{job.id}-{i}", answer_prefix=job.answer_prefix,
             on_event=lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
     pending = {r.request_id for r in reqs}
     try:
@@ -116,6 +116,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                  app[TOKENIZER])
         return await _collect(request, job, queue, pending, len(reqs), cfg["model"],
                               app[TOKENIZER])
+    except api.ApiError as e:  # e.g. tool_choice not satisfied (check_tool_output)
+        return _error(e)
     except ValueError as e:  # refused by the engine (e.g. prompt too long)
         return _error(api.ApiError(str(e)))
     except ConnectionResetError:  # the client left; nobody reads this response
@@ -147,6 +149,7 @@ async def _collect(request, job, queue, pending, n, model, tok) -> web.Response:
     for c in done:
         if c.output is not None and c.output.errors:
             log.warning("unparsed model output in %s: %s", c.request_id, c.output.errors)
+        api.check_tool_output(job, c)  # tool_choice required / named: a valid call or a 500
     return web.json_response(api.completion_body(job, done, model_name=model, tokenizer=tok))
 
 
@@ -170,6 +173,8 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
         if job.logprobs and ev.token_id is not None:
             lp = api._logprob_entries(tok, [ev.token_id], [ev.logprob], [ev.top_logprobs])
         for kind, value in ev.deltas:
+            if kind == "tool_call" and job.tool_choice == "none":
+                continue  # tool_choice "none": calls are dropped (docs/serving.md)
             await send(api.chunk(job, model_name=model, index=i,
                                  delta=api.delta_of(kind, value, tool_index[i]), logprobs=lp))
             lp = None
@@ -179,8 +184,12 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
         if ev.completion is not None:
             done[i] = ev.completion
             pending.discard(ev.request_id)
+            try:
+                api.check_tool_output(job, ev.completion)
+            except api.ApiError as e:  # the stream has started: an error event, then on
+                await send(e.body())
             await send(api.chunk(job, model_name=model, index=i, delta={},
-                                 finish=api.finish_reason(ev.completion)))
+                                 finish=api.finish_reason(ev.completion, job)))
     if job.include_usage:
         await send({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
                     "model": model, "choices": [], "usage": api.usage(job, done)})

@@ -154,6 +154,12 @@ def test_tool_calls_round_trip(tools_server):
      "tools"),
     ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "x"}}}, 400,
      "tool_choice"),
+    ({"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {
+        "name": "get_time"}}}, 400, "tool_choice"),
+    ({"messages": USER, "tools": TOOLS, "tool_choice": {"type": "tool", "function": {
+        "name": "get_weather"}}}, 400, "tool_choice"),
+    ({"messages": USER, "tools": TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x" * 2000}]}, 400, "messages"),
     ({"messages": USER + [{"role": "tool", "tool_call_id": "zz", "content": "r"}]}, 400,
      "messages"),
@@ -211,3 +217,98 @@ def test_disconnected_client_frees_its_slot():
         assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "x"
     finally:
         handle.stop()
+
+
+# ----------------------------------------------------------------------------- tool_choice
+
+def test_tool_call_prefix_is_the_formats_call_opening():
+    """The ids forced for tool_choice come from the format's own rendering of calls."""
+    from kdsa.infer.openai_api import tool_call_prefix
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    dec = lambda ids: TOK.decode(list(ids))  # noqa: E731
+    assert dec(tool_call_prefix(FMT, "required")) == \
+        '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="'
+    assert dec(tool_call_prefix(FMT, named)) == \
+        '<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+    tok2 = ByteTokenizer(384, flavor="k2")
+    k2 = get_format("k2", tok2)
+    assert tok2.decode(list(tool_call_prefix(k2, "required"))) == \
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions."
+    assert tok2.decode(list(tool_call_prefix(k2, named, 2))) == \
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:2" \
+        "<|tool_call_argument_begin|>{"
+
+
+@pytest.mark.parametrize("thinking,cap,own", [(True, 5, None), (True, None, 4),
+                                               (False, None, None)])
+def test_engine_forces_the_answer_prefix(thinking, cap, own):
+    """After a forced close (cap), after the model's own close, or at once without thinking,
+    the answer opens with exactly the forced ids."""
+    from kdsa.infer.engine import Request
+    from kdsa.infer.openai_api import tool_call_prefix
+    from kdsa.infer.sampling import SamplingParams
+
+    runner = ScriptedRunner(TOK, FMT, answer_ids=_answer("It is sunny."), num_slots=1,
+                            max_len=512, reasoning_tokens=own)
+    eng = Engine(runner, TOK, chat_format=FMT, budgets=BudgetConfig(caps=dict(CAPS), grace=0))
+    prefix = list(tool_call_prefix(FMT, "required"))
+    prompt = FMT.render([Message("user", "q")], thinking=thinking)
+    [c] = eng.generate([Request(prompt, SamplingParams(temperature=0, max_tokens=80),
+                                reasoning_cap=cap, in_reasoning=thinking,
+                                answer_prefix=tuple(prefix))])
+    ids = c.token_ids
+    if not thinking:
+        assert ids[:len(prefix)] == prefix
+        return
+    opening = list(FMT.reasoning_end_ids) + list(FMT.after_reasoning_ids) + prefix
+    at = next(j for j in range(len(ids)) if ids[j:j + len(FMT.reasoning_end_ids)]
+              == list(FMT.reasoning_end_ids))
+    assert ids[at:at + len(opening)] == opening
+    assert c.forced_close == (cap is not None)
+
+
+TOOLS2 = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}]
+
+
+def test_tool_choice_none_drops_calls(tools_server):
+    """tool_choice "none": the model was told (typed system message) and any call it still
+    writes is dropped from the answer, streamed or not."""
+    req = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "reasoning_effort": "low"}
+    status, text = _post(tools_server, req)
+    choice = json.loads(text)["choices"][0]
+    assert status == 200 and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    status, text = _post(tools_server, {**req, "stream": True})
+    chunks = _sse(text)
+    assert status == 200 and not any(c["choices"][0]["delta"].get("tool_calls")
+                                     for c in chunks if c["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {
+    "name": "get_weather"}}])
+def test_tool_choice_required_and_named_call(tools_server, choice):
+    status, text = _post(tools_server, {"messages": USER, "tools": TOOLS2, "tool_choice": choice,
+                                        "reasoning_effort": "low"})
+    body = json.loads(text)
+    assert status == 200, text
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["choices"][0]["message"]["tool_calls"] == [CALL.to_openai()]
+
+
+def test_tool_choice_required_when_the_model_cannot_complete_a_call(chat):
+    """The scripted model answers in prose: the forced opening turns its answer into a call it
+    cannot complete, and the client gets a clear error, not a prose answer."""
+    req = {"messages": USER, "tools": TOOLS, "tool_choice": "required",
+           "reasoning_effort": "low"}
+    status, text = _post(chat[0], req)
+    err = json.loads(text)["error"]
+    assert status == 500 and err["code"] == "tool_choice_unsatisfied", text
+    assert "no valid tool call" in err["message"]
+    status, text = _post(chat[0], {**req, "stream": True})
+    lines = [json.loads(x[6:]) for x in text.split("\n\n") if x.startswith("data: {")]
+    assert status == 200 and any("error" in x and x["error"]["code"] ==
+                                 "tool_choice_unsatisfied" for x in lines)
+    assert _post(chat[0], {**req, "tool_choice": "auto"})[0] == 200
