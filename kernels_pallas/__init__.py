@@ -3,6 +3,7 @@
 from kdsa.kernels_pallas.mxfp4_matmul import (MXFP4Weights, mxfp4_grouped_matmul,
                                               mxfp4_grouped_matmul_prepared, mxfp4_matmul,
                                               mxfp4_matmul_prepared, prepare_mxfp4_weights)
+from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention
 
 __all__ = ["MXFP4Weights", "mxfp4_matmul", "mxfp4_grouped_matmul", "mxfp4_matmul_prepared",
-           "mxfp4_grouped_matmul_prepared", "prepare_mxfp4_weights"]
+           "mxfp4_grouped_matmul_prepared", "prepare_mxfp4_weights", "sparse_mla_attention"]

@@ -26,7 +26,7 @@ _ACTIVATIONS = ("silu", "situ")
 _ROUTER_ACTS = ("sigmoid", "softmax")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots_saveable", "nothing_saveable")
-_IMPLS = ("xla",)  # attention kernels: "pallas" arrives with them
+_IMPLS = ("xla", "pallas")  # "pallas": the sparse MLA attention kernel (Gated DSA top-k path)
 _MOE_IMPLS = ("xla", "pallas")  # "pallas": the grouped MXFP4 kernel (expert_weight_format="mxfp4")
 _EXPERT_FORMATS = ("bf16", "mxfp4")
 

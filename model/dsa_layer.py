@@ -8,7 +8,9 @@
   ``c_kv`` RMS-normed, ``kv_b_proj(c_kv)`` per head ``[k_nope ; v]``. Interleaved RoPE on
   ``q_pe`` / ``k_pe`` unless ``mla_use_nope``. Softmax scale :func:`mla_softmax_scale`.
 * indexer (``index_topk`` set): :class:`LightningIndexer`; top-k over visible keys; attention over
-  the selected keys only (:func:`sparse_mla_attention`, absorbed form).
+  the selected keys only (:func:`sparse_mla_attention`, absorbed form; with
+  ``attention_impl="pallas"`` the Pallas kernel ``kdsa.kernels_pallas.sparse_mla``, forward and
+  backward, in training and decode).
 * gate: ``o_h *= sigmoid(g_proj(x))_h`` (float32, elementwise per head, Gated Attention G1,
   arXiv 2505.06708), then ``o_proj``. ``x`` is the already-normed layer input.
 
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
 from kdsa.model.dsa import (dense_attention, indexer_kl_dense, indexer_kl_sparse, indexer_topk,
                             sparse_mla_attention)
@@ -263,7 +266,7 @@ class GatedDSA(nnx.Module):
             q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
             kv = (c_kv, k_pe)  # [B, T, kv_lora] and [B, T, rope]: the key parts, kept apart
             o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
-                                               chunk_size=chunk)
+                                               chunk_size=chunk, impl=c.attention_impl)
             o = self._unabsorb(o_lat)
             if detach:
                 kl_t = indexer_kl_sparse(q_abs, kv, idx, scale, iq, ik, iw, chunk_size=chunk)
@@ -298,8 +301,8 @@ class GatedDSA(nnx.Module):
             iq, ik, iw = self.indexer(x, q_latent, positions)
             index_keys = put(index_keys, ik)
             idx = indexer_topk(iq, index_keys, iw, c.index_topk, **vis)
-            o_lat, _ = sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
-                                            chunk_size=c.dsa_query_chunk_size)
+            o_lat, _ = _sparse_attention(c.attention_impl)(q_abs, kv, idx, scale, c.kv_lora_rank,
+                                                           chunk_size=c.dsa_query_chunk_size)
         else:
             o_lat, _ = dense_attention(q_abs, (kv_latent[:, :, None], k_rope[:, :, None]),
                                        kv_latent[:, :, None], scale, **vis)  # MQA: G = 1
@@ -328,6 +331,11 @@ class GatedDSA(nnx.Module):
             if getattr(cache, name).shape != want + (d,):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
                                  f"{want + (d,)} (batch {x.shape[0]})")
+
+
+def _sparse_attention(impl: str):
+    """The top-k attention of ``config.attention_impl``: the XLA reference or the Pallas kernel."""
+    return sparse_mla_kernel if impl == "pallas" else sparse_mla_attention
 
 
 def _detached(x, q_latent):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import dsa as dsa_math
 from kdsa.model import kda as kda_math
 from kdsa.sharding.constrain import ShardingContext, current
@@ -170,22 +171,23 @@ def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chun
     return fn(q, k, weights, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_size: int = 256):
-    """``kdsa.model.dsa.sparse_mla_attention``; with ``act_seq`` split, the key parts are
-    gathered and each shard attends for its own queries (heads stay sharded over tensor)."""
+def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_size: int = 256,
+                         impl: str = "xla"):
+    """``kdsa.model.dsa.sparse_mla_attention`` (``impl="pallas"``: the Pallas kernel); with
+    ``act_seq`` split, the key parts are gathered and each shard attends for its own queries
+    (heads stay sharded over tensor)."""
+    attend = sparse_mla_kernel if impl == "pallas" else dsa_math.sparse_mla_attention
     ctx = current()
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if not _split_self_attention(spec, q.shape[1], parts[0].shape[1]):
-        return dsa_math.sparse_mla_attention(q, kv, indices, sm_scale, v_dim,
-                                             chunk_size=chunk_size)
+        return attend(q, kv, indices, sm_scale, v_dim, chunk_size=chunk_size)
     bt, sq, hd = spec[0], spec[1], spec[2]
     axis = _axis_name(sq)
 
     def body(q, idx, *parts):
         parts = tuple(_gather_seq(_vary(p, _axes(hd)), axis) for p in parts)
-        return dsa_math.sparse_mla_attention(q, parts, idx, sm_scale, v_dim,
-                                             chunk_size=chunk_size)
+        return attend(q, parts, idx, sm_scale, v_dim, chunk_size=chunk_size)
 
     r3 = P(bt, sq, None)
     fn = jax.shard_map(body, mesh=ctx.mesh,
