@@ -1,0 +1,120 @@
+"""``kdsa rl``: reinforcement learning on verifiable environments (and the main demo)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from kdsa.cli.config_args import add_config_args
+
+    p = sub.add_parser(
+        "rl", help="RL on reasoning-gym / tool-use environments (SFT warm-up, GRPO/DAPO/GSPO/"
+                   "Kimi losses); --demo runs the main demo",
+        description="Rollouts from the generation engine on the trained weights (resharded to "
+                    "the generate layout each step), rewards from the environments, group "
+                    "advantages, a jitted policy-loss update. Writes RUN_DIR/metrics.jsonl (one "
+                    "line per RL step), RUN_DIR/sft/metrics.jsonl, Orbax checkpoints in "
+                    "RUN_DIR/checkpoints; SIGTERM saves and exits 143, --resume continues. "
+                    "See docs/rl.md.")
+    add_config_args(p, default_preset="tiny")
+    p.add_argument("--demo", action="store_true",
+                   help="the main demo: tiny model, SFT warm-up, RL on three reasoning-gym "
+                        "families, held-out reward before/after, reward-curve PNG")
+    p.add_argument("--rl-config", type=Path, default=None,
+                   help="JSON object of RLConfig fields (e.g. the envs list)")
+    p.add_argument("--rl-set", dest="rl_overrides", action="append", default=[],
+                   metavar="KEY=VALUE",
+                   help="set an RLConfig field, e.g. --rl-set loss=dapo --rl-set "
+                        "'envs=[\"rg:chain_sum\"]' (value parsed as JSON)")
+    p.add_argument("--train-set", dest="train_overrides", action="append", default=[],
+                   metavar="KEY=VALUE", help="set a TrainConfig field (optimizer, lr, ...)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (rl.steps)")
+    p.add_argument("--seed", type=int, default=None, help="seed of init, tasks and sampling")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="output directory (required unless --demo: runs/rl-demo)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in --run-dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="do not keep compiled programs in ~/.cache/kdsa/jax ($KDSA_CACHE)")
+    p.set_defaults(run=run)
+
+
+def configs_from_args(args):
+    """``(name, model config, TrainConfig, RLConfig)``; every config error raises ValueError."""
+    import dataclasses
+
+    from kdsa.cli.config_args import apply_overrides, config_from_args
+    from kdsa.model.config import get_preset
+    from kdsa.train.config import TrainConfig, apply_train_overrides
+    from kdsa.train.rl.config import RLConfig, apply_rl_overrides
+    from kdsa.train.rl.demo import demo_configs
+
+    if args.demo and not (args.preset or args.config):
+        name, tc, rc = demo_configs()
+        config = apply_overrides(get_preset(name), args.overrides)
+    else:
+        name, config = config_from_args(args)
+        tc, rc = TrainConfig(steps=1, schedule="constant", warmup_steps=0), RLConfig()
+        if args.demo:
+            _, tc, rc = demo_configs()
+    if args.rl_config is not None:
+        if not args.rl_config.is_file():
+            raise ValueError(f"--rl-config {args.rl_config}: no such file")
+        try:
+            raw = json.loads(args.rl_config.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--rl-config {args.rl_config}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--rl-config {args.rl_config}: must be a JSON object")
+        names = {f.name for f in dataclasses.fields(RLConfig)}
+        bad = sorted(set(raw) - names)
+        if bad:
+            raise ValueError(f"--rl-config {args.rl_config}: unknown RL config fields {bad}")
+        rc = dataclasses.replace(rc, **raw)
+    rc = apply_rl_overrides(rc, args.rl_overrides)
+    if args.steps is not None:
+        rc = rc.replace(steps=args.steps)
+    # the schedule spans the whole job (SFT + RL optimizer steps)
+    tc = apply_train_overrides(tc.replace(steps=rc.sft_steps + rc.steps),
+                               args.train_overrides)
+    if args.seed is not None:
+        tc = tc.replace(seed=args.seed)
+    return name, config, tc, rc
+
+
+def run(args) -> int:
+    from kdsa.train.rl.loop import check_rl_configs
+    from kdsa.train.trainer import SIGTERM_EXIT_CODE
+
+    name, config, tc, rc = configs_from_args(args)
+    run_dir = args.run_dir or (Path("runs/rl-demo") if args.demo else None)
+    if run_dir is None:
+        raise ValueError("--run-dir is required (unless --demo)")
+    check_rl_configs(config, tc, rc)  # every config error before anything compiles
+    from kdsa.train.rl.demo import default_cache_dir, enable_compilation_cache, run_demo
+
+    if not args.no_compile_cache:
+        enable_compilation_cache(default_cache_dir())
+    envs = ", ".join(e.name for e in rc.envs)
+    print(f"kdsa rl: {name}, {rc.sft_steps} SFT + {rc.steps} RL steps, {rc.prompts_per_step} "
+          f"prompts x {rc.group_size} samples, loss {rc.loss}, envs {envs}, run dir {run_dir}",
+          file=sys.stderr, flush=True)
+    if args.demo:
+        return run_demo(config, tc, rc, run_dir, resume=args.resume,
+                        progress=not args.no_progress)
+    from kdsa.train.rl.loop import run_rl
+
+    result = run_rl(config, tc, rc, run_dir, resume=args.resume, progress=not args.no_progress)
+    if result.stopped:
+        return SIGTERM_EXIT_CODE
+    last = result.rewards.get(max(result.rewards, default=0))
+    print(f"step {result.final_step}/{rc.sft_steps + rc.steps}"
+          + (f" reward {last:.4f}" if last is not None else ""))
+    if result.heldout_before is not None and result.heldout_after is not None:
+        print(f"held-out reward: before {result.heldout_before:.3f} -> after "
+              f"{result.heldout_after:.3f}")
+    return 0

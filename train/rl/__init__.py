@@ -1,0 +1,1 @@
+"""Reinforcement learning: environments, rollouts from the generation engine, the RL loop."""

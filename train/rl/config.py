@@ -1,0 +1,177 @@
+"""RL-job configuration: one frozen, validated dataclass, overridable by ``--rl-set key=value``.
+
+The optimizer, schedule, accumulation and checkpoint cadence stay in ``TrainConfig``
+(``--train-set``); ``RLConfig`` holds what is RL-specific: the environment mix, rollout shape,
+thinking budgets, rewards, the policy loss, the SFT warm-up and the held-out evaluation.
+
+Thinking budgets (``rl_and_serving.md`` 2.2-2.4): every prompt draws an effort level from
+``effort_weights``; the level is in the prompt (the chat format's ``thinking_effort`` turn), caps
+the reasoning span (``reasoning_caps``: the engine forces the end of thinking, ``budget.py``) and
+the whole episode's generated tokens (``token_budgets``: over budget the rollout is truncated and
+its reward is ``-truncation_penalty``), and weighs the group length penalty (``length_penalty``,
+Kimi K1.5: ``lambda = 0.5 - (len - min_len) / (max_len - min_len)`` over the group, added as
+``w * lambda`` to correct and ``w * min(0, lambda)`` to incorrect answers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from kdsa.infer.budget import EFFORTS
+from kdsa.train.rl_losses import AGGREGATIONS, LOSSES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvSpec:
+    name: str  # registered name or rg:FAMILY
+    weight: float = 1.0
+    options: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw, where: str) -> "EnvSpec":
+        if isinstance(raw, EnvSpec):
+            return raw
+        if isinstance(raw, str):
+            return cls(name=raw)
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise ValueError(f"{where} must be a name or {{'name': ..., 'weight': ..., "
+                             f"'options': {{...}}}}, got {raw!r}")
+        extra = set(raw) - {"name", "weight", "options"}
+        if extra:
+            raise ValueError(f"{where}: unknown keys {sorted(extra)}")
+        w = raw.get("weight", 1.0)
+        if not isinstance(w, (int, float)) or w <= 0:
+            raise ValueError(f"{where}.weight must be > 0, got {w!r}")
+        opts = raw.get("options", {})
+        if not isinstance(opts, dict):
+            raise ValueError(f"{where}.options must be an object")
+        return cls(name=raw["name"], weight=float(w), options=dict(opts))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    envs: tuple = ("rg:basic_arithmetic",)  # EnvSpec (or name / dict) per domain
+    # ---- rollouts ----
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8  # samples per prompt
+    temperature: float = 1.0
+    seq_len: int = 96  # prompt + all turns, tokens per training row
+    num_slots: int = 64  # engine slots (rows decoded together)
+    generate_devices: int = 1  # local devices of the generate mesh (weights resharded there)
+    chat_format: str = "k2"
+    # ---- thinking budgets and rewards ----
+    effort_weights: dict = dataclasses.field(
+        default_factory=lambda: {"low": 1.0, "high": 1.0, "max": 1.0})
+    reasoning_caps: dict = dataclasses.field(
+        default_factory=lambda: {"low": 2, "high": 8, "max": 16})
+    token_budgets: dict = dataclasses.field(
+        default_factory=lambda: {"low": 12, "high": 24, "max": 40})
+    length_penalty: dict = dataclasses.field(
+        default_factory=lambda: {"low": 0.2, "high": 0.05, "max": 0.0})
+    truncation_penalty: float = 0.5
+    dynamic_sampling: bool = True
+    max_sampling_rounds: int = 2  # rollout rounds per step to fill the batch with varied groups
+    # ---- policy loss (train/rl_losses.py) ----
+    loss: str = "grpo"
+    aggregation: str = "sequence"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tau: float = 0.1
+    tis: str = "token"
+    tis_cap: float = 2.0
+    normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO); kimi: never
+    # ---- SFT warm-up (demonstrations of the same environments) ----
+    sft_steps: int = 0  # rows per SFT step = rollouts_per_step (one compiled step for both)
+    # ---- held-out evaluation ----
+    heldout_tasks: int = 32  # per environment
+    heldout_samples: int = 4  # per task, at the rollout temperature
+
+    def __post_init__(self):
+        envs = self.envs if isinstance(self.envs, (list, tuple)) else (self.envs,)
+        if not envs:
+            raise ValueError("rl.envs must name at least one environment")
+        object.__setattr__(self, "envs", tuple(EnvSpec.parse(e, f"rl.envs[{i}]")
+                                               for i, e in enumerate(envs)))
+        for name in ("steps", "prompts_per_step", "group_size", "seq_len", "num_slots",
+                     "generate_devices", "max_sampling_rounds",
+                     "heldout_tasks", "heldout_samples"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"rl.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.sft_steps, int) or self.sft_steps < 0:
+            raise ValueError(f"rl.sft_steps must be a non-negative integer, got "
+                             f"{self.sft_steps!r}")
+        if self.group_size < 2:
+            raise ValueError(f"rl.group_size must be >= 2 (advantages are group-relative), "
+                             f"got {self.group_size}")
+        if not 0 < self.temperature <= 10:
+            raise ValueError(f"rl.temperature must be in (0, 10], got {self.temperature}")
+        for name in ("effort_weights", "reasoning_caps", "token_budgets", "length_penalty"):
+            d = getattr(self, name)
+            if not isinstance(d, dict) or set(d) != set(EFFORTS):
+                raise ValueError(f"rl.{name} must map exactly {EFFORTS}, got {d!r}")
+        if any(not isinstance(w, (int, float)) or w < 0 for w in self.effort_weights.values()) \
+                or sum(self.effort_weights.values()) <= 0:
+            raise ValueError(f"rl.effort_weights must be >= 0 with a positive sum, got "
+                             f"{self.effort_weights}")
+        for name in ("reasoning_caps", "token_budgets"):
+            for k, v in getattr(self, name).items():
+                if not isinstance(v, int) or v < (0 if name == "reasoning_caps" else 1):
+                    raise ValueError(f"rl.{name}[{k!r}] must be an integer "
+                                     f"{'>= 0' if name == 'reasoning_caps' else '>= 1'}, "
+                                     f"got {v!r}")
+        if self.truncation_penalty < 0:
+            raise ValueError(f"rl.truncation_penalty must be >= 0, got "
+                             f"{self.truncation_penalty}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"rl.loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"rl.aggregation must be one of {AGGREGATIONS}, got "
+                             f"{self.aggregation!r}")
+        if self.chat_format not in ("k2", "xtml"):
+            raise ValueError(f"rl.chat_format must be 'k2' or 'xtml', got {self.chat_format!r}")
+        self.loss_config()  # validates the loss fields
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def loss_config(self):
+        from kdsa.train.rl_losses import RLLossConfig
+
+        agg = "token" if self.loss == "dapo" else self.aggregation
+        try:
+            return RLLossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,
+                                aggregation=agg, tau=self.tau, tis=self.tis,
+                                tis_cap=self.tis_cap)
+        except ValueError as e:
+            raise ValueError(f"rl: {e}") from None
+
+    def replace(self, **changes) -> "RLConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d
+
+
+def apply_rl_overrides(rc: RLConfig, overrides: list[str]) -> RLConfig:
+    """``key=value`` strings (value parsed as JSON, else a bare string) applied to ``rc``."""
+    names = {f.name for f in dataclasses.fields(RLConfig)}
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.removeprefix("rl.")
+        if not sep:
+            raise ValueError(f"--rl-set {item!r}: expected KEY=VALUE")
+        if key not in names:
+            raise ValueError(f"--rl-set {key}: unknown RL config field; choose from "
+                             f"{sorted(names)}")
+        try:
+            changes[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            changes[key] = raw
+    return dataclasses.replace(rc, **changes) if changes else rc

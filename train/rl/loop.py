@@ -1,0 +1,281 @@
+"""The RL job: SFT warm-up (optional), then rollouts -> rewards -> advantages -> update.
+
+``run_rl(model_config, train_config, rl_config, run_dir)`` per RL step:
+
+1. weight sync: the train state's parameters and biases are resharded onto the generate mesh
+   (``sharding/reshard.py``, ``generate`` layout; timed: ``reshard_s``) and handed to the
+   engine's runner (same shapes and shardings every step, so nothing recompiles);
+2. rollouts: ``prompts_per_step`` tasks drawn from the weighted environment mix, an effort level
+   each, ``group_size`` episodes per task on the engine (``rollout.py``); rewards with the
+   budget and length terms; dynamic sampling keeps groups whose rewards vary, drawing another
+   round (up to ``max_sampling_rounds``) to fill the batch; unfilled rows are padding;
+3. one jitted update (``train/rl/step.py``) with the policy loss chosen by ``rl.loss``.
+
+Steps are numbered globally: ``1..sft_steps`` are SFT steps on demonstrations (``sft.py``,
+metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
+(``RUN_DIR/metrics.jsonl``, one line per step). Held-out reward (fixed held-out tasks, sampled
+at the rollout temperature) is measured after the warm-up and at the end. Checkpoints
+(``train/checkpointing.py``) every ``checkpoint_every`` steps, at the end and on SIGTERM hold
+the train state and, in the metadata, the task counter, the held-out reward before RL and the
+configs; ``resume`` continues from the newest readable one. Every random draw is a function of
+``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.chat import get_format
+from kdsa.infer.engine import Engine
+from kdsa.infer.runner import ModelRunner
+from kdsa.infer.tokenizer import load_tokenizer
+from kdsa.model.config import ModelConfig
+from kdsa.sharding.mesh import make_mesh
+from kdsa.sharding.reshard import reshard_state
+from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.config import TrainConfig
+from kdsa.train.metrics import MetricsWriter
+from kdsa.train.rl import rollout as ro
+from kdsa.train.rl.config import RLConfig
+from kdsa.train.rl.envs.base import make_env
+from kdsa.train.rl.sft import sft_batch
+from kdsa.train.rl.step import rl_step
+from kdsa.train.trainer import _StopFlag, prepare
+
+
+@dataclasses.dataclass
+class RLResult:
+    rewards: dict[int, float]  # RL step -> mean rollout reward
+    metrics: dict[int, dict]  # RL step -> the metrics line
+    heldout_before: float | None
+    heldout_after: float | None
+    final_step: int  # global (SFT + RL) steps done
+    stopped: bool
+    resumed_from: int | None
+
+
+def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig) -> None:
+    """Every cross-check before anything is built or compiled."""
+    if rc.seq_len + 1 > config.max_position_embeddings:
+        raise ValueError(f"rl.seq_len={rc.seq_len} exceeds max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    if tc.indexer_stage != "none":
+        raise ValueError("kdsa rl trains all parameters: train.indexer_stage must be 'none'")
+    if config.expert_weight_format == "mxfp4":
+        raise ValueError("MXFP4 routed experts are frozen bytes: RL needs "
+                         "expert_weight_format='bf16'")
+    if rc.rollouts_per_step % tc.accum_steps:
+        raise ValueError(f"rl.prompts_per_step * rl.group_size = {rc.rollouts_per_step} rows "
+                         f"do not split into train.accum_steps={tc.accum_steps} micro-batches")
+    if config.vocab_size < 384:
+        raise ValueError(f"the byte tokenizer with chat specials needs vocab_size >= 384, got "
+                         f"{config.vocab_size}")
+    if rc.generate_devices > jax.local_device_count():
+        raise ValueError(f"rl.generate_devices={rc.generate_devices} but only "
+                         f"{jax.local_device_count()} local devices")
+    build_envs(rc)  # unknown environments / bad options fail here
+
+
+def build_envs(rc: RLConfig, seed: int = 0):
+    """``({domain: env}, {domain: weight})`` from ``rc.envs``."""
+    envs, weights = {}, {}
+    for spec in rc.envs:
+        env = make_env(spec.name, seed=seed, **spec.options)
+        if env.domain in envs:
+            raise ValueError(f"rl.envs names the domain {env.domain!r} twice")
+        envs[env.domain], weights[env.domain] = env, spec.weight
+    return envs, weights
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Sampler:
+    """The generation side: runner + engine on the generate mesh; ``sync`` reshards weights."""
+
+    def __init__(self, model, config: ModelConfig, rc: RLConfig, seed: int):
+        self.mesh = make_mesh({"data": -1}, devices=jax.local_devices()[:rc.generate_devices])
+        self.tok = load_tokenizer(None, vocab_size=config.vocab_size,
+                                  flavor="k2" if rc.chat_format == "k2" else "k3")
+        self.fmt = get_format(rc.chat_format, self.tok)
+        self.runner = ModelRunner(model, num_slots=rc.num_slots, max_len=rc.seq_len + 1,
+                                  prefill_chunk=rc.seq_len + 1, min_bucket=rc.seq_len + 1,
+                                  mesh=self.mesh, layout="generate")
+        self.engine = Engine(self.runner, self.tok, chat_format=self.fmt,
+                             budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=0),
+                             max_top_logprobs=0, seed=seed)
+
+    def sync(self, graphdef, state) -> float:
+        """Train state -> generate layout -> runner; returns the reshard seconds."""
+        model_state = nnx.state(nnx.merge(graphdef, state.params, state.rest))
+        moved, report = reshard_state(model_state, self.mesh, "generate")
+        self.runner.state = moved
+        return report.seconds
+
+
+def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, list]:
+    """Held-out reward: ``heldout_tasks`` fixed held-out tasks per domain, effort levels in
+    turn, ``heldout_samples`` samples each at the rollout temperature; the mean environment
+    reward (a truncated episode counts 0)."""
+    levels = [k for k, w in rc.effort_weights.items() if w > 0]
+    tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
+             for env in envs.values() for i in range(rc.heldout_tasks)]
+    eps = ro.run_episodes(sampler.engine, sampler.fmt, envs, tasks,
+                          group_size=rc.heldout_samples, rc=rc, seed=seed)
+    return float(np.mean([0.0 if e.truncated else e.score for e in eps])), eps
+
+
+def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
+           resume: bool = False, progress: bool = True, stop_at: int | None = None,
+           evaluate_heldout: bool = True, log=_log) -> RLResult:
+    check_rl_configs(config, tc, rc)
+    run_dir = Path(run_dir)
+    envs, weights = build_envs(rc, tc.seed)
+    ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
+                        keep=tc.keep_checkpoints)
+    abstract, graphdef, tx, build = prepare(config, tc)
+    layout = abstract.segment_layout
+    loss_cfg = rc.loss_config()
+    total = rc.sft_steps + rc.steps
+
+    meta0 = {"task_counter": 0, "heldout_before": None}
+    restored = ckpt.restore_latest(jax.eval_shape(build), log=log) if resume and \
+        ckpt.all_steps() else None
+    if restored is not None:
+        start, state, meta = restored
+        if meta.get("model_config") != config.to_hf_config():
+            raise ValueError(f"--resume: the checkpoint in {ckpt.directory} was written for "
+                             "another model config")
+        meta0 = {k: meta.get(k) for k in meta0}
+        log(f"resumed from step {start} ({ckpt.directory / str(start)})")
+    else:
+        start, state = 0, jax.device_put(build(), jax.devices()[0])
+    counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
+
+    sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
+    rows, T = rc.rollouts_per_step, rc.seq_len
+    sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False) if rc.sft_steps else None
+    writer = MetricsWriter(run_dir)
+    rewards, lines = {}, {}
+    stopped, step = False, start
+    bar = _progress(total, start, progress)
+
+    def save(force: bool):
+        meta = {"task_counter": counter, "heldout_before": before, "train_config": tc.to_dict(),
+                "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
+        ckpt.save(step, state, meta, force=force)
+
+    with _StopFlag() as flag:
+        while step < total:
+            t0 = time.perf_counter()
+            if step < rc.sft_steps:  # ---- SFT warm-up on demonstrations ----
+                rng = np.random.default_rng([tc.seed, 1, step])
+                tasks = ro.sample_tasks(envs, weights, rows, rc=rc, rng=rng,
+                                        start_index=counter)
+                counter += rows
+                batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
+                state, m = rl_step(graphdef, state, batch, 1.0, tc=tc, tx=tx,
+                                   loss_cfg=loss_cfg, layout=layout)
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                step += 1
+                m["step_time_s"] = time.perf_counter() - t0
+                sft_writer.write(step, m)
+                bar(step, f"sft ce {m['ce']:.3f}")
+            else:  # ---- RL ----
+                if before is None and evaluate_heldout:
+                    sampler.sync(graphdef, state)
+                    before, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+                    log(f"\nheld-out reward before RL: {before:.3f}")
+                    t0 = time.perf_counter()
+                m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
+                                           step, counter, rows)
+                batch = m.pop("_batch")
+                if m["kept_groups"] > 0:
+                    state, tm = rl_step(graphdef, state, batch, 0.0, tc=tc, tx=tx,
+                                        loss_cfg=loss_cfg, layout=layout)
+                    m.update({k: float(v) for k, v in jax.device_get(tm).items()})
+                step += 1
+                rl_i = step - rc.sft_steps
+                m["step_time_s"] = time.perf_counter() - t0
+                writer.write(rl_i, m)
+                rewards[rl_i], lines[rl_i] = m["reward"], m
+                bar(step, f"rl step {rl_i} reward {m['reward']:.3f}")
+            if flag.set or (stop_at is not None and stop_at <= step < total):
+                save(True)
+                ckpt.wait()
+                why = "SIGTERM" if flag.set else f"stop_at={stop_at}"
+                log(f"\nstopped by {why} after step {step}; checkpoint saved in "
+                    f"{ckpt.directory / str(step)}")
+                stopped = True
+                break
+            save(step == total)
+    after = None
+    if not stopped and evaluate_heldout:
+        sampler.sync(graphdef, state)
+        after, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+    ckpt.close()
+    writer.close()
+    if sft_writer is not None:
+        sft_writer.close()
+    bar(None, None)
+    result = RLResult(rewards, lines, before, after, step, stopped,
+                      None if restored is None else start)
+    result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
+    return result
+
+
+def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter, rows):
+    """Sync, rollouts (with dynamic-sampling rounds) and the batch; returns metrics."""
+    reshard_s = sampler.sync(graphdef, state)
+    t0 = time.perf_counter()
+    kept, all_eps = [], []
+    for rnd in range(rc.max_sampling_rounds):
+        rng = np.random.default_rng([tc.seed, 2, step, rnd])
+        tasks = ro.sample_tasks(envs, weights, rc.prompts_per_step, rc=rc, rng=rng,
+                                start_index=counter)
+        counter += rc.prompts_per_step
+        eps = ro.run_episodes(sampler.engine, sampler.fmt, envs, tasks,
+                              group_size=rc.group_size, rc=rc, seed=tc.seed * 100003 + step * 101
+                              + rnd)
+        ro.group_rewards(eps, rc.group_size, rc)
+        all_eps += eps
+        groups = ro.varied_groups(eps, rc.group_size) if rc.dynamic_sampling else [
+            eps[g:g + rc.group_size] for g in range(0, len(eps), rc.group_size)]
+        kept += groups
+        if len(kept) >= rc.prompts_per_step or not rc.dynamic_sampling:
+            break
+    kept = kept[:rc.prompts_per_step]
+    rollout_s = time.perf_counter() - t0
+    gen = sum(e.generated for e in all_eps)
+    m = ro.domain_metrics(all_eps)
+    m.update(reshard_s=reshard_s, rollout_s=rollout_s, rollout_tokens=gen,
+             rollout_tokens_per_s=gen / rollout_s if rollout_s > 0 else 0.0,
+             kept_groups=len(kept), sampled_groups=len(all_eps) // rc.group_size)
+    m["_batch"] = ro.training_batch(kept, rows, rc.seq_len, rc.group_size, rc)
+    return m, counter
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return lambda step, text: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
+
+    def update(step, text):
+        if step is None:
+            bar.close()
+            return
+        bar.update(step - bar.n)
+        bar.set_description(text, refresh=False)
+
+    return update

@@ -1,0 +1,234 @@
+"""Rollouts from the generation engine: groups, multi-turn episodes, budgets, rewards, batches.
+
+``run_episodes`` plays ``G`` episodes per task on the continuous-batching ``Engine`` (all
+episodes of a turn are submitted together). An episode's token row is the rendered prompt
+followed by each assistant turn as sampled (the chat format's stop token included) and, between
+turns, the environment's messages rendered by the format (``continuation_ids``). Only sampled
+tokens are trained on: ``mask`` is 1 on them and 0 on the prompt, the environment's tokens and
+the tokens the thinking budget forced (the end-of-thinking marker); ``sampler_logp`` keeps the
+engine's log-probs of the sampled tokens (for TIS and the mismatch metrics).
+
+Budgets (``config.py``): ``reasoning_caps[effort]`` is the engine's reasoning cap;
+``token_budgets[effort]`` bounds the episode's generated tokens (and ``seq_len`` the row); an
+episode that runs out is truncated and scores ``-truncation_penalty``. ``group_rewards`` adds the
+Kimi K1.5 group length penalty; ``varied_groups`` is DAPO's dynamic sampling (groups whose
+rewards are all equal carry no advantage and are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kdsa.infer.chat import AssistantOutput, Message
+from kdsa.infer.engine import Engine, Request
+from kdsa.infer.sampling import SamplingParams
+from kdsa.train.rl.config import RLConfig
+from kdsa.train.rl.envs.base import Environment, Task
+
+
+@dataclasses.dataclass
+class Episode:
+    task: Task
+    effort: str
+    tokens: list[int]
+    mask: list[float]  # per token of ``tokens``: 1 where it was sampled
+    sampler_logp: list[float]  # per token: the engine's log-prob where sampled, else 0
+    prompt_len: int
+    history: list[Message] = dataclasses.field(default_factory=list)
+    score: float = 0.0  # the environment's reward (or -truncation_penalty)
+    reward: float = 0.0  # score + length term
+    done: bool = False
+    truncated: bool = False
+    generated: int = 0  # sampled + forced tokens over all turns
+    reasoning_tokens: int = 0
+    metrics: dict = dataclasses.field(default_factory=dict)
+    texts: list[str] = dataclasses.field(default_factory=list)  # content per turn
+
+
+def render_prompt(fmt, task: Task, effort: str) -> list[int]:
+    return fmt.render(list(task.messages), tools=list(task.tools), effort=effort)
+
+
+def continuation_ids(fmt, task: Task, effort: str, history: list[Message],
+                     new: list[Message]) -> list[int]:
+    """Ids that follow the last assistant turn of ``history`` when ``new`` messages (tool
+    results) are appended, up to the next generation prompt."""
+    msgs = list(task.messages) + list(history)
+    base = fmt.render(msgs, tools=list(task.tools), effort=effort, add_generation_prompt=False)
+    full = fmt.render(msgs + list(new), tools=list(task.tools), effort=effort)
+    if full[:len(base)] != base:
+        raise ValueError(f"chat format {fmt.name!r}: rendering the conversation with the new "
+                         f"messages changes its earlier part; cannot continue the episode")
+    return full[len(base):]
+
+
+def _forced_positions(fmt, c) -> set[int]:
+    """Indices of ``c.token_ids`` that the thinking budget forced."""
+    if not c.forced_close:
+        return set()
+    marker = list(fmt.reasoning_end_ids) + list(fmt.after_reasoning_ids)
+    ids = c.token_ids
+    for i in range(len(ids) - len(marker) + 1):
+        if ids[i:i + len(marker)] == marker:
+            return set(range(i, i + len(marker)))
+    return set()
+
+
+def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
+                 tasks: list[tuple[Task, str]], *, group_size: int, rc: RLConfig,
+                 seed: int) -> list[Episode]:
+    """``group_size`` episodes per ``(task, effort)``, consecutive; returns them finished."""
+    eps = []
+    for task, effort in tasks:
+        prompt = render_prompt(fmt, task, effort)
+        for _ in range(group_size):
+            eps.append(Episode(task, effort, list(prompt), [0.0] * len(prompt),
+                               [0.0] * len(prompt), len(prompt)))
+    order = {id(e): i for i, e in enumerate(eps)}
+    turn = 0
+    while True:
+        active = [e for e in eps if not e.done]
+        if not active:
+            return eps
+        reqs = []
+        for e in active:
+            room = min(rc.token_budgets[e.effort] - e.generated, rc.seq_len - len(e.tokens))
+            if room < 1:
+                _truncate(e, rc)
+                continue
+            calls = sum(len(m.tool_calls) for m in e.history)
+            sp = SamplingParams(temperature=rc.temperature, max_tokens=room,
+                                seed=(seed * 7919 + order[id(e)] * 131 + turn) % (2**31 - 1))
+            reqs.append((e, Request(list(e.tokens), sp, reasoning_cap=rc.reasoning_caps[
+                e.effort], in_reasoning=True, parser=fmt.parser(first_call_index=calls))))
+        if not reqs:
+            continue
+        outs = engine.generate([r for _, r in reqs])
+        for (e, _), c in zip(reqs, outs):
+            forced = _forced_positions(fmt, c)
+            for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+                e.tokens.append(int(t))
+                e.mask.append(0.0 if i in forced else 1.0)
+                e.sampler_logp.append(0.0 if i in forced else float(lp))
+            e.generated += len(c.token_ids)
+            e.reasoning_tokens += c.reasoning_tokens
+            if c.finish_reason != "stop":
+                _truncate(e, rc)
+                continue
+            out: AssistantOutput = c.output
+            e.texts.append(out.content)
+            env = envs[e.task.env]
+            outcome = env.respond(e.task, out, tuple(e.history))
+            e.history.append(out.as_message())
+            for k, v in outcome.metrics.items():
+                e.metrics[k] = float(v)
+            if outcome.done:
+                e.score, e.done = float(outcome.reward), True
+                continue
+            if turn + 1 >= env.max_turns:
+                e.score, e.done = 0.0, True
+                continue
+            more = continuation_ids(fmt, e.task, e.effort, e.history, list(outcome.messages))
+            e.history.extend(outcome.messages)
+            e.tokens += more
+            e.mask += [0.0] * len(more)
+            e.sampler_logp += [0.0] * len(more)
+            if len(e.tokens) >= rc.seq_len:
+                _truncate(e, rc)
+        turn += 1
+
+
+def _truncate(e: Episode, rc: RLConfig) -> None:
+    e.truncated, e.done, e.score = True, True, -rc.truncation_penalty
+    del e.tokens[rc.seq_len:], e.mask[rc.seq_len:], e.sampler_logp[rc.seq_len:]
+
+
+def group_rewards(eps: list[Episode], group_size: int, rc: RLConfig) -> None:
+    """Set ``reward = score + w[effort] * length term`` (Kimi K1.5, per group); ``correct`` is
+    ``score >= 1``, lengths are generated tokens."""
+    for g in range(0, len(eps), group_size):
+        grp = eps[g:g + group_size]
+        lens = np.array([e.generated for e in grp], np.float64)
+        lo, hi = lens.min(), lens.max()
+        for e, n in zip(grp, lens):
+            lam = 0.5 - (n - lo) / (hi - lo) if hi > lo else 0.0
+            w = rc.length_penalty[e.effort]
+            e.reward = e.score + w * (lam if e.score >= 1.0 else min(0.0, lam))
+
+
+def varied_groups(eps: list[Episode], group_size: int) -> list[list[Episode]]:
+    """Groups (in order) whose rewards are not all equal (dynamic sampling)."""
+    out = []
+    for g in range(0, len(eps), group_size):
+        grp = eps[g:g + group_size]
+        if max(e.reward for e in grp) > min(e.reward for e in grp):
+            out.append(grp)
+    return out
+
+
+def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_size: int,
+                   rc: RLConfig) -> dict[str, np.ndarray]:
+    """Fixed-shape arrays ``[rows, seq_len]`` (next-token layout) from whole groups; rows past
+    the groups are padding (mask 0, advantage 0). Advantages are group-relative (GRPO
+    ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi)."""
+    b = {"inputs": np.zeros((rows, seq_len), np.int32),
+         "targets": np.zeros((rows, seq_len), np.int32),
+         "mask": np.zeros((rows, seq_len), np.float32),
+         "sampler_logp": np.zeros((rows, seq_len), np.float32),
+         "advantages": np.zeros((rows,), np.float32)}
+    r = 0
+    for grp in groups:
+        if r + len(grp) > rows:
+            break
+        rew = np.array([e.reward for e in grp], np.float64)
+        adv = rew - rew.mean()
+        if rc.normalize_std and rc.loss != "kimi":
+            adv = adv / (rew.std() + 1e-6)
+        for e, a in zip(grp, adv):
+            n = min(len(e.tokens) - 1, seq_len)
+            b["inputs"][r, :n] = e.tokens[:n]
+            b["targets"][r, :n] = e.tokens[1:n + 1]
+            b["mask"][r, :n] = e.mask[1:n + 1]
+            b["sampler_logp"][r, :n] = e.sampler_logp[1:n + 1]
+            b["advantages"][r] = a
+            r += 1
+    return b
+
+
+def sample_tasks(envs: dict[str, Environment], weights: dict[str, float], n: int, *,
+                 rc: RLConfig, rng: np.random.Generator, start_index: int,
+                 split: str = "train") -> list[tuple[Task, str]]:
+    """``n`` (task, effort) pairs: the domain drawn by ``weights``, the effort by
+    ``rc.effort_weights``; task indices ``start_index + i`` (the caller's counter)."""
+    names = list(envs)
+    p = np.array([weights[k] for k in names], np.float64)
+    levels = list(rc.effort_weights)
+    q = np.array([rc.effort_weights[k] for k in levels], np.float64)
+    out = []
+    for i in range(n):
+        env = envs[names[rng.choice(len(names), p=p / p.sum())]]
+        effort = levels[rng.choice(len(levels), p=q / q.sum())]
+        out.append((env.task(start_index + i, split), effort))
+    return out
+
+
+def domain_metrics(eps: list[Episode]) -> dict[str, float]:
+    """Means per domain: ``reward/D``, ``score/D``, every outcome metric ``M/D``, and lengths
+    per effort ``gen_tokens/low`` ..."""
+    acc: dict[str, list[float]] = {}
+    for e in eps:
+        d = e.task.env
+        acc.setdefault(f"reward/{d}", []).append(e.reward)
+        acc.setdefault(f"score/{d}", []).append(e.score)
+        for k, v in e.metrics.items():
+            acc.setdefault(f"{k}/{d}", []).append(v)
+        acc.setdefault(f"gen_tokens/{e.effort}", []).append(e.generated)
+        acc.setdefault(f"reasoning_tokens/{e.effort}", []).append(e.reasoning_tokens)
+    out = {k: float(np.mean(v)) for k, v in acc.items()}
+    out["reward"] = float(np.mean([e.reward for e in eps])) if eps else 0.0
+    out["score"] = float(np.mean([e.score for e in eps])) if eps else 0.0
+    out["truncated_frac"] = float(np.mean([e.truncated for e in eps])) if eps else 0.0
+    out["gen_tokens"] = float(np.mean([e.generated for e in eps])) if eps else 0.0
+    return out

@@ -1,0 +1,114 @@
+"""One jitted optimizer step for RL (policy loss) and SFT (cross-entropy) on the same shapes.
+
+Both objectives read the per-token log-probabilities ``logp[b, t] = log pi(targets[b, t] |
+inputs[b, :t+1])`` of one forward pass, so a single compiled function serves the SFT warm-up
+and the RL steps (``sft_weight`` is an array, not a static argument)::
+
+    loss = sft_weight * CE + (1 - sft_weight) * PG
+    CE   = sum(mask * -logp) / sum(mask)                       (assistant tokens only)
+    PG   = rl_losses.policy_loss(cfg, logp, old_logp, mask, advantages, sampler_logp)
+
+``old_logp = stop_gradient(logp)``: one update per rollout batch, so the trainer's policy before
+the update is the current one (ratio 1, the clipped objectives reduce to the policy gradient;
+tunix ``use_rollout_logps=False``). The rollout engine's log-probs ``sampler_logp`` enter through
+truncated importance sampling (``cfg.tis``) and the mismatch metrics
+``mismatch_k1 = mean(old - sampler)``, ``mismatch_k3 = mean(exp(s - o) - (s - o) - 1)``,
+``mismatch_abs = mean|old - sampler|`` over the loss tokens (``rl_and_serving.md`` 3).
+
+Accumulation is exact as in ``train/step.py``: the denominators (tokens or sequences) come from
+the whole batch first, each micro-batch contributes the gradient of its numerators divided by
+them, and the sums are the large-batch gradient. MoE expert loads and the routing-bias update
+follow ``train/step.py`` (same helpers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from kdsa.model.moe import max_load_ratio
+from kdsa.train.config import TrainConfig
+from kdsa.train.rl_losses import RLLossConfig, policy_loss
+from kdsa.train.step import TrainState, _micro_batches, _schedule_of, update_routing_biases
+
+# batch: inputs, targets [B, T] int32; mask, sampler_logp [B, T] float32; advantages [B] f32
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``[B, T, V]`` logits, ``[B, T]`` targets -> ``[B, T]`` float32 log-probs of the targets."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+
+
+def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
+    """The policy loss's denominator over the whole batch (see ``rl_losses.aggregate``)."""
+    m = mask.astype(jnp.float32)
+    if cfg.loss != "kimi" and cfg.aggregation == "token":
+        return jnp.sum(m)
+    return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
+
+
+def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
+             tx: optax.GradientTransformation, loss_cfg: RLLossConfig, layout: tuple):
+    m = tc.accum_steps
+    mbs = _micro_batches(batch, m)
+    mask = batch["mask"].astype(jnp.float32)
+    ce_den = jnp.maximum(jnp.sum(mask), 1.0)
+    pg_den = jnp.maximum(pg_denominator(loss_cfg, mask), 1.0)
+    w = jnp.asarray(sft_weight, jnp.float32)
+
+    def objective(params, mb):
+        model = nnx.merge(graphdef, params, state.rest)
+        out = model.forward(mb["inputs"])
+        logp = token_logprobs(out.logits, mb["targets"])  # [b, T]
+        mk = mb["mask"].astype(jnp.float32)
+        ce_num = jnp.sum(-logp * mk)
+        old = jax.lax.stop_gradient(logp)
+        pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
+                                    sampler_logp=mb["sampler_logp"])
+        d = (old - mb["sampler_logp"]) * mk
+        stats = {"ce_num": ce_num, "pg_num": pg_num, "mis_k1": jnp.sum(d),
+                 "mis_abs": jnp.sum(jnp.abs(d)),
+                 "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
+                 "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk)}
+        loss = w * ce_num / ce_den + (1.0 - w) * pg_num / pg_den
+        return loss, (stats, out.expert_load)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def body(acc, mb):
+        (_, aux), g = grad_fn(state.params, mb)
+        return jax.tree.map(jnp.add, acc, g), aux
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (stats, loads) = jax.lax.scan(body, zeros, mbs)
+    stats = jax.tree.map(jnp.sum, stats)
+
+    lr = _schedule_of(tc)(state.step)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    load = jnp.sum(loads, axis=0)  # [L, E]
+    rest = state.rest
+    if tc.bias_update_rate > 0:
+        rest = update_routing_biases(rest, load, layout, tc.bias_update_rate)
+    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+    moe = jnp.sum(load, axis=-1) > 0
+    metrics = {
+        "ce": stats["ce_num"] / ce_den, "pg_loss": stats["pg_num"] / pg_den,
+        "grad_norm": optax.tree.norm(grads), "learning_rate": lr, "loss_tokens": jnp.sum(mask),
+        "mismatch_k1": stats["mis_k1"] / ce_den, "mismatch_abs": stats["mis_abs"] / ce_den,
+        "mismatch_k3": stats["mis_k3"] / ce_den, "tis_weight_mean": stats["tis_num"] / ce_den,
+        "expert_load_max_over_mean": jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load),
+                                                       0.0)),
+    }
+    metrics["loss"] = w * metrics["ce"] + (1.0 - w) * metrics["pg_loss"]
+    return TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
+                      rng=rng), metrics
+
+
+rl_step = jax.jit(_rl_step, static_argnames=("graphdef", "tc", "tx", "loss_cfg", "layout"))
+rl_step.__doc__ = """``(state, metrics) = rl_step(graphdef, state, batch, sft_weight, tc=, tx=,
+loss_cfg=, layout=)``: compiled once per shapes and static configs; ``sft_weight`` 1.0 is an SFT
+step, 0.0 an RL step."""
