@@ -128,6 +128,6 @@ def test_cli_exit_code_after_sigterm(tmp_path, monkeypatch):
         return trainer.RunResult(losses={1: 1.0}, final_step=1, stopped=True, resumed_from=None)
 
     monkeypatch.setattr(trainer, "run_training", stopped_run)
-    rc = main(["train", "--preset", "tiny", "--run-dir", str(tmp_path), "--steps", "30", "--no-progress"])
-               "--mesh", "data=-1", "--no-progress"])
+    rc = main(["train", "--preset", "tiny", "--run-dir", str(tmp_path), "--steps", "30",
+               "--no-progress"])
     assert rc == trainer.SIGTERM_EXIT_CODE == 143
