@@ -10,6 +10,10 @@ side in one run:
   sparse attention over the K selected keys, dense attention over L keys. The sparse part stays
   flat past K; the indexer grows linearly with L (``dsa.md`` 6).
 * prefill: the cache prefill of L tokens (absorbed form), DSA vs dense.
+* kernel rows: the Pallas sparse MLA kernel (``kdsa.kernels_pallas.sparse_mla``) beside the XLA
+  gather reference in the decode parts (``sparse_pallas``), and the decode step of the layer
+  with ``attention_impl="pallas"``. On CPU the kernel runs in interpret mode, so those times
+  measure the Pallas interpreter, not the kernel; GPU numbers come from ``bench/gpu_check.py``.
 
 Prints ratios dense / DSA (> 1: DSA faster) and writes bench/results/dsa.json.
 
@@ -31,6 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from kdsa.kernels_pallas import common  # noqa: E402
+from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
@@ -88,10 +94,12 @@ def decode_parts(cfg, b: int, length: int, reps: int) -> dict:
     idx = topk(iq, ik, iw)
     scale = dk ** -0.5
     sparse = jax.jit(lambda q, kv, idx: sparse_mla_attention(q, kv, idx, scale, v, chunk_size=1))
+    pallas = jax.jit(lambda q, kv, idx: sparse_mla_kernel(q, kv, idx, scale, v, chunk_size=1))
     dense = jax.jit(lambda q, kv: dense_attention(q, kv[:, :, None], kv[:, :, None, :v], scale,
                                                   **vis))
     return {"indexer_topk_ms": 1e3 * seconds(topk, iq, ik, iw, reps=reps),
             "sparse_attention_ms": 1e3 * seconds(sparse, q, kv, idx, reps=reps),
+            "sparse_pallas_ms": 1e3 * seconds(pallas, q, kv, idx, reps=reps),
             "dense_attention_ms": 1e3 * seconds(dense, q, kv, reps=reps)}
 
 
@@ -106,9 +114,14 @@ def main() -> None:
     prefills = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
     dsa_cfg = get_preset("tiny").replace(index_topk=args.topk, dsa_query_chunk_size=256)
     dense_cfg = dsa_cfg.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
-    cfgs = {"dsa": dsa_cfg, "dense": dense_cfg}
+    cfgs = {"dsa": dsa_cfg, "dense": dense_cfg,
+            "dsa_pallas": dsa_cfg.replace(attention_impl="pallas")}
     decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
-    prefillers = {name: layer_fn(cfg, donate=False) for name, cfg in cfgs.items()}
+    prefillers = {name: layer_fn(cfgs[name], donate=False) for name in ("dsa", "dense")}
+    interpret = common.use_interpret()
+    if interpret:
+        print("note: the Pallas kernel runs in interpret mode here (CPU): its rows time the "
+              "interpreter, not the kernel; GPU numbers: bench/gpu_check.py", flush=True)
     b = args.batch
     x = jax.random.normal(jax.random.key(0), (b, 1, dsa_cfg.hidden_size))
 
@@ -128,7 +141,8 @@ def main() -> None:
               f"{row['dense_step_ms']:8.3f} ms, dense/dsa {row['step_ratio_dense_over_dsa']:5.2f}x"
               f" | parts: indexer {row['indexer_topk_ms']:7.3f} ms, sparse attn "
               f"{row['sparse_attention_ms']:7.3f} ms, dense attn {row['dense_attention_ms']:7.3f}"
-              f" ms", flush=True)
+              f" ms | pallas: step {row['dsa_pallas_step_ms']:8.3f} ms, sparse attn "
+              f"{row['sparse_pallas_ms']:7.3f} ms", flush=True)
 
     prefill = []
     for length in prefills:
@@ -150,6 +164,7 @@ def main() -> None:
     print(f"growth {first['context']} -> {last['context']} ({last['context'] // first['context']}x"
           " context): " + ", ".join(f"{k[:-3]} {v:.2f}x" for k, v in growth.items()))
     result = {"device": str(jax.devices()[0]), "quick": args.quick, "batch": b,
+              "pallas_interpret": interpret,
               "index_topk": args.topk, "config": "tiny (D 64, N 4, kv_lora 32, rope 8, J 4, Di 16)",
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
     out = Path(__file__).parent / "results" / "dsa.json"

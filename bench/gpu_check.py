@@ -1,0 +1,167 @@
+"""GPU check of the Pallas sparse MLA kernel: lower, run, compare with the references, time.
+
+Written without a GPU (the CPU tests only run the Pallas -> Triton lowering); run it on the first
+machine with one, it refuses to run elsewhere. K3 / DeepSeek-V3.2 sizes: 128 heads, latent 512 +
+RoPE key 64 (Dk 576, v_dim 512), top-2048, bf16. Stages, each printed as it finishes:
+
+1. correctness (f32 and bf16, B 2, T 8, S 4096, K 2048 with -1 slots and duplicates): kernel
+   forward and gradients vs ``kdsa.model.dsa.sparse_mla_attention`` (XLA gather + autodiff).
+2. Triton tile sweep at the decode shape (``block_h`` x ``block_k`` x ``num_warps``).
+3. decode (T = 1, batch 64) at 32K and 128K context: kernel vs XLA gather reference vs dense
+   MQA attention over the whole context (``jax.nn.dot_product_attention``, XLA, value = the
+   576-wide key, so dense does ~6% extra work); achieved TFLOP/s = 2 B T N K (576 + 512) / t
+   against FlashMLA's published 640 (H800, prefill) / 410 (decode).
+4. prefill (B 1, T = S = 32K, causal top-2048 indices) forward and forward + backward, kernel vs
+   XLA reference (``chunk_size`` 256); dense prefill is not run (no cuDNN kernel for 576-wide
+   heads, the XLA one needs [N, T, S] scores).
+
+Writes ``bench/results/sparse_mla_gpu.json`` (with the device name). ``--quick`` drops 128K,
+the prefill backward and most of the sweep (about 2 minutes after start-up).
+
+    .venv/bin/python bench/gpu_check.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kdsa.kernels_pallas import common
+from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention, sparse_mla_attention_ref
+from timing import seconds  # noqa: E402  (bench/timing.py)
+
+N, DC, DR, TOPK = 128, 512, 64, 2048
+SCALE = (192 ** -0.5) * 1.369 ** 2   # K3 / V3.2: 192^-1/2 * mscale^2
+
+
+def problem(key, b, t, s, dtype, causal=False):
+    kq, kc, kr, ki = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (b, t, N, DC + DR), dtype)
+    kv = (jax.random.normal(kc, (b, s, DC), dtype), jax.random.normal(kr, (b, s, DR), dtype))
+    hi = (s - t + jnp.arange(t))[None, :, None] + 1 if causal else s   # visible prefix
+    idx = (jax.random.uniform(ki, (b, t, TOPK)) * hi).astype(jnp.int32)
+    if causal:
+        idx = jnp.where(jnp.arange(TOPK)[None, None] < hi, idx, -1)
+    return q, kv, idx
+
+
+def flops(b, t, valid_slots=TOPK):
+    return 2.0 * b * t * N * valid_slots * (DC + DR + DC)
+
+
+def check_correctness(log):
+    for dtype, tol in ((jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)):
+        q, kv, idx = problem(jax.random.key(0), 2, 8, 4096, dtype)
+        idx = idx.at[0, 1, 100:].set(-1).at[1, 2, :50].set(7)            # -1 and duplicates
+        w = jax.random.normal(jax.random.key(1), (2, 8, N, DC), jnp.float32)
+
+        def loss(attend):
+            return lambda q, c, r: jnp.sum(attend(q, (c, r), idx, SCALE, DC)[0] * w)
+
+        got = jax.jit(lambda *a: sparse_mla_attention(*a, SCALE, DC))(q, kv, idx)
+        want = jax.jit(lambda *a: sparse_mla_attention_ref(*a, SCALE, DC))(q, kv, idx)
+        g = jax.jit(jax.grad(loss(sparse_mla_attention), argnums=(0, 1, 2)))(q, *kv)
+        gr = jax.jit(jax.grad(loss(sparse_mla_attention_ref), argnums=(0, 1, 2)))(q, *kv)
+        errs = {"out": float(jnp.max(jnp.abs(got[0] - want[0]))),
+                "lse": float(jnp.max(jnp.abs(got[1] - want[1])))}
+        for name, a, r in zip(("dq", "dlatent", "drope"), g, gr):
+            a, r = a.astype(jnp.float32), r.astype(jnp.float32)
+            errs[name] = float(jnp.max(jnp.abs(a - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-6))
+        ok = errs["out"] < tol * 10 and all(errs[k] < tol for k in ("dq", "dlatent", "drope"))
+        log("correctness", {"dtype": jnp.dtype(dtype).name, "max_abs_out_lse": [errs["out"],
+            errs["lse"]], "max_rel_grads": [errs["dq"], errs["dlatent"], errs["drope"]],
+            "ok": bool(ok)})
+
+
+def sweep(log, quick):
+    q, kv, idx = problem(jax.random.key(2), 64, 1, 32768, jnp.bfloat16)
+    best = None
+    configs = ([(64, 64, 8), (64, 64, 4)] if quick else
+               [(bh, bk, w) for bh in (32, 64) for bk in (32, 64) for w in (4, 8)])
+    for bh, bk, warps in configs:
+        fn = jax.jit(lambda q, kv, i, bh=bh, bk=bk, w=warps: sparse_mla_attention(
+            q, kv, i, SCALE, DC, block_h=bh, block_k=bk, num_warps=w))
+        try:
+            ms = 1e3 * seconds(fn, q, kv, idx, reps=10)
+        except Exception as e:  # a tile that does not fit (shared memory / registers)
+            log("sweep", {"block_h": bh, "block_k": bk, "num_warps": warps,
+                          "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        log("sweep", {"block_h": bh, "block_k": bk, "num_warps": warps, "ms": ms,
+                      "tflops": flops(64, 1) / ms / 1e9})
+        best = min(best or (ms, bh, bk, warps), (ms, bh, bk, warps))
+    return best
+
+
+def decode(log, contexts, best):
+    _, bh, bk, warps = best
+    for s in contexts:
+        q, kv, idx = problem(jax.random.key(3), 64, 1, s, jnp.bfloat16)
+        kern = jax.jit(lambda q, kv, i: sparse_mla_attention(q, kv, i, SCALE, DC, block_h=bh,
+                                                             block_k=bk, num_warps=warps))
+        ref = jax.jit(lambda q, kv, i: sparse_mla_attention_ref(q, kv, i, SCALE, DC))
+
+        def dense(q, kv):
+            k = jnp.concatenate(kv, -1)[:, :, None]                        # [B, S, 1, 576]
+            return jax.nn.dot_product_attention(q, k, k, scale=SCALE, implementation="xla")
+
+        row = {"context": s, "batch": 64,
+               "kernel_ms": 1e3 * seconds(kern, q, kv, idx, reps=10),
+               "xla_gather_ms": 1e3 * seconds(ref, q, kv, idx, reps=10),
+               "dense_ms": 1e3 * seconds(jax.jit(dense), q, kv, reps=5)}
+        row["kernel_tflops"] = flops(64, 1) / row["kernel_ms"] / 1e9
+        row["dense_over_kernel"] = row["dense_ms"] / row["kernel_ms"]
+        log("decode", row)
+
+
+def prefill(log, t, backward):
+    q, kv, idx = problem(jax.random.key(4), 1, t, t, jnp.bfloat16, causal=True)
+    valid = float(jnp.mean(jnp.sum(idx >= 0, -1)))
+    row = {"length": t, "mean_valid_slots": valid}
+    for name, attend in (("kernel", sparse_mla_attention), ("xla_gather", sparse_mla_attention_ref)):
+        fwd = jax.jit(lambda q, kv, i, f=attend: f(q, kv, i, SCALE, DC, chunk_size=256))
+        row[f"{name}_fwd_ms"] = 1e3 * seconds(fwd, q, kv, idx, reps=3)
+        if backward:
+            g = jax.jit(jax.grad(lambda q, c, r, f=attend: jnp.sum(
+                f(q, (c, r), idx, SCALE, DC, chunk_size=256)[0].astype(jnp.float32)),
+                argnums=(0, 1, 2)))
+            row[f"{name}_fwd_bwd_ms"] = 1e3 * seconds(g, q, *kv, reps=2)
+    row["kernel_fwd_tflops"] = flops(1, t, valid) / row["kernel_fwd_ms"] / 1e9
+    log("prefill", row)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    if common.backend() != "gpu":
+        sys.exit(f"gpu_check.py needs a GPU; the default JAX backend is {jax.default_backend()}")
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "quick": args.quick,
+               "stages": []}
+    out = Path(__file__).parent / "results" / "sparse_mla_gpu.json"
+    start = time.perf_counter()
+
+    def log(stage, row):
+        row = {"stage": stage, "t_s": round(time.perf_counter() - start, 1), **row}
+        results["stages"].append(row)
+        print(json.dumps(row), flush=True)
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))   # partial results survive a timeout
+
+    check_correctness(log)
+    best = sweep(log, args.quick) or (0.0, 64, 64, 8)
+    decode(log, [32768] if args.quick else [32768, 131072], best)
+    prefill(log, 32768 if not args.quick else 8192, backward=not args.quick)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()
