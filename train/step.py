@@ -41,9 +41,12 @@ from flax import nnx, struct
 
 from kdsa.model.dsa_layer import indexer_stage_params
 from kdsa.model.moe import max_load_ratio, update_routing_bias
+from kdsa.model.vision.assemble import image_batch, image_inputs
 from kdsa.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # inputs, targets [B, T] int32; loss_mask [B, T]; segment_ids opt.
+# image rows (docs/vision.md): image_patches [B, P, F], image_pos / image_grid [B, P, 2],
+# image_segment [B, P] -- the tower runs on them and the features take the placeholders
 BIAS_NAME = "e_score_correction_bias"
 
 
@@ -128,7 +131,8 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
     def objective(params, mb):
         model = nnx.merge(graphdef, params, state.rest)
         out = model.forward(mb["inputs"], positions=mb.get("positions"),
-                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss)
+                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss,
+                            **image_inputs(model, mb["inputs"], image_batch(mb)))
         ce_sum, _ = token_cross_entropy(out.logits, mb["targets"], mb["loss_mask"])
         kl = jnp.sum(out.indexer_kl)
         return ce_sum + kl_scale * kl, (ce_sum, out.indexer_kl, out.expert_load)

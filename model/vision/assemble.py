@@ -33,18 +33,20 @@ class ImageBatch:
     segment: jax.Array  # [B, P] int32 image number within the row, from 1; 0 = padding
 
 
-def pack_images(rows: list[list[ImagePatches]], num_patches: int | None = None) -> ImageBatch:
+def pack_images(rows: list[list[ImagePatches]], num_patches: int | None = None,
+                feature_size: int | None = None) -> ImageBatch:
     """Per row, its images packed into ``num_patches`` slots (default: the longest row, rounded
-    up to a multiple of 8). NumPy arrays (host side)."""
+    up to a multiple of 8). NumPy arrays (host side). ``feature_size`` (3 p p) is needed only
+    when no row has an image."""
     if not rows:
         raise ValueError("pack_images needs at least one row")
     need = max(sum(im.num_patches for im in r) for r in rows)
     p = num_patches if num_patches is not None else max(8, -(-need // 8) * 8)
     if need > p:
         raise ValueError(f"a row's images take {need} patches, more than num_patches={p}")
-    feat = next((im.patches.shape[1] for r in rows for im in r), None)
+    feat = next((im.patches.shape[1] for r in rows for im in r), feature_size)
     if feat is None:
-        raise ValueError("pack_images: no images in any row")
+        raise ValueError("pack_images: no images in any row and no feature_size")
     b = len(rows)
     out = ImageBatch(np.zeros((b, p, feat), np.float32), np.zeros((b, p, 2), np.int32),
                      np.zeros((b, p, 2), np.int32), np.zeros((b, p), np.int32))
@@ -88,6 +90,22 @@ def encode_images(model, images: ImageBatch) -> jax.Array:
         raise ValueError("this model has no vision tower (vision_config is None)")
     x = model.vision_tower(images.patches, images.pos, images.grid, images.segment)
     return model.mm_projector(merge_patches(x, vc.merge_size))
+
+
+BATCH_KEYS = {"patches": "image_patches", "pos": "image_pos", "grid": "image_grid",
+              "segment": "image_segment"}
+
+
+def image_batch(batch: dict) -> ImageBatch | None:
+    """The :class:`ImageBatch` of a training batch dict (``image_*`` keys), or None."""
+    if "image_patches" not in batch:
+        return None
+    return ImageBatch(**{f: batch[k] for f, k in BATCH_KEYS.items()})
+
+
+def batch_arrays(images: ImageBatch) -> dict:
+    """The ``image_*`` entries of a training batch dict (inverse of :func:`image_batch`)."""
+    return {k: getattr(images, f) for f, k in BATCH_KEYS.items()}
 
 
 def image_inputs(model, input_ids: jax.Array, images: ImageBatch | None) -> dict:
