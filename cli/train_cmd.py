@@ -30,6 +30,11 @@ def register(sub) -> None:
                    metavar="KEY=VALUE",
                    help="set a TrainConfig field, e.g. --train-set learning_rate=1e-3 "
                         "--train-set accum_steps=4 (value parsed as JSON)")
+    p.add_argument("--mesh", default=None, metavar="AXES",
+                   help="mesh axis sizes for the train layout, e.g. data=2,fsdp=2,expert=2 "
+                        "(axes data, fsdp, expert, tensor, sequence; one may be -1 = the rest; "
+                        "over every process's devices). Default: the preset's train layout "
+                        "fitted to the devices and the micro-batch (docs/sharding.md)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -45,6 +50,8 @@ def train_config_from_args(args):
 
 
 def run(args) -> int:
+    import jax
+
     from kdsa.cli.config_args import config_from_args
     from kdsa.train.trainer import SIGTERM_EXIT_CODE, check_configs, run_training
 
@@ -53,11 +60,17 @@ def run(args) -> int:
     check_configs(config, tc)  # every config error before anything compiles
     if args.data is not None and not args.data.is_file():
         raise ValueError(f"--data {args.data}: no such file")
-    print(f"kdsa train: {name}, {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} "
-          f"(accum {tc.accum_steps}), {tc.optimizer}, run dir {args.run_dir}", file=sys.stderr,
-          flush=True)
+    from kdsa.sharding.mesh import fit_layout
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    mesh = fit_layout(config, "train", preset=name, override=args.mesh,
+                      batch=tc.micro_batch_size, seq=tc.seq_len, log=log)
+    axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+    log(f"kdsa train: {name}, {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} "
+        f"(accum {tc.accum_steps}), {tc.optimizer}, mesh {axes} ({jax.process_count()} "
+        f"process(es)), run dir {args.run_dir}")
     result = run_training(config, tc, args.run_dir, data_path=args.data, resume=args.resume,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress and jax.process_index() == 0,
+                          mesh=mesh)
     last = result.losses.get(result.final_step)
     print(f"step {result.final_step}/{tc.steps}" + (f" loss {last:.4f}" if last is not None
                                                     else ""), flush=True)

@@ -14,13 +14,27 @@
   left as they are). Returns logits ``[S, V]``.
 
 Shapes are static, so prefill compiles once per bucket and decode once. The cache is donated to
-each step. With a mesh the model is placed by the ``generate`` layout
-(``kdsa.sharding.rules.shard_model``) and the cache's slot axis is split over ``data x fsdp``.
+each step.
+
+With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
+
+* weights: a model whose arrays already live on a mesh (the trainer's ``train`` layout, an RL
+  policy) is moved array by array with ``sharding.reshard.reshard_model`` (the report is kept
+  in ``reshard_report``); host-built weights are placed by ``rules.shard_model`` (each process
+  fills its own shards);
+* cache: the slot axis is split over the layout's ``act_batch`` axes (data x fsdp x expert:
+  "DP attention", each device caches its own requests), so ``num_slots`` must be a multiple
+  of their product (checked, clear error);
+* both steps are traced and run inside ``use_sharding(mesh, layout)``: the model's activation
+  constraints, expert-parallel MoE and the rules apply; the logits come back replicated, so
+  every process samples the same tokens (multi-host: all processes step in lockstep).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +57,8 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
-                 min_bucket: int = 16, mesh=None, layout: str = "generate"):
+                 min_bucket: int = 16, mesh=None, layout: str = "generate",
+                 compiler_options: dict | None = None):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -54,27 +69,68 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.buckets = length_buckets(min(min_bucket, self.prefill_chunk), self.prefill_chunk)
-        self.mesh = mesh
-        if mesh is not None:
-            from kdsa.sharding.rules import shard_model
-            shard_model(model, mesh, layout)
+        self.mesh, self.layout, self.reshard_report = mesh, layout, None
+        jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
+        if mesh is None:
+            self.cache = model.init_cache(num_slots, max_len)
+        else:
+            self._place_weights(model)
+            cache_sh = self.cache_shardings(
+                jax.eval_shape(lambda: model.init_cache(num_slots, max_len)))
+            self.cache = jax.jit(lambda: model.init_cache(num_slots, max_len),
+                                 out_shardings=cache_sh)()
+            # logits on every device (all processes sample alike); the cache stays put
+            jit = functools.partial(jit, out_shardings=(NamedSharding(mesh, P()), cache_sh))
         self.graphdef, self.state = nnx.split(model)
-        cache = model.init_cache(num_slots, max_len)
-        if mesh is not None:
-            cache = jax.device_put(cache, self._cache_sharding(cache))
-        self.cache = cache
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef),
-                                donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef),
-                               donate_argnums=(1,))
+        self._prefill = jit(functools.partial(_prefill_step, self.graphdef))
+        self._decode = jit(functools.partial(_decode_step, self.graphdef))
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
 
-    def _cache_sharding(self, cache):
-        axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
-        size = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
-        spec = P(None, axes if len(axes) > 1 else axes[0]) if axes and \
-            self.num_slots % size == 0 else P()
-        return jax.tree.map(lambda _: NamedSharding(self.mesh, spec), cache)
+    def _place_weights(self, model) -> None:
+        """Check the layout fits, then reshard on-mesh weights or place host-built ones."""
+        from kdsa.sharding.mesh import check_layout
+        from kdsa.sharding.reshard import reshard_model
+        from kdsa.sharding.rules import get_rules, shard_model
+
+        sizes = dict(self.mesh.shape)
+        check_layout(self.config, sizes, self.layout)
+        axes = [a for a in (get_rules(self.layout).get("act_batch") or ()) if sizes[a] > 1]
+        k = math.prod(sizes[a] for a in axes)
+        if self.num_slots % k:
+            raise ValueError(
+                f"num_slots={self.num_slots} must be a multiple of the {self.layout} layout's "
+                f"batch axes {'x'.join(f'{a}={sizes[a]}' for a in axes)} (product {k}): the "
+                f"cache's slot axis is split over them (--slots)")
+        leaves = jax.tree.leaves(nnx.state(model))
+        if leaves and all(isinstance(getattr(x, "sharding", None), NamedSharding)
+                          for x in leaves):
+            self.reshard_report = reshard_model(model, self.mesh, self.layout)
+        else:
+            shard_model(model, self.mesh, self.layout)
+
+    def cache_shardings(self, cache):
+        """Every cache leaf ``[repeats, slots, ...]`` with slots over the ``act_batch`` axes."""
+        from kdsa.sharding.rules import get_rules, logical_to_spec
+
+        rules = get_rules(self.layout)
+        return jax.tree.map(lambda a: NamedSharding(self.mesh, logical_to_spec(
+            (None, "act_batch") + (None,) * (a.ndim - 2), a.shape, self.mesh, rules)), cache)
+
+    def _rules(self):
+        """The layout's rules while tracing and calling the steps (part of jit's cache key)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from kdsa.sharding.constrain import use_sharding
+        return use_sharding(self.mesh, self.layout)
+
+    def _args(self, *xs):
+        """Host inputs of a step; on a multi-process mesh, replicated global arrays (each
+        process fills its own devices from its identical copy)."""
+        if self.mesh is None or not self.mesh.is_multi_process:
+            return xs
+        from kdsa.sharding.rules import place
+        rep = NamedSharding(self.mesh, P())
+        return tuple(None if x is None else place(np.asarray(x), rep) for x in xs)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -106,9 +162,10 @@ class ModelRunner:
                 emb[0, :n], mask[0, :n] = image_embeds, image_mask
         elif image_embeds is not None:
             raise ValueError("this model has no vision tower: no image embeddings")
-        logits, self.cache = self._prefill(self.state, self.cache, np.int32(slot), ids,
-                                           np.int32(start), np.int32(n), np.bool_(start == 0),
-                                           emb, mask)
+        args = self._args(np.int32(slot), ids, np.int32(start), np.int32(n),
+                          np.bool_(start == 0), emb, mask)
+        with self._rules():
+            logits, self.cache = self._prefill(self.state, self.cache, *args)
         return logits
 
     def encode_images(self, images) -> np.ndarray:
@@ -124,10 +181,10 @@ class ModelRunner:
 
     def decode(self, tokens, positions, active) -> jax.Array:
         """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32."""
-        logits, self.cache = self._decode(self.state, self.cache,
-                                          np.asarray(tokens, np.int32),
-                                          np.asarray(positions, np.int32),
-                                          np.asarray(active, bool))
+        args = self._args(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
+                          np.asarray(active, bool))
+        with self._rules():
+            logits, self.cache = self._decode(self.state, self.cache, *args)
         return logits
 
     def warmup(self) -> None:

@@ -148,6 +148,59 @@ def make_mesh(sizes: Mapping[str, int] | str | None = None, *,
     return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def fit_layout(config, layout: str, *, preset: str | None = None,
+               override: str | Mapping[str, int] | None = None, batch: int | None = None,
+               seq: int | None = None, devices: Sequence | None = None, log=None) -> Mesh:
+    """The mesh of a run. ``override`` (``--mesh``): exactly those sizes over ``devices``
+    (default all), checked against the model and batch (:func:`check_layout`, clear error).
+    Otherwise the preset's default layout (:func:`layout_sizes`) with its ``-1`` axis as large
+    as the devices allow *and* the model and batch fit (e.g. ``fsdp=-1`` with 8 devices and a
+    micro-batch of 2 rows gives ``fsdp=2`` on 2 devices; ``log`` says so). With several
+    processes a device subset takes the same number of devices from each."""
+    devices = list(devices if devices is not None else jax.devices())
+    if override:
+        sizes = dict(zip(AXES, resolve_sizes(parse_mesh_spec(override), len(devices))))
+        check_layout(config, sizes, layout, batch=batch, seq=seq)
+        return make_mesh(sizes, devices=devices)
+    want = layout_sizes(preset, layout)
+    free = [a for a in AXES if want[a] == -1]
+    fixed = math.prod(v for v in want.values() if v != -1)
+    if not free or len(devices) % fixed:
+        sizes = dict(zip(AXES, resolve_sizes(want, len(devices))))
+        check_layout(config, sizes, layout, batch=batch, seq=seq)
+        return make_mesh(sizes, devices=devices)
+    top = len(devices) // fixed
+    error = None
+    for f in [f for f in range(top, 0, -1) if top % f == 0]:
+        sizes = dict(want, **{free[0]: f})
+        try:
+            check_layout(config, sizes, layout, batch=batch, seq=seq)
+        except ValueError as e:
+            error = error or e
+            continue
+        use = _spread(devices, fixed * f)
+        if f < top and log is not None:
+            log(f"{layout} layout: {_fmt(sizes)} on {len(use)} of {len(devices)} devices "
+                f"(the model or batch does not split {top}-way over {free[0]}; pass --mesh "
+                f"to choose)")
+        return make_mesh(sizes, devices=use)
+    raise error
+
+
+def _spread(devices: list, n: int) -> list:
+    """``n`` of ``devices``: the first ones, or the same count from every process."""
+    if n == len(devices):
+        return devices
+    procs = sorted({d.process_index for d in devices})
+    if len(procs) == 1:
+        return devices[:n]
+    if n % len(procs):
+        raise ValueError(f"{n} devices do not split evenly over {len(procs)} processes; pass "
+                         f"--mesh with sizes that use every device")
+    per = n // len(procs)
+    return [d for p in procs for d in [d for d in devices if d.process_index == p][:per]]
+
+
 def check_layout(config, sizes: Mapping[str, int], layout: str, *, batch: int | None = None,
                  seq: int | None = None) -> None:
     """Raise ``ValueError`` listing every model (and batch) dimension that ``layout`` shards

@@ -27,6 +27,13 @@ and leaves the biases alone.
 The state is pure (``nnx.as_pure`` arrays): ``params`` (the trainable set of the indexer stage)
 and ``rest`` (every other variable, incl. routing biases), so the step is a plain ``jax.jit``
 function and the checkpoint a plain pytree.
+
+Sharded (``docs/sharding.md``): called inside ``use_sharding(mesh, "train")`` with the state
+placed by ``sharding.train_state.train_state_shardings`` and the batch by ``place_batch``, the
+step pins micro-batch rows to the batch axes, the gradient sums and the new state to the
+state's layout (so the next step reuses the compiled function) and the metrics to every device;
+the model's own activation constraints and expert/sequence-parallel paths switch on by the
+same context. Without the context nothing changes (one device).
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.dsa_layer import indexer_stage_params
 from kdsa.model.moe import max_load_ratio, update_routing_bias
 from kdsa.model.vision.assemble import image_batch, image_inputs
+from kdsa.sharding.constrain import constrain, current
+from kdsa.sharding.train_state import BATCH_AXES, train_state_shardings
 from kdsa.train.config import TrainConfig
 
 Batch = dict[str, jax.Array]  # inputs, targets [B, T] int32; loss_mask [B, T]; segment_ids opt.
@@ -124,7 +134,10 @@ def _micro_batches(batch: Batch, m: int) -> Batch:
 def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
                 tx: optax.GradientTransformation, layout: tuple) -> tuple[TrainState, dict]:
     m = tc.accum_steps
+    ctx = current()  # sharding rules (``use_sharding``), or None on one device
     mbs = _micro_batches(batch, m)
+    if ctx is not None:  # micro-batch rows over the batch axes (a no-op when m == 1)
+        mbs = {k: constrain(v, (None,) + BATCH_AXES[:v.ndim - 1]) for k, v in mbs.items()}
     n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     kl_scale = tc.indexer_loss_weight * jnp.maximum(n_tok, 1.0) / m
 
@@ -144,6 +157,9 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
         return jax.tree.map(jnp.add, acc, g), aux
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
+    if ctx is not None:  # the gradient sums live like the parameters (reduce-scattered)
+        zeros = jax.lax.with_sharding_constraint(
+            zeros, train_state_shardings(graphdef, state, ctx.mesh, ctx.layout).params)
     g_sum, (ce_sums, kls, loads) = jax.lax.scan(body, zeros, mbs)
     grads = jax.tree.map(lambda g: g / jnp.maximum(n_tok, 1.0), g_sum)  # denominator last
 
@@ -169,6 +185,10 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
     }
     new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
                            rng=rng)
+    if ctx is not None:  # the same layout every step (no re-compile); metrics on every host
+        new_state = jax.lax.with_sharding_constraint(
+            new_state, train_state_shardings(graphdef, new_state, ctx.mesh, ctx.layout))
+        metrics = jax.lax.with_sharding_constraint(metrics, NamedSharding(ctx.mesh, P()))
     return new_state, metrics
 
 
@@ -185,6 +205,17 @@ train_step.__doc__ = """``(state, metrics) = train_step(graphdef, state, batch, 
 Jitted once per (graphdef, config, optimizer, layout) and batch shape; ``batch`` holds the whole
 optimizer step's ``batch_size`` rows, split here into ``accum_steps`` micro-batches.
 """
+
+
+@functools.lru_cache(maxsize=8)
+def train_step_with_options(compiler_options: tuple[tuple[str, Any], ...] | None = None):
+    """``train_step`` compiled with XLA ``compiler_options`` (sorted ``(name, value)`` pairs),
+    e.g. ``(("xla_backend_optimization_level", 0),)``: the same numerics here, about half the
+    CPU compile time (tests); one jitted function per option set, cached like ``train_step``."""
+    if not compiler_options:
+        return train_step
+    return jax.jit(_train_step, static_argnames=("graphdef", "tc", "tx", "layout"),
+                   compiler_options=dict(compiler_options))
 
 
 def update_model(model: nnx.Module, state: TrainState) -> nnx.Module:

@@ -5,12 +5,20 @@ the model is initialised from the seed, batch ``i`` is a pure function of ``(see
 resumed run restores parameters, routing biases, optimizer state, step, RNG and the data
 position, so on one CPU its per-step losses equal an uninterrupted run's bit for bit (tested).
 
+Sharded (``mesh=``): the state is placed by the ``train`` rules
+(``sharding.train_state.train_state_shardings``: parameters and biases by their logical axes,
+optimizer moments like their parameters), each batch split over the batch axes with every
+process handing over its own rows, and the step runs inside ``use_sharding(mesh, "train")``;
+checkpoints are written and restored sharded (Orbax, every process its shards). On CPU the
+losses equal the one-device run's to float32 rounding (``tests/test_sharded_train.py``).
+
 SIGTERM (preemption): the handler only sets a flag; the loop finishes the running step, saves a
 checkpoint synchronously and returns with ``stopped=True`` (``kdsa train`` then exits 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -28,7 +36,7 @@ from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
 from kdsa.train.metrics import MetricsWriter, mfu
 from kdsa.train.optim import make_optimizer
-from kdsa.train.step import init_state, split_model, train_step
+from kdsa.train.step import init_state, split_model, train_step_with_options
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
 
@@ -96,14 +104,20 @@ def prepare(config: ModelConfig, tc: TrainConfig):
 def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                  data_path: str | Path | None = None, resume: bool = False,
                  progress: bool = True, stop_at: int | None = None,
-                 log=_log) -> RunResult:
+                 log=_log, mesh=None, compiler_options: dict | None = None) -> RunResult:
     """Train ``config`` for ``tc.steps`` optimizer steps, writing into ``run_dir``.
 
     ``resume``: continue from the newest readable checkpoint in ``run_dir`` (a fresh start when
     there is none). ``stop_at``: stop (with a checkpoint) after that global step, as a
-    preemption would.
+    preemption would. ``mesh``: train on it with the ``train`` layout (``kdsa train --mesh``;
+    ``sharding.mesh.fit_layout``); None = the first local device. ``compiler_options``: XLA
+    options of the step's compile (``train_step_with_options``).
     """
     check_configs(config, tc)
+    if mesh is not None:
+        from kdsa.sharding.mesh import check_layout
+        check_layout(config, dict(mesh.shape), "train", batch=tc.micro_batch_size,
+                     seq=tc.seq_len)
     run_dir = Path(run_dir)
     data = make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed, data_path,
                      eos_id=config.eos_token_id, pad_id=config.pad_token_id)
@@ -111,10 +125,17 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                         keep=tc.keep_checkpoints)
 
     abstract, graphdef, tx, build = prepare(config, tc)
+    template = jax.eval_shape(build)
+    shardings = None
+    if mesh is not None:
+        from kdsa.sharding.train_state import train_state_shardings
+        shardings = train_state_shardings(graphdef, template, mesh, "train")
+        template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                template, shardings)
 
     restored = None
     if resume and ckpt.all_steps():
-        restored = ckpt.restore_latest(jax.eval_shape(build), log=log)
+        restored = ckpt.restore_latest(template, log=log)
         if restored is None:
             raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     if restored is not None:
@@ -127,8 +148,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     else:
         if resume:
             log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
-        # committed to the device like a restored state, so both share one compiled step
-        start, state, data_index = 0, jax.device_put(build(), jax.devices()[0]), 0
+        # committed to the device(s) like a restored state, so both share one compiled step
+        start, state, data_index = 0, _place_state(build(), shardings), 0
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
@@ -138,16 +159,25 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     stopped = False
     bar = _progress(tc.steps, start, progress)
     step = start
-    with _StopFlag() as flag:
+    rules = contextlib.nullcontext()
+    if mesh is not None:
+        from kdsa.sharding.constrain import use_sharding
+        from kdsa.sharding.train_state import place_batch
+        rules = use_sharding(mesh, "train")
+    devices = jax.device_count() if mesh is None else mesh.size
+    step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())))
+    with _StopFlag() as flag, rules:
         while step < tc.steps:
             batch = data.batch(data_index)
             t0 = time.perf_counter()
-            state, m = train_step(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
+            if mesh is not None:  # each process hands over its own rows
+                batch = place_batch(batch, mesh, "train")
+            state, m = step_fn(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t0
             step, data_index = step + 1, data_index + 1
             m.update(step_time_s=dt, tokens_per_s=m["tokens"] / dt,
-                     mfu=mfu(active, m["tokens"], dt, tc.peak_flops, jax.device_count()))
+                     mfu=mfu(active, m["tokens"], dt, tc.peak_flops, devices))
             losses[step] = m["loss"]
             writer.write(step, m)
             bar(step, m)
@@ -167,6 +197,15 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     bar(None, None)
     return RunResult(losses=losses, final_step=step, stopped=stopped,
                      resumed_from=None if restored is None else start)
+
+
+def _place_state(state, shardings):
+    """The fresh state (built on the host from the seed, the same on every process) on its
+    devices: one device, or by ``shardings`` (each process fills only its own shards)."""
+    if shardings is None:
+        return jax.device_put(state, jax.local_devices()[0])
+    from kdsa.sharding.rules import place
+    return jax.tree.map(place, state, shardings)
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -1,0 +1,114 @@
+"""Shardings of a training state and of its data batches, from the rules table.
+
+A ``TrainState`` (``train/step.py``) holds pure trees: ``params`` (the trainable variables),
+``rest`` (the other variables, incl. routing biases), ``opt_state`` (optax), ``step`` and
+``rng``. Pure trees have lost the variables' logical axes; the graphdef kept them, so
+``nnx.merge(graphdef, params, rest)`` gives them back and :func:`train_state_shardings` maps
+
+* every model variable by the layout's rules (``rules.state_shardings``);
+* every optimizer leaf like the parameter it mirrors: the longest suffix of its tree path
+  that is a parameter path with the same shape (AdamW's ``mu``/``nu``, Muon's momentum);
+  anything else (counts, scalars) replicated;
+* ``step`` and ``rng`` replicated.
+
+It works on arrays, ``ShapeDtypeStruct`` trees (restore templates) and tracers (the step pins
+its output state with it, so the state keeps one layout from step to step).
+
+Batches ``[B, T]`` are split by ``("act_batch", "act_seq")``; in a multi-process job each
+process passes only the rows (and positions) its devices hold
+(``jax.make_array_from_process_local_data``), see :func:`place_batch`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from kdsa.sharding.rules import get_rules, logical_to_spec, state_shardings
+
+BATCH_AXES = ("act_batch", "act_seq")
+
+
+def _key(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path(path) -> tuple[str, ...]:
+    return tuple(_key(k) for k in path)
+
+
+def _pure_shardings(pure, by_path: dict[tuple[str, ...], NamedSharding], what: str):
+    def one(path, leaf):
+        key = _path(path)
+        if key not in by_path:
+            raise ValueError(f"{what}: no model variable at {'/'.join(key)}")
+        return by_path[key]
+
+    return jax.tree_util.tree_map_with_path(one, pure)
+
+
+def train_state_shardings(graphdef, state, mesh: Mesh, layout: str = "train"):
+    """A ``TrainState`` of ``NamedSharding`` leaves for ``state`` (same structure)."""
+    model = nnx.merge(graphdef, state.params, state.rest)
+    by_path = {tuple(map(str, p)): s for p, s in nnx.to_flat_state(
+        state_shardings(nnx.state(model), mesh, layout))}
+    shapes = {tuple(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(
+        nnx.state(model))}
+    replicated = NamedSharding(mesh, P())
+
+    def opt_leaf(path, leaf):
+        key = _path(path)
+        for i in range(len(key)):
+            if key[i:] in by_path and shapes[key[i:]] == tuple(np.shape(leaf)):
+                return by_path[key[i:]]
+        return replicated
+
+    return type(state)(
+        params=_pure_shardings(state.params, by_path, "params"),
+        rest=_pure_shardings(state.rest, by_path, "rest"),
+        opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state),
+        step=replicated, rng=replicated)
+
+
+def batch_sharding(mesh: Mesh, layout: str, shape: tuple[int, ...]) -> NamedSharding:
+    """``[B, T, ...]`` data split by ``act_batch`` x ``act_seq`` (a dim that does not divide
+    takes the longest prefix of its axes that does, as for weights)."""
+    axes = BATCH_AXES[:len(shape)] + (None,) * max(0, len(shape) - 2)
+    return NamedSharding(mesh, logical_to_spec(axes, tuple(shape), mesh, get_rules(layout)))
+
+
+def place_batch(batch: dict, mesh: Mesh, layout: str = "train") -> dict:
+    """Host arrays (the same global batch on every process) -> global arrays split by
+    :func:`batch_sharding`; each process hands over only the block its devices hold."""
+    out = {}
+    for name, x in batch.items():
+        x = np.asarray(x)
+        sharding = batch_sharding(mesh, layout, x.shape)
+        if sharding.is_fully_addressable:
+            out[name] = jax.device_put(x, sharding)
+            continue
+        out[name] = jax.make_array_from_process_local_data(
+            sharding, x[local_block(sharding, x.shape)], x.shape)
+    return out
+
+
+def local_block(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The slices of a ``shape`` array that this process's devices hold under ``sharding``
+    (one contiguous block per dimension, as ``make_array_from_process_local_data`` wants)."""
+    idx = sharding.addressable_devices_indices_map(tuple(shape)).values()
+    block = []
+    for d, n in enumerate(shape):
+        ranges = [s[d].indices(n)[:2] for s in idx]
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        covered = sorted({r for r in ranges})
+        if sum(b - a for a, b in covered) < hi - lo:
+            raise ValueError(f"the local shards of a {tuple(shape)} batch along dim {d} are not "
+                             f"one contiguous block ({covered}); order the mesh so each "
+                             f"process holds consecutive rows")
+        block.append(slice(lo, hi))
+    return tuple(block)

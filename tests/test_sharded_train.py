@@ -1,0 +1,168 @@
+"""Sharded runs equal one-device runs: training on a mesh (8 CPU devices, stopped and resumed
+there; and 2 processes x 2 devices through ``kdsa launch-local -- train``), generation on the
+``generate`` layout from weights resharded off the ``train`` layout, layout fitting and errors.
+
+References are the same runs on one device; the model is the 2-layer tiny variant (KDA + MoE,
+Gated DSA + MoE) of ``test_checkpointing.py``, every step compiled at XLA -O0 (same numerics,
+half the CPU compile time).
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.infer.engine import Engine, Request
+from kdsa.infer.runner import ModelRunner
+from kdsa.infer.sampling import SamplingParams
+from kdsa.infer.tokenizer import ByteTokenizer
+from kdsa.model.config import get_preset
+from kdsa.model.transformer import Transformer
+from kdsa.sharding.mesh import fit_layout, make_mesh
+from kdsa.sharding.rules import shard_model
+from kdsa.train.config import TrainConfig
+from kdsa.train.trainer import run_training
+
+# micro-batch 8 rows = data x fsdp x expert; accumulation 2 exercises the micro-batch reshuffle
+TC = TrainConfig(steps=3, batch_size=16, seq_len=16, accum_steps=2, warmup_steps=1,
+                 learning_rate=1e-2, checkpoint_every=2, keep_checkpoints=3, seed=3)
+SETS = ["num_hidden_layers=2", "attn_res_block_size=null", "linear_attn_config.kda_layers=[1]",
+        "linear_attn_config.full_attn_layers=[2]"]
+LOSS_TOL = 1e-5
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def small_config():
+    cfg = get_preset("tiny")
+    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=(1,), full_attn_layers=(2,))
+    return cfg.replace(num_hidden_layers=2, attn_res_block_size=None, linear_attn_config=lac)
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    run_training(small_config(), TC, run_dir, progress=False, compiler_options=FAST)
+    return _metrics(run_dir)
+
+
+def test_sharded_training_stopped_and_resumed_equals_one_device(single, tmp_path):
+    """data=2 x fsdp=2 x expert=2: stop after step 2 (sharded checkpoint), resume, step 3."""
+    mesh = make_mesh("data=2,fsdp=2,expert=2")
+    first = run_training(small_config(), TC, tmp_path, progress=False, mesh=mesh, stop_at=2,
+                         compiler_options=FAST)
+    assert first.stopped and first.final_step == 2
+    rest = run_training(small_config(), TC, tmp_path, progress=False, mesh=mesh, resume=True,
+                        compiler_options=FAST)  # restore checks every array's fingerprint
+    assert rest.resumed_from == 2 and rest.final_step == 3
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    errs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, single)]
+    print(f"sharded vs one device, loss errors per step: {errs}")
+    assert max(errs) < LOSS_TOL, (rows, single)
+    for a, b in zip(rows, single):
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * b["grad_norm"], (a, b)
+        assert a["tokens"] == b["tokens"]
+    assert rows[-1]["loss"] != rows[0]["loss"]
+
+
+def test_fit_layout_defaults_and_errors():
+    cfg = small_config()
+    mesh = fit_layout(cfg, "train", preset="tiny", batch=8, seq=16)
+    assert dict(mesh.shape)["fsdp"] == 8
+    notes = []
+    mesh = fit_layout(cfg, "train", preset="tiny", batch=2, seq=16, log=notes.append)
+    assert dict(mesh.shape)["fsdp"] == 2 and mesh.size == 2
+    assert "fsdp=2 on 2 of 8 devices" in notes[0]
+    mesh = fit_layout(cfg, "generate", preset="tiny", override="data=4,tensor=2", batch=4)
+    assert dict(mesh.shape)["tensor"] == 2
+    with pytest.raises(ValueError, match=r"the batch size=4 is not divisible by mesh axes "
+                                         r"data=2xfsdp=2xexpert=2"):
+        fit_layout(cfg, "train", override="data=2,fsdp=2,expert=2", batch=4)
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible"):
+        fit_layout(cfg, "train", override="expert=-1,tensor=1", devices=jax.devices()[:6])
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by mesh axes "
+                                         "tensor=8"):
+        run_training(cfg, TC, "/nonexistent-never-written", mesh=make_mesh("tensor=8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# generation on the generate layout
+# ---------------------------------------------------------------------------------------------
+
+SLOTS, MAX_LEN, CHUNK, NEW = 4, 64, 16, 5
+
+
+def _generate(runner, prompts):
+    eng = Engine(runner, ByteTokenizer(runner.vocab_size), max_top_logprobs=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return eng.generate([Request(p, greedy) for p in prompts])
+
+
+def test_sharded_generation_from_the_train_layout_equals_one_device():
+    """Weights on the train layout (fsdp=2 x expert=2 x tensor=2) are resharded to the generate
+    layout on another mesh (data=2 x expert=2 x tensor=2: slots over data x expert) and give the
+    one-device greedy tokens."""
+    cfg = small_config()
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 16, 11, 3, 9)]
+    ref = _generate(ModelRunner(Transformer(cfg, rngs=nnx.Rngs(0)), num_slots=SLOTS,
+                                max_len=MAX_LEN, prefill_chunk=CHUNK, min_bucket=CHUNK,
+                                compiler_options=FAST), prompts)
+    model = shard_model(Transformer(cfg, rngs=nnx.Rngs(0)), make_mesh("fsdp=2,expert=2,tensor=2"),
+                        "train")
+    gen_mesh = make_mesh("data=2,expert=2,tensor=2")
+    with pytest.raises(ValueError, match=r"num_slots=6 must be a multiple of the generate "
+                                         r"layout's batch axes data=2xexpert=2 \(product 4\)"):
+        ModelRunner(model, num_slots=6, max_len=MAX_LEN, mesh=gen_mesh)
+    runner = ModelRunner(model, num_slots=SLOTS, max_len=MAX_LEN, prefill_chunk=CHUNK,
+                         min_bucket=CHUNK, mesh=gen_mesh, compiler_options=FAST)
+    assert runner.reshard_report is not None and runner.reshard_report.arrays > 0
+    got = _generate(runner, prompts)  # 5 requests on 4 slots: a slot is reused
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    lp_err = max(abs(a - b) for g, r in zip(got, ref) for a, b in zip(g.logprobs, r.logprobs))
+    print(f"sharded generation: log-prob error {lp_err:.2e}")
+    assert lp_err < 1e-4
+    leaf = jax.tree.leaves(runner.cache)[0]
+    assert leaf.sharding.spec[1] == ("data", "expert") and len(leaf.sharding.device_set) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes x two devices: kdsa launch-local -- train
+# ---------------------------------------------------------------------------------------------
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # launch-local sets the device count per process
+    for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
+        env.pop(k, None)
+    return env
+
+
+def test_two_process_training_equals_one_process(single, tmp_path):
+    run_dir = tmp_path / "run"
+    train_sets = [f"{k}={json.dumps(v)}" for k, v in dataclasses.asdict(TC).items()
+                  if v != getattr(TrainConfig(), k)]
+    cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
+           "--devices-per-process", "2", "--timeout", "400", "--", "train", "--preset", "tiny",
+           *[a for s in SETS for a in ("--set", s)],
+           *[a for s in train_sets for a in ("--train-set", s)],
+           "--mesh", "fsdp=2,expert=2", "--run-dir", str(run_dir), "--no-progress"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh fsdp=2,expert=2 (2 process(es))" in proc.stdout
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for a, b in zip(rows, single):
+        assert abs(a["loss"] - b["loss"]) < LOSS_TOL, (a, b)
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [2, 3]
