@@ -1,0 +1,191 @@
+"""Images through the stack on one small vision-language model (2 layers: KDA + Gated DSA):
+features at the placeholders, chunked prefill with images + decode == the full forward, the
+engine, and ``/v1/chat/completions`` with an image (real HTTP); malformed images are 400s."""
+
+import dataclasses
+import http.client
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.infer import openai_api as api
+from kdsa.infer.chat import get_format
+from kdsa.infer.engine import Engine, Request
+from kdsa.infer.runner import ModelRunner
+from kdsa.infer.sampling import SamplingParams
+from kdsa.infer.server import start_server
+from kdsa.infer.tokenizer import ByteTokenizer
+from kdsa.model.config import get_preset
+from kdsa.model.transformer import Transformer
+from kdsa.model.vision.assemble import image_inputs, pack_images
+from kdsa.model.vision.inputs import ImageLimits, to_data_url
+from kdsa.model.vision.patching import patchify
+
+TOK = ByteTokenizer(384)
+FMT = get_format("xtml", TOK)
+
+
+def _config():
+    cfg = get_preset("tiny-vl")
+    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=(1,), full_attn_layers=(2,))
+    return cfg.replace(num_hidden_layers=2, attn_res_block_size=None, linear_attn_config=lac,
+                       kda_chunk_size=8, dsa_query_chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(_config(), rngs=nnx.Rngs(0))
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    vc = _config().vision_config
+    return [patchify(rng.integers(0, 256, s + (3,)).astype(np.uint8), vc)
+            for s in [(30, 45), (14, 28)]]
+
+
+def _sequence(ims, ph):
+    text = list(b"look: ")
+    return np.asarray(text + [ph] * ims[0].num_tokens + list(b" and ") + [ph] * ims[1].num_tokens
+                      + list(b" ok?"), np.int32)
+
+
+MAX_LEN = 160
+
+
+@nnx.jit
+def _full_padded(model, ids, embeds, mask):
+    return model.forward(ids, image_embeds=embeds, image_mask=mask).logits
+
+
+def _full(model, seq, feats):
+    """Full-forward logits [T, V] of ``seq`` with ``feats`` placed at its placeholders by hand
+    (padded to MAX_LEN so one compile serves every test; causal, so padding changes nothing)."""
+    ph = model.config.vision_config.media_placeholder_token_id
+    ids = np.zeros((1, MAX_LEN), np.int32)
+    ids[0, :len(seq)] = seq
+    where = np.nonzero(ids[0] == ph)[0]
+    embeds = np.zeros((1, MAX_LEN, model.config.hidden_size), np.float32)
+    embeds[0, where] = feats[:len(where)]
+    out = _full_padded(model, jnp.asarray(ids), jnp.asarray(embeds), jnp.asarray(ids == ph))
+    return np.asarray(out)[0, :len(seq)], embeds
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return ModelRunner(model, num_slots=2, max_len=MAX_LEN, prefill_chunk=8, min_bucket=8)
+
+
+def test_prefill_with_images_then_decode_equals_full_forward(model, runner):
+    cfg = model.config
+    ph = cfg.vision_config.media_placeholder_token_id
+    ims = _images()
+    seq = _sequence(ims, ph)                                                   # [T]
+    feats = runner.encode_images(ims)                                          # [5, D]
+    assert feats.shape == (sum(im.num_tokens for im in ims), cfg.hidden_size) == (5, 64)
+    full, manual = _full(model, seq, feats)
+    # image_inputs (the training path) puts the tower features exactly at the placeholders
+    ids = np.zeros((1, MAX_LEN), np.int32)
+    ids[0, :len(seq)] = seq
+    kw = nnx.jit(image_inputs)(model, jnp.asarray(ids), jax.tree.map(
+        jnp.asarray, pack_images([ims], 64)))
+    np.testing.assert_allclose(np.asarray(kw["image_embeds"]), manual, rtol=1e-5, atol=1e-5)
+    # the image changes what follows it, not what precedes it
+    where = np.nonzero(seq == ph)[0]
+    other, _ = _full(model, seq, feats * 0.5)
+    np.testing.assert_allclose(other[:where[0]], full[:where[0]], rtol=1e-5, atol=1e-5)
+    assert np.abs(other[where[0]:] - full[where[0]:]).max() > 1e-3
+    # chunked prefill (chunks of 8 cut the image spans) of all but 3 tokens, then decode 3
+    fidx = np.where(seq == ph, np.cumsum(seq == ph) - 1, -1)
+    n_pre = len(seq) - 3
+    for start in range(0, n_pre, 8):
+        stop = min(start + 8, n_pre)
+        idx = fidx[start:stop]
+        last = runner.prefill(1, seq[start:stop], start, image_embeds=feats[np.maximum(idx, 0)],
+                              image_mask=idx >= 0)
+        np.testing.assert_allclose(np.asarray(last)[0], full[stop - 1], rtol=2e-4, atol=2e-4)
+    for t in range(n_pre, len(seq)):
+        tokens, pos, active = np.zeros(2, np.int32), np.zeros(2, np.int32), np.zeros(2, bool)
+        tokens[1], pos[1], active[1] = seq[t], t, True
+        out = np.asarray(runner.decode(tokens, pos, active))
+        np.testing.assert_allclose(out[1], full[t], rtol=2e-4, atol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def served(runner):
+    eng = Engine(runner, TOK, chat_format=FMT)
+    handle = start_server(eng, FMT, model_name="kdsa-vl",
+                          image_limits=ImageLimits(max_images=2, max_pixels=200 * 200))
+    yield handle, eng
+    handle.stop()
+
+
+def _post(handle, body):
+    conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def _body(*images, text="What is shown?"):
+    parts = [{"type": "text", "text": text}] + [
+        {"type": "image_url", "image_url": {"url": u}} for u in images]
+    return {"model": "kdsa-vl", "messages": [{"role": "user", "content": parts}],
+            "reasoning_effort": "none", "temperature": 0, "max_tokens": 3, "logprobs": True}
+
+
+def test_server_image_request_matches_full_forward(served, model, runner):
+    handle, _ = served
+    px = np.random.default_rng(1).integers(0, 256, (40, 30, 3)).astype(np.uint8)
+    body = _body(to_data_url(px))
+    status, out = _post(handle, body)
+    assert status == 200, out
+    first = out["choices"][0]["logprobs"]["content"][0]["logprob"]
+    job = api.parse_chat_request(body, model_name="kdsa-vl", chat_format=FMT, max_len=MAX_LEN,
+                                 vision=model.config.vision_config)
+    assert len(job.images) == 1 and job.images[0].size == (30, 40)
+    assert out["usage"]["prompt_tokens"] == len(job.prompt)
+    full, _ = _full(model, np.asarray(job.prompt, np.int32), runner.encode_images(job.images))
+    assert abs(float(jax.nn.log_softmax(full[-1]).max()) - first) < 1e-3
+
+
+@pytest.mark.parametrize("url, msg", [
+    ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAA", "cannot decode"),      # truncated PNG
+    ("data:image/png;base64,@@@", "invalid base64"),
+    ("https://example.com/cat.png", "only base64 data URLs"),
+    ("data:image/png;base64,", "empty image data"),
+])
+def test_malformed_images_are_400(served, url, msg):
+    handle, eng = served
+    status, out = _post(handle, _body(url))
+    assert status == 400 and msg in out["error"]["message"], out
+    assert "messages[0].content[1].image_url" in out["error"]["message"]
+    assert out["error"]["param"] == "messages"
+
+
+def test_image_limits_are_400(served):
+    handle, _ = served
+    small = to_data_url(np.zeros((20, 20, 3), np.uint8))
+    status, out = _post(handle, _body(small, small, small))
+    assert status == 400 and "limit is 2" in out["error"]["message"]
+    status, out = _post(handle, _body(to_data_url(np.zeros((300, 300, 3), np.uint8))))
+    assert status == 400 and "90000 pixels" in out["error"]["message"]
+    status, out = _post(handle, _body(small))  # the server still serves
+    assert status == 200
+
+
+def test_engine_refuses_mismatched_placeholders_and_text_models(runner):
+    eng = Engine(runner, TOK, chat_format=FMT)
+    ims = _images()
+    with pytest.raises(ValueError, match="2 image placeholder tokens but its 2 image"):
+        eng.submit(Request([1, 277, 277, 2], SamplingParams(max_tokens=1), images=ims))
+    with pytest.raises(api.ApiError, match="does not read images"):
+        api.parse_chat_request(_body(to_data_url(np.zeros((20, 20, 3), np.uint8))),
+                               model_name="kdsa-vl", chat_format=FMT, max_len=64)
