@@ -15,6 +15,9 @@ tuple of logical axis names, one per dimension (``None`` = never sharded). Only
 | ``experts`` | routed-expert axis E |
 | ``expert_embed`` | width the routed experts run in (latent MoE) |
 | ``expert_mlp`` | routed-expert FFN hidden |
+| ``vision_embed`` | vision tower width (``model/vision``) |
+| ``vision_heads`` | vision attention width (q, k, v heads x head dim) |
+| ``vision_mlp`` | vision block MLP hidden and projector hidden |
 | ``layers`` | the stacked (scanned) layer axis, added by the stack |
 
 Kernels are stored ``[in, out]``; Hugging Face stores ``[out, in]`` (conversion transposes).

@@ -37,10 +37,15 @@ RULES: dict[str, Rules] = {
         "heads": ("tensor",), "q_lora": ("fsdp", "expert"), "kv_lora": ("fsdp", "expert"),
         "index_heads": ("tensor",),
         "experts": ("expert",), "expert_embed": ("fsdp",), "expert_mlp": ("tensor",),
+        "vision_embed": ("fsdp", "expert"), "vision_heads": ("tensor",),
+        "vision_mlp": ("tensor",),
         "layers": None,
         "act_batch": ("data", "fsdp", "expert"), "act_seq": ("sequence",), "act_embed": None,
         "act_heads": ("tensor",), "act_vocab": ("tensor",),
     },
+    # The vision tower (model/vision, ~0.45B in K3) follows the same scheme: its width FSDP-
+    # sharded like `embed`, attention width and MLP hidden over `tensor`; the projector's
+    # hidden is `vision_mlp`, its output `embed`.
     # Generation: no FSDP (weights stay resident), experts over `expert`, heads over `tensor`,
     # requests over data x fsdp x expert: attention is data-parallel across the expert axis
     # (DeepSeek/Kimi serving's "DP attention"), so each device caches only its own requests'
@@ -50,6 +55,7 @@ RULES: dict[str, Rules] = {
         "embed": None, "vocab": ("tensor",), "mlp": ("tensor",), "heads": ("tensor",),
         "q_lora": None, "kv_lora": None, "index_heads": ("tensor",),
         "experts": ("expert",), "expert_embed": None, "expert_mlp": ("tensor",),
+        "vision_embed": None, "vision_heads": ("tensor",), "vision_mlp": ("tensor",),
         "layers": None,
         "act_batch": ("data", "fsdp", "expert"), "act_seq": None, "act_embed": None,
         "act_heads": ("tensor",), "act_vocab": ("tensor",),

@@ -162,3 +162,23 @@ def test_scatter_features_lands_at_placeholders():
     for b in range(2):
         np.testing.assert_array_equal(out[b][mask[b]], np.asarray(feats[b, :mask[b].sum()]))
         assert not out[b][~mask[b]].any()
+
+
+def test_sharding_rules_cover_the_tower():
+    from kdsa.model.count import abstract_model
+    from kdsa.sharding.mesh import make_mesh
+    from kdsa.sharding.rules import logical_to_spec, get_rules, variable_axes
+
+    model = abstract_model(get_preset("tiny-vl"))
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    for layout in ("train", "generate"):
+        specs = {}
+        for path, v in list(nnx.to_flat_state(nnx.state(model.vision_tower))) + list(
+                nnx.to_flat_state(nnx.state(model.mm_projector))):
+            specs[".".join(map(str, path))] = logical_to_spec(variable_axes(v), v.shape, mesh,
+                                                              get_rules(layout))
+        assert tuple(specs["encoder.blocks.0.wqkv.kernel"]) == (
+            ("fsdp" if layout == "train" else None), "tensor")
+        assert tuple(specs["encoder.blocks.1.mlp.fc1.kernel"]) == (
+            "tensor", "fsdp" if layout == "train" else None)
+        assert tuple(specs["proj.2.kernel"])[0] == "tensor"
