@@ -141,14 +141,18 @@ def test_sharded_generation_from_the_train_layout_equals_one_device():
 # ---------------------------------------------------------------------------------------------
 
 def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # launch-local sets the device count per process
+    # launch-local adds the device count per process; -O0 as in-process (FAST)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_backend_optimization_level=0")
     for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
         env.pop(k, None)
     return env
 
 
 def test_two_process_training_equals_one_process(single, tmp_path):
+    """``kdsa train --mesh expert=2,sequence=2`` as 2 processes x 2 devices (gloo): batch rows
+    fed per process, expert-parallel MoE and sequence-parallel KDA / DSA across processes,
+    checkpoints written by both; the losses equal the one-device run's."""
     run_dir = tmp_path / "run"
     train_sets = [f"{k}={json.dumps(v)}" for k, v in dataclasses.asdict(TC).items()
                   if v != getattr(TrainConfig(), k)]
@@ -156,13 +160,14 @@ def test_two_process_training_equals_one_process(single, tmp_path):
            "--devices-per-process", "2", "--timeout", "400", "--", "train", "--preset", "tiny",
            *[a for s in SETS for a in ("--set", s)],
            *[a for s in train_sets for a in ("--train-set", s)],
-           "--mesh", "fsdp=2,expert=2", "--run-dir", str(run_dir), "--no-progress"]
+           "--mesh", "expert=2,sequence=2", "--run-dir", str(run_dir), "--no-progress"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mesh fsdp=2,expert=2 (2 process(es))" in proc.stdout
+    assert "mesh expert=2,sequence=2 (2 process(es))" in proc.stdout
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for a, b in zip(rows, single):
-        assert abs(a["loss"] - b["loss"]) < LOSS_TOL, (a, b)
+    errs = [abs(a["loss"] - b["loss"]) for a, b in zip(rows, single)]
+    print(f"2 processes vs one device, loss errors per step: {errs}")
+    assert max(errs) < LOSS_TOL, (rows, single)
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
                   if p.name.isdigit()) == [2, 3]
