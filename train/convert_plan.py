@@ -98,7 +98,7 @@ def plan_params(config: ModelConfig, layout: mp.Layout) -> list[Param]:
 def hf_names(p: Param, layout: mp.Layout, config: ModelConfig, part: str) -> list[tuple]:
     """``[(row, expert, hf name)]`` of one parameter (row/expert None where not stacked)."""
     if p.layers is None:
-        return [(None, None, layout.prefix + p.template)]
+        return [(None, None, layout.top_name(p.template))]
     if isinstance(p.rule, mp.Rule):
         return [(r, None, layout.layer_prefix(i) + p.template) for r, i in enumerate(p.layers)]
     return [(r, e, layout.layer_prefix(i) + p.rule.hf.format(e=e) + mp.EXPERT_SUFFIX[part])

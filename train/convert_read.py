@@ -120,7 +120,8 @@ def _one(p: Param, src: SafetensorsCheckpoint, layout: mp.Layout, r: int | None,
     rules give lazy memmap views; expert format changes compute (bounded by one expert)."""
     row_shape = p.shape[1:] if p.layers is not None else p.shape
     if isinstance(p.rule, mp.Rule):
-        name = (layout.prefix if r is None else layout.layer_prefix(p.layers[r])) + p.template
+        name = (layout.top_name(p.template) if r is None
+                else layout.layer_prefix(p.layers[r]) + p.template)
         return mp.to_ours(p.rule.kind, src.tensor(name), row_shape), [name]
     base = layout.layer_prefix(p.layers[r]) + p.rule.hf.format(e=e)
     if p.src_part == "float":

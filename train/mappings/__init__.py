@@ -15,7 +15,7 @@ that no rule consumes and ``ignore`` does not cover, is an error (``train/conver
 
 Transforms (``kind``; ours <- HF, inverted on export): ``id``; ``T`` (HF ``[out, in]`` -> our
 ``[in, out]``); ``conv`` (``[C, 1, W]`` -> ``[C, W]``); ``row`` (``[1, D]`` -> ``[D]``);
-``a_log_4d`` (Kimi Linear ``A_log [1, 1, H, 1]`` -> ``[H]``); ``a_log_heads`` (Kimi K3 stores
+``patch`` (the vision patch conv ``[D, C, p, p]`` -> our ``[C, p, p, D]``); ``a_log_4d`` (Kimi Linear ``A_log [1, 1, H, 1]`` -> ``[H]``); ``a_log_heads`` (Kimi K3 stores
 ``A_log`` with 128 values for 96 heads of head_dim 128, ``kimi_k3.md`` section 2: import keeps
 the first H, as vLLM's loader and the FLA kernels read ``A_log[h]``; export writes the published
 length, :func:`a_log_hf_len`, see ``train/convert_export.py``).
@@ -31,7 +31,7 @@ import numpy as np
 
 from kdsa.model.config import ModelConfig
 
-KINDS = ("id", "T", "conv", "row", "a_log_4d", "a_log_heads")
+KINDS = ("id", "T", "conv", "row", "a_log_4d", "a_log_heads", "patch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,11 @@ class Layout:
     ignore: tuple[str, ...]
     hf_config: Callable[[ModelConfig, str, str], dict]  # (config, experts format, dtype) -> json
     defaults: tuple[tuple[str, object], ...] = ()  # config.json fields implied when absent
+
+    def top_name(self, template: str) -> str:
+        """HF name of a top rule: relative to ``prefix``, or from the root when it starts with
+        ``/`` (K3's ``vision_tower.*`` / ``mm_projector.*`` sit outside ``language_model.``)."""
+        return template[1:] if template.startswith("/") else self.prefix + template
 
     def layer_prefix(self, i: int) -> str:
         return f"{self.prefix}model.layers.{i}."
@@ -100,6 +105,8 @@ def hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
         return (1, ours[0])
     if kind == "a_log_4d":
         return (1, 1, ours[0], 1)
+    if kind == "patch":
+        return (ours[3], ours[0], ours[1], ours[2])
     return tuple(ours)
 
 
@@ -126,6 +133,8 @@ def to_ours(kind: str, a: np.ndarray, ours: tuple[int, ...]) -> np.ndarray:
         return a.reshape(ours)
     if kind == "a_log_heads":
         return a[:ours[0]]
+    if kind == "patch":
+        return a.transpose(1, 2, 3, 0)
     return a
 
 
@@ -134,6 +143,8 @@ def to_hf(kind: str, a: np.ndarray) -> np.ndarray:
     exporter, which knows the source's values past H)."""
     if kind == "T":
         return a.T
+    if kind == "patch":
+        return a.transpose(3, 0, 1, 2)
     return a.reshape(hf_shape(kind, a.shape))
 
 
@@ -177,6 +188,8 @@ def normalize_hf_config(hf: dict, layout: Layout | None = None) -> dict:
     then the layout's ``defaults`` for fields its configs leave implicit.
     """
     d = dict(hf.get("text_config") or hf)
+    if hf.get("vision_config") and "vision_config" not in d:  # K3 / K2.5 wrapper level
+        d["vision_config"] = hf["vision_config"]
     for key, value in (layout.defaults if layout is not None else ()):
         d.setdefault(key, value)
     alias = {"model_max_length": "max_position_embeddings", "num_local_experts": "num_experts"}
