@@ -221,6 +221,12 @@ def _specs(p: Plan, two: bool, widths: tuple[int, ...]):
     return specs
 
 
+def _out(shape, like) -> jax.ShapeDtypeStruct:
+    """float32 output struct varying over the same manual mesh axes as ``like`` (the queries),
+    so the kernel can run inside ``shard_map`` with ``check_vma`` (sequence parallelism)."""
+    return jax.ShapeDtypeStruct(shape, f32, manual_axis_type=jax.typeof(like).mat)
+
+
 def _triton_params(p: Plan):
     return plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages)
 
@@ -238,8 +244,7 @@ def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p: Plan, scale: float, interpret: boo
     args = [idx, qa, ka] + ([qb, kb] if p.two_parts else [])
     return pl.pallas_call(
         functools.partial(_fwd_kernel, p=p, scale=scale),
-        out_shape=(jax.ShapeDtypeStruct((b, t, p.hp, p.da), f32),
-                   jax.ShapeDtypeStruct((b, t, p.hp), f32)),
+        out_shape=(_out((b, t, p.hp, p.da), qa), _out((b, t, p.hp), qa)),
         grid=(b, t, p.hp // p.bh),
         in_specs=_specs(p, p.two_parts, (p.da, p.db)),
         out_specs=(pl.BlockSpec((None, None, p.bh, p.da), lambda b, t, h: (b, t, h, 0)),
@@ -260,12 +265,10 @@ def sparse_mla_bwd(qa, qb, ka, kb, idx, do, lse, delta, *, p: Plan, scale: float
     vec = pl.BlockSpec((None, None, p.bh), lambda b, t, h: (b, t, h))
     slots = lambda d: pl.BlockSpec((None, None, None, p.kp, d),  # noqa: E731
                                    lambda b, t, h: (b, t, h, 0, 0))
-    outs = [jax.ShapeDtypeStruct((b, t, p.hp, p.da), f32),
-            jax.ShapeDtypeStruct((b, t, hb, p.kp, p.da), f32)]
+    outs = [_out((b, t, p.hp, p.da), qa), _out((b, t, hb, p.kp, p.da), qa)]
     out_specs = [row(p.da), slots(p.da)]
     if p.two_parts:
-        outs += [jax.ShapeDtypeStruct((b, t, p.hp, p.db), f32),
-                 jax.ShapeDtypeStruct((b, t, hb, p.kp, p.db), f32)]
+        outs += [_out((b, t, p.hp, p.db), qa), _out((b, t, hb, p.kp, p.db), qa)]
         out_specs += [row(p.db), slots(p.db)]
     return pl.pallas_call(
         functools.partial(_bwd_kernel, p=p, scale=scale),

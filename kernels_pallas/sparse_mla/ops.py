@@ -90,22 +90,29 @@ def _attend_bwd(p, scale, interpret, chunk, res, cot):
     per_query = (qa, qb, idx, dout, lse, delta)
     xs = tuple(None if a is None else split(a) for a in per_query)
 
-    def body(acc, x):
+    def chunk_grads(x, acc=None):
+        """One query chunk: its dq parts and dKV with its rows scatter-added (into ``acc``)."""
         qa_c, qb_c, idx_c, do_c, lse_c, delta_c = x
         grads = kernel.sparse_mla_bwd(qa_c, qb_c, ka, kb, idx_c, do_c, lse_c, delta_c, p=p,
                                       scale=scale, interpret=interpret)
-        dka = _scatter_rows(acc[0], idx_c, grads[1], p.s)
+        dka, dkb = acc or (jnp.zeros(ka.shape, f32), None if kb is None else
+                           jnp.zeros(kb.shape, f32))
+        dka = _scatter_rows(dka, idx_c, grads[1], p.s)
         if not p.two_parts:
             return (dka, None), (grads[0], None)
-        return (dka, _scatter_rows(acc[1], idx_c, grads[3], p.s)), (grads[0], grads[2])
+        return (dka, _scatter_rows(dkb, idx_c, grads[3], p.s)), (grads[0], grads[2])
 
-    zeros = lambda k: None if k is None else jnp.zeros(k.shape, f32)  # noqa: E731
-    init = (zeros(ka), zeros(kb))
+    # the first chunk outside the scan: its dKV starts the carry with the right varying mesh
+    # axes inside shard_map (a fresh zeros carry would not vary like the outputs)
+    (dka, dkb), first = chunk_grads(tuple(None if a is None else a[0] for a in xs))
     if n == 1:
-        (dka, dkb), (dqa, dqb) = body(init, tuple(None if a is None else a[0] for a in xs))
-        dqa, dqb = dqa[:, None], None if dqb is None else dqb[:, None]
+        dqa, dqb = (None if a is None else a[None] for a in first)
     else:
-        (dka, dkb), (dqa, dqb) = jax.lax.scan(body, init, xs)
+        rest = tuple(None if a is None else a[1:] for a in xs)
+        (dka, dkb), (dqa, dqb) = jax.lax.scan(lambda acc, x: chunk_grads(x, acc), (dka, dkb),
+                                              rest)
+        dqa = jnp.concatenate([first[0][None], dqa])
+        dqb = None if dqb is None else jnp.concatenate([first[1][None], dqb])
 
     def join(a, like):  # [n, B, c, ...] -> [B, T, ...] in the primal dtype
         if a is None:
