@@ -125,7 +125,8 @@ def prefill(log, t, backward):
     q, kv, idx = problem(jax.random.key(4), 1, t, t, jnp.bfloat16, causal=True)
     valid = float(jnp.mean(jnp.sum(idx >= 0, -1)))
     row = {"length": t, "mean_valid_slots": valid}
-    for name, attend in (("kernel", sparse_mla_attention), ("xla_gather", sparse_mla_attention_ref)):
+    impls = (("kernel", sparse_mla_attention), ("xla_gather", sparse_mla_attention_ref))
+    for name, attend in impls:
         fwd = jax.jit(lambda q, kv, i, f=attend: f(q, kv, i, SCALE, DC, chunk_size=256))
         row[f"{name}_fwd_ms"] = 1e3 * seconds(fwd, q, kv, idx, reps=3)
         if backward:
