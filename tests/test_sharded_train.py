@@ -2,9 +2,9 @@
 there; and 2 processes x 2 devices through ``kdsa launch-local -- train``), generation on the
 ``generate`` layout from weights resharded off the ``train`` layout, layout fitting and errors.
 
-References are the same runs on one device; the model is the 2-layer tiny variant (KDA + MoE,
-Gated DSA + MoE) of ``test_checkpointing.py``, every step compiled at XLA -O0 (same numerics,
-half the CPU compile time).
+References are the same runs on one device; the model is a 2-layer tiny variant (KDA + MoE,
+Gated DSA + MoE, Block AttnRes), every step compiled at XLA -O0 (same numerics, half the CPU
+compile time).
 """
 
 import dataclasses
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdsa.cli.config_args import apply_overrides
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
@@ -32,16 +33,15 @@ from kdsa.train.trainer import run_training
 # micro-batch 8 rows = data x fsdp x expert; accumulation 2 exercises the micro-batch reshuffle
 TC = TrainConfig(steps=3, batch_size=16, seq_len=16, accum_steps=2, warmup_steps=1,
                  learning_rate=1e-2, checkpoint_every=2, keep_checkpoints=3, seed=3)
-SETS = ["num_hidden_layers=2", "attn_res_block_size=null", "linear_attn_config.kda_layers=[1]",
-        "linear_attn_config.full_attn_layers=[2]"]
+# two layers (KDA + MoE, Gated DSA + MoE) with Block AttnRes: every sharded path, small compiles
+SETS = ["num_hidden_layers=2", "first_k_dense_replace=0", "attn_res_block_size=1",
+        "linear_attn_config.kda_layers=[1]", "linear_attn_config.full_attn_layers=[2]"]
 LOSS_TOL = 1e-5
 FAST = {"xla_backend_optimization_level": 0}
 
 
 def small_config():
-    cfg = get_preset("tiny")
-    lac = dataclasses.replace(cfg.linear_attn_config, kda_layers=(1,), full_attn_layers=(2,))
-    return cfg.replace(num_hidden_layers=2, attn_res_block_size=None, linear_attn_config=lac)
+    return apply_overrides(get_preset("tiny"), SETS)
 
 
 def _metrics(run_dir):
