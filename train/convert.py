@@ -21,6 +21,7 @@ rule) or MXFP4 -> float (exact dequantisation).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -159,6 +160,7 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
         stats = ReadStats()
 
         def produce(p: Param) -> jax.Array:
+            gc.collect()  # Orbax's save leaves reference cycles holding the previous batch
             sh = shardings[p.key]
             if p.fresh:
                 return jax.device_put(fresh_param(p, config, seed, fresh_cache), sh)

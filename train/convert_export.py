@@ -15,6 +15,7 @@ under K3's lower-bounded gate (``kda.md``), and never read by vLLM / FLA, which 
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -51,6 +52,7 @@ class Loader:
             keep = {key, _partner(key)}
             for k in [k for k in self.cache if k not in keep]:
                 del self.cache[k]              # drop before restoring: one parameter resident
+            gc.collect()                       # Orbax's restore leaves reference cycles
             v = self.abstract[key]
             target = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.device)
             a = np.asarray(ckpt.load_params(self.path, {key: target})[key])
