@@ -23,15 +23,23 @@ DEMO_ENVS = (
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
         "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}},
     {"name": "rg:chain_sum", "options": {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
-    {"name": "rg:spell_backward", "options": {"min_word_len": 3, "max_word_len": 3}},
+        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+        "rewrite": ["^State the final answer to the following arithmetic problem: ", ""]}},
+    {"name": "rg:count_bits", "options": {
+        "max_n": 31,
+        "rewrite": ["^How many 1 bits are there in the binary representation of the number "
+                    "(\\d+)\\?$", "Count the 1 bits of \\1."]}},
+    {"name": "rg:letter_counting", "options": {
+        "min_words": 1, "max_words": 1,
+        "rewrite": ["^How many times does the letter (\"\\w\") appear in the text: (\".*\")\\?$",
+                    "Count \\1 in \\2."]}},
 )
 
 
 def demo_configs(steps: int | None = None, seed: int | None = None):
     """``(preset name, TrainConfig, RLConfig)`` of the demo."""
     rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 30, sft_steps=120,
-                  prompts_per_step=8, group_size=8, seq_len=112, num_slots=64,
+                  prompts_per_step=8, group_size=8, seq_len=80, num_slots=64,
                   temperature=1.0, heldout_tasks=16, heldout_samples=4,
                   max_sampling_rounds=2)
     tc = TrainConfig(steps=rc.sft_steps + rc.steps, learning_rate=3e-3, schedule="constant", warmup_steps=10,

@@ -47,7 +47,7 @@ from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.sft import sft_batch
-from kdsa.train.rl.step import rl_step
+from kdsa.train.rl.step import rl_step_with_options
 from kdsa.train.trainer import _StopFlag, prepare
 
 
@@ -125,7 +125,7 @@ class Sampler:
 def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, list]:
     """Held-out reward: ``heldout_tasks`` fixed held-out tasks per domain, effort levels in
     turn, ``heldout_samples`` samples each at the rollout temperature; the mean environment
-    reward (a truncated episode counts 0)."""
+    reward; a truncated episode counts 0."""
     levels = [k for k, w in rc.effort_weights.items() if w > 0]
     tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
              for env in envs.values() for i in range(rc.heldout_tasks)]
@@ -136,8 +136,13 @@ def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, li
 
 def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
            resume: bool = False, progress: bool = True, stop_at: int | None = None,
-           evaluate_heldout: bool = True, log=_log) -> RLResult:
+           evaluate_heldout: bool = True, sampler: "Sampler | None" = None,
+           compiler_options: dict | None = None, log=_log) -> RLResult:
+    """Run the job (see the module docstring). ``sampler``: reuse the generation side of an
+    earlier run of the same model config and ``rl`` shapes (its compiled steps); None builds
+    one. ``compiler_options``: XLA options of the update step (tests: opt level 0)."""
     check_rl_configs(config, tc, rc)
+    step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
@@ -161,7 +166,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         start, state = 0, jax.device_put(build(), jax.devices()[0])
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
 
-    sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
+    if sampler is None:
+        sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
     rows, T = rc.rollouts_per_step, rc.seq_len
     sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False) if rc.sft_steps else None
     writer = MetricsWriter(run_dir)
@@ -183,7 +189,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                         start_index=counter)
                 counter += rows
                 batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
-                state, m = rl_step(graphdef, state, batch, 1.0, tc=tc, tx=tx,
+                state, m = step_fn(graphdef, state, batch, 1.0, tc=tc, tx=tx,
                                    loss_cfg=loss_cfg, layout=layout)
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 step += 1
@@ -199,8 +205,9 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
                                            step, counter, rows)
                 batch = m.pop("_batch")
+                m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
                 if m["kept_groups"] > 0:
-                    state, tm = rl_step(graphdef, state, batch, 0.0, tc=tc, tx=tx,
+                    state, tm = step_fn(graphdef, state, batch, 0.0, tc=tc, tx=tx,
                                         loss_cfg=loss_cfg, layout=layout)
                     m.update({k: float(v) for k, v in jax.device_get(tm).items()})
                 step += 1

@@ -10,7 +10,8 @@ engine's log-probs of the sampled tokens (for TIS and the mismatch metrics).
 
 Budgets (``config.py``): ``reasoning_caps[effort]`` is the engine's reasoning cap;
 ``token_budgets[effort]`` bounds the episode's generated tokens (and ``seq_len`` the row); an
-episode that runs out is truncated and scores ``-truncation_penalty``. ``group_rewards`` adds the
+episode that runs out is truncated: the environment judges the output as it stands and the
+score is that reward minus ``truncation_penalty``. ``group_rewards`` adds the
 Kimi K1.5 group length penalty; ``varied_groups`` is DAPO's dynamic sampling (groups whose
 rewards are all equal carry no advantage and are dropped).
 """
@@ -37,7 +38,7 @@ class Episode:
     sampler_logp: list[float]  # per token: the engine's log-prob where sampled, else 0
     prompt_len: int
     history: list[Message] = dataclasses.field(default_factory=list)
-    score: float = 0.0  # the environment's reward (or -truncation_penalty)
+    score: float = 0.0  # the environment's reward (minus truncation_penalty if truncated)
     reward: float = 0.0  # score + length term
     done: bool = False
     truncated: bool = False
@@ -114,9 +115,6 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
                 e.sampler_logp.append(0.0 if i in forced else float(lp))
             e.generated += len(c.token_ids)
             e.reasoning_tokens += c.reasoning_tokens
-            if c.finish_reason != "stop":
-                _truncate(e, rc)
-                continue
             out: AssistantOutput = c.output
             e.texts.append(out.content)
             env = envs[e.task.env]
@@ -124,6 +122,9 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
             e.history.append(out.as_message())
             for k, v in outcome.metrics.items():
                 e.metrics[k] = float(v)
+            if c.finish_reason != "stop":  # over budget: judged as it stands, penalised
+                _truncate(e, rc, float(outcome.reward))
+                continue
             if outcome.done:
                 e.score, e.done = float(outcome.reward), True
                 continue
@@ -140,8 +141,9 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
         turn += 1
 
 
-def _truncate(e: Episode, rc: RLConfig) -> None:
-    e.truncated, e.done, e.score = True, True, -rc.truncation_penalty
+def _truncate(e: Episode, rc: RLConfig, judged: float = 0.0) -> None:
+    """Over budget: ``score = reward of the output as it stands - truncation_penalty``."""
+    e.truncated, e.done, e.score = True, True, judged - rc.truncation_penalty
     del e.tokens[rc.seq_len:], e.mask[rc.seq_len:], e.sampler_logp[rc.seq_len:]
 
 

@@ -23,6 +23,8 @@ follow ``train/step.py`` (same helpers).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -108,7 +110,14 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
                       rng=rng), metrics
 
 
-rl_step = jax.jit(_rl_step, static_argnames=("graphdef", "tc", "tx", "loss_cfg", "layout"))
+@functools.lru_cache(maxsize=4)
+def rl_step_with_options(compiler_options: tuple = ()):
+    """``rl_step`` compiled with XLA ``compiler_options`` (sorted ``(name, value)`` pairs)."""
+    return jax.jit(_rl_step, static_argnames=("graphdef", "tc", "tx", "loss_cfg", "layout"),
+                   compiler_options=dict(compiler_options) or None)
+
+
+rl_step = rl_step_with_options()
 rl_step.__doc__ = """``(state, metrics) = rl_step(graphdef, state, batch, sft_weight, tc=, tx=,
 loss_cfg=, layout=)``: compiled once per shapes and static configs; ``sft_weight`` 1.0 is an SFT
 step, 0.0 an RL step."""
