@@ -23,7 +23,10 @@ def add_engine_args(p) -> None:
     g.add_argument("--prefill-chunk", type=int, default=256)
     g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
     g.add_argument("--mesh", default=None,
-                   help="mesh axes, e.g. data=2,tensor=4 (default: no mesh, one device)")
+                   help="mesh axes of the layout over every process's devices, e.g. "
+                        "data=2,expert=2,tensor=2 (--slots must be a multiple of "
+                        "data x fsdp x expert); default: one device, or the preset's generate "
+                        "layout fitted to the devices in a multi-process job")
     g.add_argument("--seed", type=int, default=0)
     b = p.add_argument_group("thinking budgets (reasoning-token caps per effort level)")
     b.add_argument("--budget-low", type=int, default=2048)
@@ -44,14 +47,22 @@ def engine_from_args(args):
     from kdsa.infer.generate import build_engine, load_checkpoint
     from kdsa.model.transformer import Transformer
 
-    mesh = None
-    if args.mesh:
-        from kdsa.sharding.mesh import make_mesh
-        mesh = make_mesh(args.mesh)
+    import jax
+
+    from kdsa.sharding.mesh import fit_layout
+
+    def mesh_for(config, preset):
+        if not args.mesh and jax.process_count() == 1:
+            return None
+        return fit_layout(config, args.layout, preset=preset, override=args.mesh,
+                          batch=args.slots)
+
     tok_path = args.tokenizer
     if args.checkpoint:
         if args.preset or args.config or args.overrides:
             raise ValueError("--checkpoint brings its own config; drop --preset/--config/--set")
+        from kdsa.model.checkpoint import read_info
+        mesh = mesh_for(read_info(args.checkpoint)[0], None)
         config, model = load_checkpoint(args.checkpoint, mesh=mesh, layout=args.layout)
         name = Path(args.checkpoint).name
         ck = Path(args.checkpoint)
@@ -60,6 +71,7 @@ def engine_from_args(args):
             tok_path = ck
     else:
         name, config = config_from_args(args)
+        mesh = mesh_for(config, name)
         model = Transformer(config, rngs=nnx.Rngs(args.seed))
     budgets = BudgetConfig(caps={"low": args.budget_low, "high": args.budget_high,
                                  "max": args.budget_max}, grace=args.budget_grace)
