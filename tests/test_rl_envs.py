@@ -192,17 +192,20 @@ def test_group_length_penalty_and_dynamic_sampling():
     def ep(score, n, effort="low"):
         return ro.Episode(t, effort, [0], [0.0], [0.0], 1, score=score, generated=n)
 
-    g = [ep(1.0, 10), ep(1.0, 20), ep(0.0, 10), ep(0.0, 30)]  # min 10, max 30
+    g = [ep(1.0, 10), ep(0.0, 20), ep(1.0, 10), ep(0.0, 30)]  # min 10, max 30
     ro.group_rewards(g, 4, rc)
     # lambda = 0.5 - (n - 10) / 20: 0.5, 0, 0.5, -0.5; correct +lambda, wrong min(0, lambda)
-    assert [e.reward for e in g] == [1.5, 1.0, 0.0, -0.5]
-    h = [ep(1.0, 5, "high"), ep(1.0, 9, "high")]  # weight 0 at high: no length term
+    assert [e.reward for e in g] == [1.5, 0.0, 1.5, -0.5]
+    h = [ep(1.0, 5, "high"), ep(0.0, 9, "high")]  # weight 0 at high: no length term
     ro.group_rewards(h, 2, rc)
-    assert [e.reward for e in h] == [1.0, 1.0]
+    assert [e.reward for e in h] == [1.0, 0.0]
     same = [ep(0.0, 4), ep(0.0, 4)]
+    lens = [ep(0.0, 4), ep(0.0, 8)]  # rewards differ by the length term only
     ro.group_rewards(same, 2, rc)
-    kept = ro.varied_groups(g + h + same, 2)
-    assert kept == [g[:2], g[2:]]  # h and `same` have constant rewards: dropped
+    ro.group_rewards(lens, 2, rc)
+    assert lens[0].reward != lens[1].reward
+    kept = ro.varied_groups(g + same + lens, 2)
+    assert kept == [g[:2], g[2:]]  # `same` and `lens` have constant scores: dropped
     b = ro.training_batch(kept, 6, 4, 2, rc)
     adv = b["advantages"]
     np.testing.assert_allclose(adv[:4], [1, -1, 1, -1], atol=1e-5)  # GRPO, 2 per group

@@ -13,7 +13,7 @@ Budgets (``config.py``): ``reasoning_caps[effort]`` is the engine's reasoning ca
 episode that runs out is truncated: the environment judges the output as it stands and the
 score is that reward minus ``truncation_penalty``. ``group_rewards`` adds the
 Kimi K1.5 group length penalty; ``varied_groups`` is DAPO's dynamic sampling (groups whose
-rewards are all equal carry no advantage and are dropped).
+verifiable rewards are all equal are dropped).
 """
 
 from __future__ import annotations
@@ -161,11 +161,15 @@ def group_rewards(eps: list[Episode], group_size: int, rc: RLConfig) -> None:
 
 
 def varied_groups(eps: list[Episode], group_size: int) -> list[list[Episode]]:
-    """Groups (in order) whose rewards are not all equal (dynamic sampling)."""
+    """Groups (in order) whose verifiable rewards (``score``: environment reward and
+    truncation) are not all equal (DAPO dynamic sampling). A group that differs only by the
+    length term is dropped too: with std-normalised advantages its small length differences
+    would become full-size updates toward shorter answers, right or wrong (measured: the demo
+    collapsed to empty answers)."""
     out = []
     for g in range(0, len(eps), group_size):
         grp = eps[g:g + group_size]
-        if max(e.reward for e in grp) > min(e.reward for e in grp):
+        if max(e.score for e in grp) > min(e.score for e in grp):
             out.append(grp)
     return out
 
