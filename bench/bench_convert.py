@@ -130,6 +130,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="about 300 MB instead of about 3 GB")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse DIR/hf from an earlier run with --dir (same --quick)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     for name in ("src", "dst", "experts", "nbytes"):
         ap.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
@@ -147,7 +149,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         t = time.perf_counter()
-        hf = make_source(config, root)
+        hf = root / "hf" if args.reuse and (root / "hf").is_dir() else make_source(config, root)
         total = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
         largest = max(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in
                       ckpt.flat_variables(nnx.state(ckpt.abstract_model(config))).values())
@@ -170,12 +172,15 @@ def main() -> None:
             "ratio_hf_to_orbax_vs_raw_write": mbps["hf_to_orbax"] / mbps["raw_write"],
             "ratio_orbax_to_hf_vs_raw_write": mbps["orbax_to_hf"] / mbps["raw_write"],
             "peak_rss_delta_bytes": {k: v["peak_rss_delta"] for k, v in r.items()},
+            "peak_rss_over_largest_param": {k: v["peak_rss_delta"] / largest
+                                            for k, v in r.items()},
             "mxfp4_expert_bytes_over_bf16": ratio_mxfp4,
             "seconds": {k: v["seconds"] for k, v in r.items()},
         }
         for k in r:
             print(f"{k:<18} {mbps[k]:8.1f} MB/s  {r[k]['seconds']:6.2f} s  peak RSS "
-                  f"+{r[k]['peak_rss_delta'] / 2**20:.0f} MiB")
+                  f"+{r[k]['peak_rss_delta'] / 2**20:.0f} MiB "
+                  f"({r[k]['peak_rss_delta'] / largest:.2f}x the largest parameter)")
         print(f"hf->orbax / raw read {out['ratio_hf_to_orbax_vs_raw_read']:.3f}, / raw write "
               f"{out['ratio_hf_to_orbax_vs_raw_write']:.3f}; orbax->hf / raw write "
               f"{out['ratio_orbax_to_hf_vs_raw_write']:.3f}")

@@ -21,7 +21,6 @@ rule) or MXFP4 -> float (exact dequantisation).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -40,7 +39,8 @@ from kdsa.train import mappings as mp
 from kdsa.train.convert_export import NP_OF, Loader, export_specs
 from kdsa.train.convert_plan import (Param, check_source, config_from_hf, plan_params,
                                      read_hf_config)
-from kdsa.train.convert_read import ReadStats, a_log_tails, fresh_param, host_slice
+from kdsa.train.convert_read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
+                                     host_slice)
 from kdsa.train.safetensors_io import SafetensorsCheckpoint, write_checkpoint
 
 __all__ = ["Summary", "hf_to_orbax", "orbax_to_hf", "read_hf_config", "config_from_hf"]
@@ -159,8 +159,10 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
         fresh_cache: dict = {}
         stats = ReadStats()
 
+        collector = CycleCollector()
+
         def produce(p: Param) -> jax.Array:
-            gc.collect()  # Orbax's save leaves reference cycles holding the previous batch
+            collector.before(math.prod(p.shape) * p.dtype.itemsize)  # earlier batches' cycles
             sh = shardings[p.key]
             if p.fresh:
                 return jax.device_put(fresh_param(p, config, seed, fresh_cache), sh)

@@ -15,7 +15,7 @@ under K3's lower-bounded gate (``kda.md``), and never read by vLLM / FLA, which 
 
 from __future__ import annotations
 
-import gc
+import math
 from pathlib import Path
 
 import jax
@@ -26,7 +26,7 @@ from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.train import mappings as mp
 from kdsa.train.convert_plan import Param, dtype_key, expert_hf_shape, hf_names
-from kdsa.train.convert_read import dequantize_rows, quantize_rows
+from kdsa.train.convert_read import CycleCollector, dequantize_rows, quantize_rows
 from kdsa.train.safetensors_io import DTYPES, TensorSpec
 
 NP_OF = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
@@ -46,14 +46,15 @@ class Loader:
         self.path, self.cache, self.bytes = path, {}, 0
         self.abstract = ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
         self.device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self.collector = CycleCollector()  # Orbax's restore leaves reference cycles
 
     def get(self, key: str) -> np.ndarray:
         if key not in self.cache:
             keep = {key, _partner(key)}
             for k in [k for k in self.cache if k not in keep]:
                 del self.cache[k]              # drop before restoring: one parameter resident
-            gc.collect()                       # Orbax's restore leaves reference cycles
             v = self.abstract[key]
+            self.collector.before(math.prod(v.shape) * np.dtype(v.dtype).itemsize)
             target = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.device)
             a = np.asarray(ckpt.load_params(self.path, {key: target})[key])
             self.bytes += a.nbytes
