@@ -10,7 +10,9 @@ Each :meth:`Engine.step`:
 3. runs one decode step for every slot that is generating (rows at their own positions) and
    samples each row with its own parameters and random stream (``sampling.py``).
 
-Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``),
+Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``;
+``Request.answer_prefix``, forced once the answer starts: the tool-call opening of
+``tool_choice``),
 the chat parser (events ``reasoning`` / ``content`` / ``tool_call``; without a parser raw text
 events), stop token ids (the format's end of message unless ``ignore_eos``), stop strings
 (matched on the content, or the raw text without a parser; the text is cut before the stop and
