@@ -3,7 +3,9 @@
 Input JSONL, one request per line: ``{"messages": [...], "tools"?, "reasoning_effort"?}`` (chat,
 rendered by the chat format), ``{"prompt": "text"}`` (raw text, no template) or
 ``{"prompt_ids": [...]}``; optional ``id`` and sampling fields ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``. Output JSONL, one line per request in input
+``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``. With a vision model, user messages may
+hold images: ``image_url`` parts (data URLs) or ``{"type": "image", "path": "a.png"}`` (relative
+to the JSONL file; ``docs/vision.md``). Output JSONL, one line per request in input
 order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
 ``finish_reason``, ``reasoning``, ``content``, ``tool_calls``, ``token_ids``, ``logprobs``
 (model log-probs of the generated tokens, for RL).
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from kdsa.infer.budget import BudgetConfig, check_effort
 from kdsa.infer.chat import get_format, messages_from_openai, tools_from_openai
+from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
@@ -73,7 +76,7 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
         if not isinstance(row, dict):
             raise ValueError(f"{where}: each line must be a JSON object")
         try:
-            reqs.append(_request(row, engine, fmt, effort, defaults, seed + n - 1, n))
+            reqs.append(_request(row, engine, fmt, effort, defaults, seed + n - 1, n, p.parent))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
     if not reqs:
@@ -85,7 +88,13 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
     return reqs
 
 
-def _request(row, engine, fmt, effort, defaults, seed, n) -> Request:
+def _images(engine, base_dir):
+    """Image loader of a vision model (data URLs and files relative to the JSONL), else None."""
+    vision = getattr(getattr(engine.runner, "config", None), "vision_config", None)
+    return None if vision is None else make_image_loader(vision, ImageLimits(), base_dir)
+
+
+def _request(row, engine, fmt, effort, defaults, seed, n, base_dir=None) -> Request:
     sp = {**defaults, "seed": seed, **{k: row[k] for k in _SAMPLING_KEYS if k in row}}
     if isinstance(sp.get("stop"), str):
         sp["stop"] = (sp["stop"],)
@@ -93,12 +102,12 @@ def _request(row, engine, fmt, effort, defaults, seed, n) -> Request:
     lvl = check_effort(row.get("reasoning_effort", effort))
     rid = str(row.get("id", n))
     if "messages" in row:
-        msgs = messages_from_openai(row["messages"])
+        msgs = messages_from_openai(file_parts(row["messages"]), _images(engine, base_dir))
         prompt = fmt.render(msgs, tools=tools_from_openai(row.get("tools")), effort=lvl)
         calls = sum(len(m.tool_calls) for m in msgs)
         return Request(prompt, SamplingParams(**sp), reasoning_cap=engine.budgets.cap(lvl),
                        in_reasoning=True, parser=fmt.parser(first_call_index=calls),
-                       request_id=rid)
+                       request_id=rid, images=[im for m in msgs for im in m.images])
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise ValueError("prompt must be a string")

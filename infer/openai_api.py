@@ -73,24 +73,12 @@ def _get(body: dict, name: str, types, default=None, check=None, why: str = ""):
 
 def image_loader(vision, limits=None):
     """``(url, where) -> patched image`` for ``messages_from_openai`` (``None`` without a
-    vision tower); counts the images against ``limits.max_images``."""
+    vision tower): data URLs only, counted against ``limits.max_images``."""
     if vision is None:
         return None
-    from kdsa.model.vision.inputs import ImageLimits, image_from_url
-    from kdsa.model.vision.patching import patchify
+    from kdsa.model.vision.inputs import ImageLimits, make_image_loader
 
-    limits, seen = limits or ImageLimits(), []
-
-    def load(url, where):
-        seen.append(where)
-        limits.check_count(len(seen), "the request")
-        pixels = image_from_url(url, where, limits)
-        try:
-            return patchify(pixels, vision)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-
-    return load
+    return make_image_loader(vision, limits or ImageLimits())
 
 
 def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,

@@ -115,6 +115,27 @@ def test_prefill_with_images_then_decode_equals_full_forward(model, runner):
         np.testing.assert_allclose(out[1], full[t], rtol=2e-4, atol=2e-4)
 
 
+def test_generate_jsonl_with_image_file(runner, tmp_path):
+    from PIL import Image
+
+    from kdsa.infer.generate import read_requests
+
+    Image.fromarray(np.full((30, 60, 3), 200, np.uint8)).save(tmp_path / "wide.png")
+    row = {"id": "a", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Describe"}, {"type": "image", "path": "wide.png"}]}]}
+    (tmp_path / "in.jsonl").write_text(json.dumps(row) + "\n")
+    eng = Engine(runner, TOK, chat_format=FMT)
+    (req,) = read_requests(tmp_path / "in.jsonl", eng, FMT, effort="low", defaults={}, seed=0)
+    assert len(req.images) == 1 and req.images[0].grid == (4, 6)           # 6 image tokens
+    assert req.prompt.count(_config().vision_config.media_placeholder_token_id) == 6
+    (done,) = eng.generate([req])
+    assert done.prompt_tokens == len(req.prompt) and 1 <= len(done.token_ids) <= 2
+    (tmp_path / "bad.jsonl").write_text(json.dumps(dict(row, messages=[{"role": "user", "content": [
+        {"type": "image", "path": "missing.png"}]}])) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: .*missing.png: no such image file"):
+        read_requests(tmp_path / "bad.jsonl", eng, FMT, effort="low", defaults={}, seed=0)
+
+
 @pytest.fixture(scope="module")
 def served(runner):
     eng = Engine(runner, TOK, chat_format=FMT)

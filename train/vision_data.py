@@ -26,31 +26,7 @@ import numpy as np
 
 from kdsa.infer.chat import Message, messages_from_openai
 from kdsa.model.vision.assemble import batch_arrays, check_placeholders, pack_images
-from kdsa.model.vision.inputs import ImageLimits, image_from_file, image_from_url
-from kdsa.model.vision.patching import patchify
-
-
-def _loader(vision, limits: ImageLimits, base: Path | None):
-    def load(url, where):
-        if isinstance(url, str) and not url.startswith("data:") and base is not None:
-            pixels = image_from_file(base / url, where, limits)
-        else:
-            pixels = image_from_url(url, where, limits)
-        return patchify(pixels, vision)
-    return load
-
-
-def _file_parts(messages: list) -> list:
-    """``{"type": "image", "path": p}`` parts -> image_url parts whose url is the path."""
-    out = []
-    for m in messages:
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, list):
-            c = [{"type": "image_url", "image_url": {"url": p["path"]}}
-                 if isinstance(p, dict) and p.get("type") == "image" else p for p in c]
-            m = dict(m, content=c)
-        out.append(m)
-    return out
+from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 
 
 def render_example(messages: list[Message], chat_format) -> tuple[list[int], int]:
@@ -70,14 +46,13 @@ class ImageSftData:
                  limits: ImageLimits = ImageLimits()):
         if vision is None:
             raise ValueError("image SFT data needs a model with a vision_config")
-        load = _loader(vision, limits, None if base_dir is None else Path(base_dir))
         rows, images = [], []
         for n, ex in enumerate(examples):
             where = f"example {n}"
             try:
-                msgs = messages_from_openai(_file_parts(ex["messages"]), load)
+                load = make_image_loader(vision, limits, base_dir)
+                msgs = messages_from_openai(file_parts(ex["messages"]), load)
                 ims = [im for m in msgs for im in m.images]
-                limits.check_count(len(ims), where)
                 ids, start = render_example(msgs, chat_format)
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{where}: {e}") from None

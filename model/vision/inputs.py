@@ -104,3 +104,40 @@ def to_data_url(pixels: np.ndarray, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     Image.fromarray(np.asarray(pixels, np.uint8), "RGB").save(buf, fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def make_image_loader(vision, limits: ImageLimits = ImageLimits(), base_dir=None):
+    """``load(url, where) -> patched image`` for ``messages_from_openai``: data URLs, and with
+    ``base_dir`` also image files (paths relative to it; a server passes none, so requests can
+    not read local files). Counts the images it loads against ``limits.max_images``."""
+    from kdsa.model.vision.patching import patchify
+
+    seen = []
+
+    def load(url, where):
+        seen.append(where)
+        limits.check_count(len(seen), "the request")
+        if base_dir is not None and isinstance(url, str) and not url.startswith("data:"):
+            pixels = image_from_file(Path(base_dir) / url, where, limits)
+        else:
+            pixels = image_from_url(url, where, limits)
+        try:
+            return patchify(pixels, vision)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    return load
+
+
+def file_parts(messages: list) -> list:
+    """Message JSON with ``{"type": "image", "path": p}`` parts (JSONL files for ``kdsa
+    generate`` and SFT) turned into ``image_url`` parts whose url is the path."""
+    out = []
+    for m in messages:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, list):
+            c = [{"type": "image_url", "image_url": {"url": p.get("path")}}
+                 if isinstance(p, dict) and p.get("type") == "image" else p for p in c]
+            m = dict(m, content=c)
+        out.append(m)
+    return out
