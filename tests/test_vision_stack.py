@@ -132,7 +132,7 @@ def test_generate_jsonl_with_image_file(runner, tmp_path):
     assert done.prompt_tokens == len(req.prompt) and 1 <= len(done.token_ids) <= 2
     (tmp_path / "bad.jsonl").write_text(json.dumps(dict(row, messages=[{"role": "user", "content": [
         {"type": "image", "path": "missing.png"}]}])) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1: .*missing.png: no such image file"):
+    with pytest.raises(ValueError, match="bad.jsonl:1: .*image_url: no such image file .*missing.png"):
         read_requests(tmp_path / "bad.jsonl", eng, FMT, effort="low", defaults={}, seed=0)
 
 

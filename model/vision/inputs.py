@@ -91,7 +91,7 @@ def image_from_file(path, where: str | None = None, limits: ImageLimits = ImageL
     p = Path(path)
     where = where or str(p)
     if not p.is_file():
-        raise ValueError(f"{where}: no such image file")
+        raise ValueError(f"{where}: no such image file {str(p)!r}")
     if p.stat().st_size > limits.max_bytes:
         raise ValueError(f"{where}: {p.stat().st_size} bytes; the limit is {limits.max_bytes}")
     return decode_image(p.read_bytes(), where, limits)
