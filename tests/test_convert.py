@@ -39,19 +39,7 @@ MICRO = get_preset("tiny").replace(
                                         head_dim=16, use_full_rank_gate=True,
                                         gate_lower_bound=-5.0))
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
-# XLA:CPU backend optimisations off: compiles here dominate the run time (same numerics class;
-# every comparison below is between models or against float32 golden files with a tolerance)
-O0 = {"xla_backend_optimization_level": 0}
-
-
-def jit_o0(f, *args):
-    """``jax.jit(f)`` compiled for ``args`` without backend optimisations."""
-    return jax.jit(f).lower(*args).compile(compiler_options=O0)
-
-
-def _fwd(model, ids):
-    graphdef, state = nnx.split(model)
-    return jit_o0(lambda st, x: nnx.merge(graphdef, st)(x), state, ids)(state, ids)
+_fwd = nnx.jit(lambda model, ids: model(ids))  # one compile per model structure
 
 
 def random_params(config, seed: int):
@@ -243,8 +231,8 @@ def test_mxfp4_experts_match_one_hot_reference(impl):
     deq = [unpack_expert_weight(packed[2 * j], packed[2 * j + 1]) for j in range(3)]
     f = lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c)  # noqa: E731
     g = lambda z: experts_one_hot(z, idx, wt, *deq, c)  # noqa: E731
-    both = jit_o0(lambda z: (f(z), g(z), jax.grad(lambda z: jnp.sum(f(z) ** 2))(z),
-                             jax.grad(lambda z: jnp.sum(g(z) ** 2))(z)), z)
+    both = jax.jit(lambda z: (f(z), g(z), jax.grad(lambda z: jnp.sum(f(z) ** 2))(z),
+                              jax.grad(lambda z: jnp.sum(g(z) ** 2))(z)))
     yf, yg, df, dg = both(z)
     np.testing.assert_allclose(yf, yg, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(df, dg, rtol=1e-4, atol=1e-5)
@@ -256,7 +244,8 @@ def test_qat_layer_is_the_served_mxfp4_layer():
     x = jax.random.normal(jax.random.key(3), (2, 6, MICRO.hidden_size))
     qat = MoE(MICRO.replace(expert_qat=True), rngs=nnx.Rngs(0))
     served = MoE(MICRO.replace(expert_weight_format="mxfp4"), rngs=nnx.Rngs(0))
-    np.testing.assert_allclose(_fwd(qat, x)[0], _fwd(served, x)[0], atol=2e-6, rtol=0)
+    fwd = nnx.jit(lambda m, x: m(x)[0])
+    np.testing.assert_allclose(fwd(qat, x), fwd(served, x), atol=2e-6, rtol=0)
 
 
 def test_qat_gradient_is_straight_through():
