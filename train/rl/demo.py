@@ -22,9 +22,6 @@ DEMO_ENVS = (
     {"name": "rg:basic_arithmetic", "options": {
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
         "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}},
-    {"name": "rg:chain_sum", "options": {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-        "rewrite": ["^State the final answer to the following arithmetic problem: ", ""]}},
     {"name": "rg:count_bits", "options": {
         "max_n": 31,
         "rewrite": ["^How many 1 bits are there in the binary representation of the number "
@@ -38,7 +35,7 @@ DEMO_ENVS = (
 
 def demo_configs(steps: int | None = None, seed: int | None = None):
     """``(preset name, TrainConfig, RLConfig)`` of the demo."""
-    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 40, sft_steps=40,
+    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 40, sft_steps=20,
                   prompts_per_step=8, group_size=8, seq_len=80, num_slots=64,
                   temperature=1.0, heldout_tasks=16, heldout_samples=4,
                   max_sampling_rounds=2,
