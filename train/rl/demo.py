@@ -23,7 +23,7 @@ DEMO_ENVS = (
         "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
         "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}},
     {"name": "rg:count_bits", "options": {
-        "max_n": 31,
+        "max_n": 15,
         "rewrite": ["^How many 1 bits are there in the binary representation of the number "
                     "(\\d+)\\?$", "Count the 1 bits of \\1."]}},
     {"name": "rg:letter_counting", "options": {
@@ -35,13 +35,13 @@ DEMO_ENVS = (
 
 def demo_configs(steps: int | None = None, seed: int | None = None):
     """``(preset name, TrainConfig, RLConfig)`` of the demo."""
-    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 40, sft_steps=20,
+    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 60, sft_steps=20,
                   prompts_per_step=8, group_size=8, seq_len=80, num_slots=64,
                   temperature=1.0, heldout_tasks=16, heldout_samples=4,
                   max_sampling_rounds=2,
                   length_penalty={"low": 0.1, "high": 0.02, "max": 0.0})
-    tc = TrainConfig(steps=rc.sft_steps + rc.steps, learning_rate=3e-3, schedule="cosine",
-                     warmup_steps=10, min_lr_ratio=0.1, weight_decay=0.0, checkpoint_every=50,
+    tc = TrainConfig(steps=rc.sft_steps + rc.steps, learning_rate=3e-3, schedule="constant",
+                     warmup_steps=10, weight_decay=0.0, checkpoint_every=50,
                      seed=seed if seed is not None else 0)
     return "tiny", tc, rc
 
