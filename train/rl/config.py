@@ -10,7 +10,8 @@ the reasoning span (``reasoning_caps``: the engine forces the end of thinking, `
 the whole episode's generated tokens (``token_budgets``: over budget the rollout is truncated,
 judged as it stands, and ``truncation_penalty`` is subtracted), and weighs the group length
 penalty (``length_penalty``, Kimi K1.5: ``lambda = 0.5 - (len - min_len) / (max_len -
-min_len)`` over the group, added as ``w * lambda`` to correct and ``w * min(0, lambda)`` to incorrect answers).
+min_len)`` over the group, added as ``w * lambda`` to correct and ``w * min(0, lambda)`` to
+incorrect answers).
 """
 
 from __future__ import annotations
