@@ -228,5 +228,5 @@ def test_gated_dsa_layer_pallas_matches_xla():
     (y0, g0), (y1, g1) = results
     np.testing.assert_allclose(y1, y0, atol=1e-6, rtol=1e-5)
     assert len(g0) == len(g1) > 10
-    for a, b in zip(g0, g1):
-        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-4)
+    for a, b in zip(g0, g1):  # summation order differs: measured up to 1.5e-6 abs
+        np.testing.assert_allclose(b, a, atol=5e-6, rtol=1e-4)
