@@ -118,20 +118,28 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def apply_train_overrides(tc: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """``["lr=..."]``-style ``key=value`` strings (JSON values, else bare strings) applied to ``tc``."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+def apply_overrides_to(obj, overrides: list[str], *, flag: str, prefix: str, what: str):
+    """``["key=value", ...]`` (value parsed as JSON, else a bare string) applied to the frozen
+    dataclass ``obj``; ``flag`` and ``what`` name the option and the config in errors, ``prefix``
+    (e.g. ``"train."``) may precede a key."""
+    names = {f.name for f in dataclasses.fields(obj)}
     changes: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
-        key = key.removeprefix("train.")
+        key = key.removeprefix(prefix)
         if not sep:
-            raise ValueError(f"--train-set {item!r}: expected KEY=VALUE")
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
         if key not in names:
-            raise ValueError(f"--train-set {key}: unknown train config field; choose from "
-                             f"{sorted(names)}")
+            raise ValueError(f"{flag} {key}: unknown {what} config field; "
+                             f"choose from {sorted(names)}")
         try:
             changes[key] = json.loads(raw)
         except json.JSONDecodeError:
             changes[key] = raw
-    return dataclasses.replace(tc, **changes) if changes else tc
+    return dataclasses.replace(obj, **changes) if changes else obj
+
+
+def apply_train_overrides(tc: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``["lr=..."]``-style ``key=value`` strings applied to ``tc`` (``--train-set``)."""
+    return apply_overrides_to(tc, overrides, flag="--train-set", prefix="train.",
+                              what="train")

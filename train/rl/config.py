@@ -17,7 +17,6 @@ incorrect answers).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from kdsa.infer.budget import EFFORTS
@@ -161,18 +160,6 @@ class RLConfig:
 
 def apply_rl_overrides(rc: RLConfig, overrides: list[str]) -> RLConfig:
     """``key=value`` strings (value parsed as JSON, else a bare string) applied to ``rc``."""
-    names = {f.name for f in dataclasses.fields(RLConfig)}
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.removeprefix("rl.")
-        if not sep:
-            raise ValueError(f"--rl-set {item!r}: expected KEY=VALUE")
-        if key not in names:
-            raise ValueError(f"--rl-set {key}: unknown RL config field; choose from "
-                             f"{sorted(names)}")
-        try:
-            changes[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            changes[key] = raw
-    return dataclasses.replace(rc, **changes) if changes else rc
+    from kdsa.train.config import apply_overrides_to
+
+    return apply_overrides_to(rc, overrides, flag="--rl-set", prefix="rl.", what="RL")
