@@ -34,7 +34,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
-from kdsa.train.metrics import MetricsWriter, mfu
+from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
 from kdsa.train.optim import make_optimizer
 from kdsa.train.step import init_state, split_model, train_step_with_options
 
@@ -209,19 +209,7 @@ def _place_state(state, shardings):
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    """A tqdm bar on stderr (step, loss, tokens/s); ``bar(None, None)`` closes it."""
-    if not enabled:
-        return lambda step, m: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
-
-    def update(step, m):
-        if step is None:
-            bar.close()
-            return
-        bar.update(step - bar.n)
-        bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}",
-                        lr=f"{m['learning_rate']:.2e}", refresh=False)
-
-    return update
+    """The progress bar of a training run: step, loss, tokens/s, learning rate."""
+    return progress_bar(total, initial, enabled, lambda bar, m: bar.set_postfix(
+        loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}",
+        lr=f"{m['learning_rate']:.2e}", refresh=False))

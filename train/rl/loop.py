@@ -42,7 +42,7 @@ from kdsa.sharding.mesh import make_mesh
 from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
-from kdsa.train.metrics import MetricsWriter
+from kdsa.train.metrics import MetricsWriter, progress_bar
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
@@ -272,17 +272,6 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return lambda step, text: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
-
-    def update(step, text):
-        if step is None:
-            bar.close()
-            return
-        bar.update(step - bar.n)
-        bar.set_description(text, refresh=False)
-
-    return update
+    """The progress bar of an RL run: the text names the phase and its main metric."""
+    return progress_bar(total, initial, enabled,
+                        lambda bar, text: bar.set_description(text, refresh=False))
