@@ -19,16 +19,9 @@ from kdsa.train import convert
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_convert import MICRO, random_params  # noqa: E402
+from launch_env import launch_env  # noqa: E402
 
 MESH = "fsdp=2,expert=2"
-
-
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # launch-local sets the device count per process
-    for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
-        env.pop(k, None)
-    return env
 
 
 def test_two_processes_read_their_slices_and_write_the_same_checkpoint(tmp_path):
@@ -41,7 +34,7 @@ def test_two_processes_read_their_slices_and_write_the_same_checkpoint(tmp_path)
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
            "--devices-per-process", "2", "--timeout", "100", "--", "convert", "hf-to-orbax",
            str(hf), str(tmp_path / "two"), "--mesh", MESH, "--no-progress"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     read = {int(p): int(n) for p, n in re.findall(
         r"process (\d) of 2 read (\d+) bytes of tensor slices", proc.stdout)}

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from launch_env import launch_env
 from kdsa.cli.config_args import apply_overrides
 from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer
@@ -31,18 +32,10 @@ OVERRIDES = ["num_hidden_layers=2", "first_k_dense_replace=0", "attn_res_block_s
 BATCH, SEQ = 4, 16
 
 
-def _env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)  # launch-local sets the device count per process
-    for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
-        env.pop(k, None)
-    return env
-
-
 def _launch(*args, timeout):
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", *args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
@@ -54,7 +47,7 @@ def test_two_processes_forward_and_cross_process_reshard(tmp_path):
     shard changes process) are bit-exact and give the same logits."""
     out = tmp_path / "check.npz"
     sets = [a for o in OVERRIDES for a in ("--set", o)]
-    env = dict(_env(), XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = launch_env()
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
            "--devices-per-process", "2", "--timeout", "300", "--module",
            "kdsa.sharding.selfcheck", "--", "--preset", "tiny", *sets, "--mesh",
@@ -77,8 +70,8 @@ def test_missing_peer_gives_a_clear_join_error_within_the_timeout():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(_env(), KDSA_COORDINATOR=f"127.0.0.1:{port}", KDSA_NUM_PROCESSES="2",
-               KDSA_PROCESS_ID="1")
+    env = launch_env(KDSA_COORDINATOR=f"127.0.0.1:{port}", KDSA_NUM_PROCESSES="2",
+                     KDSA_PROCESS_ID="1")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "kdsa.sharding.selfcheck", "--timeout", "3"],
                           env=env, capture_output=True, text=True, timeout=60)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from launch_env import launch_env
 from kdsa.cli.config_args import apply_overrides
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner
@@ -147,15 +148,6 @@ def test_sharded_generation_from_the_train_layout_equals_one_device(gen_ref):
 # two processes x two devices: kdsa launch-local -- train
 # ---------------------------------------------------------------------------------------------
 
-def _env():
-    # launch-local adds the device count per process; -O0 as in-process (FAST)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS="--xla_backend_optimization_level=0")
-    for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
-        env.pop(k, None)
-    return env
-
-
 def test_two_process_training_equals_one_process(single, tmp_path):
     """``kdsa train --mesh expert=2,sequence=2`` as 2 processes x 2 devices (gloo): batch rows
     fed per process, expert-parallel MoE and sequence-parallel KDA / DSA across processes,
@@ -168,7 +160,7 @@ def test_two_process_training_equals_one_process(single, tmp_path):
            *[a for s in SETS for a in ("--set", s)],
            *[a for s in train_sets for a in ("--train-set", s)],
            "--mesh", "expert=2,sequence=2", "--run-dir", str(run_dir), "--no-progress"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=450)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh expert=2,sequence=2 (2 process(es))" in proc.stdout
     rows = _metrics(run_dir)
@@ -194,7 +186,7 @@ def test_two_process_generate_equals_one_device(gen_ref, tmp_path):
            "--slots", str(SLOTS), "--max-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK),
            "--max-tokens", str(NEW), "--temperature", "0", "--prompts", str(src), "--out",
            str(out), "--no-progress"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=360)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(rows) == len(PROMPTS)
