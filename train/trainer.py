@@ -86,6 +86,16 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self._old)
 
 
+def stop_reason(flag: _StopFlag, stop_at: int | None, step: int, total: int) -> str | None:
+    """Why a loop must checkpoint and stop after ``step`` (of ``total``): ``"SIGTERM"``,
+    ``"stop_at=N"``, or None to go on."""
+    if flag.set:
+        return "SIGTERM"
+    if stop_at is not None and stop_at <= step < total:
+        return f"stop_at={stop_at}"
+    return None
+
+
 def prepare(config: ModelConfig, tc: TrainConfig):
     """``(abstract_model, graphdef, tx, build)``; ``build()`` makes the step-0 ``TrainState``.
 
@@ -183,10 +193,10 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
             bar(step, m)
             meta = {"data_index": data_index, "train_config": tc.to_dict(),
                     "model_config": config.to_hf_config()}
-            if flag.set or (stop_at is not None and step >= stop_at and step < tc.steps):
+            why = stop_reason(flag, stop_at, step, tc.steps)
+            if why:
                 ckpt.save(step, state, meta, force=True)
                 ckpt.wait()
-                why = "SIGTERM" if flag.set else f"stop_at={stop_at}"
                 log(f"\nstopped by {why} after step {step}; checkpoint saved in "
                     f"{ckpt.directory / str(step)}")
                 stopped = True

@@ -48,7 +48,7 @@ from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import rl_step_with_options
-from kdsa.train.trainer import _StopFlag, prepare
+from kdsa.train.trainer import _StopFlag, prepare, stop_reason
 
 
 @dataclasses.dataclass
@@ -216,10 +216,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 writer.write(rl_i, m)
                 rewards[rl_i], lines[rl_i] = m["reward"], m
                 bar(step, f"rl step {rl_i} reward {m['reward']:.3f}")
-            if flag.set or (stop_at is not None and stop_at <= step < total):
+            why = stop_reason(flag, stop_at, step, total)
+            if why:
                 save(True)
                 ckpt.wait()
-                why = "SIGTERM" if flag.set else f"stop_at={stop_at}"
                 log(f"\nstopped by {why} after step {step}; checkpoint saved in "
                     f"{ckpt.directory / str(step)}")
                 stopped = True
