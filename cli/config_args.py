@@ -28,17 +28,22 @@ def config_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
     if args.preset and args.config:
         raise ValueError("give either --preset or --config, not both")
     if args.config:
-        if not args.config.is_file():
-            raise ValueError(f"--config {args.config}: no such file")
-        try:
-            hf = json.loads(args.config.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {args.config}: not valid JSON ({e})") from None
+        hf = read_json_file(args.config, "--config")
         name, config = args.config.name, ModelConfig.from_hf_config(hf)
     else:
         name = args.preset or args._default_preset
         config = get_preset(name)
     return name, apply_overrides(config, args.overrides)
+
+
+def read_json_file(path, flag: str):
+    """The JSON value in ``path``; a missing file or bad JSON is a ValueError naming ``flag``."""
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
 
 
 def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -62,12 +61,9 @@ def configs_from_args(args):
         if args.demo:
             _, tc, rc = demo_configs()
     if args.rl_config is not None:
-        if not args.rl_config.is_file():
-            raise ValueError(f"--rl-config {args.rl_config}: no such file")
-        try:
-            raw = json.loads(args.rl_config.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--rl-config {args.rl_config}: not valid JSON ({e})") from None
+        from kdsa.cli.config_args import read_json_file
+
+        raw = read_json_file(args.rl_config, "--rl-config")
         if not isinstance(raw, dict):
             raise ValueError(f"--rl-config {args.rl_config}: must be a JSON object")
         names = {f.name for f in dataclasses.fields(RLConfig)}
