@@ -13,6 +13,10 @@ Each :meth:`Engine.step`:
 Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``;
 ``Request.answer_prefix``, forced once the answer starts: the tool-call opening of
 ``tool_choice``),
+banned tokens (``Request.banned_token_ids``: masked to ``-inf`` in the jitted sampler, a fixed
+``[slots, max_banned_tokens]`` array so nothing recompiles; ``tool_choice: "none"`` bans the
+format's call opener; with bans or a prefix the engine also forces the format's answer opening
+after the model's own end of thinking, as forced tokens are exempt from the ban),
 the chat parser (events ``reasoning`` / ``content`` / ``tool_call``; without a parser raw text
 events), stop token ids (the format's end of message unless ``ignore_eos``), stop strings
 (matched on the content, or the raw text without a parser; the text is cut before the stop and
@@ -57,6 +61,7 @@ class Request:
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     on_event: Callable[["Event"], None] | None = None
     answer_prefix: tuple[int, ...] = ()  # forced at the start of the answer (tool_choice)
+    banned_token_ids: tuple[int, ...] = ()  # never sampled (tool_choice "none"); forced ok
     images: list = dataclasses.field(default_factory=list)  # patched images, prompt order
 
 
@@ -128,6 +133,7 @@ class _Active:
             self.forced.extend(self.budget.start())
         # tool_choice: ids forced once the answer starts (at once when the prompt opened it)
         self.prefix = tuple(req.answer_prefix)
+        self.open_answer = self.budget is not None and bool(self.prefix or req.banned_token_ids)
         if self.prefix and self.budget is None:
             self.forced.extend(self.prefix)
             self.prefix = ()
@@ -143,13 +149,14 @@ class _Active:
 class Engine:
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, max_banned_tokens: int = 4):
         self.runner, self.tok = runner, tokenizer
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
         self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
         self.eos_ids = set(chat_format.stop_ids) if chat_format else {tokenizer.eos_id}
         self.num_top = max_top_logprobs
+        self.max_banned = max_banned_tokens
         self.prefill_budget = prefill_tokens_per_step or 4 * runner.prefill_chunk
         self._rng = np.random.default_rng(seed)
         self._sample = sample_jit
@@ -179,6 +186,11 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} outside [0, {self.runner.vocab_size})")
         if req.images:
             self._check_images(req)
+        banned = req.banned_token_ids
+        if len(banned) > self.max_banned or any(
+                not 0 <= int(t) < self.runner.vocab_size for t in banned):
+            raise ValueError(f"banned_token_ids {tuple(banned)!r}: at most "
+                             f"{self.max_banned} ids in [0, {self.runner.vocab_size})")
         if req.sampling.top_logprobs > self.num_top:
             raise ValueError(f"top_logprobs={req.sampling.top_logprobs} exceeds the engine's "
                              f"{self.num_top}")
@@ -328,14 +340,17 @@ class Engine:
         top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),
                                   np.zeros(n, np.int32))
         forced = np.full(n, -1, np.int32)
+        banned = np.full((n, self.max_banned), -1, np.int32)
         for r, i in pairs:
             a, sp = self.slots[i], self.slots[i].req.sampling
             temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
             seeds[r], counters[r] = a.seed, len(a.tokens)
             if a.forced:
                 forced[r] = a.forced.popleft()
-        out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
-                         num_top=self.num_top)
+            ban = a.req.banned_token_ids
+            banned[r, :len(ban)] = ban
+        out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced, banned,
+                           num_top=self.num_top)
         tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
         for r, i in pairs:
             self._apply(i, int(tok[r]), float(lp[r]), top_ids[r], top_lp[r])
@@ -355,10 +370,10 @@ class Engine:
         piece = "" if self.tok.is_special(token) else a.raw.decode(self.tok.token_bytes(token))
         if a.budget is not None:
             a.forced.extend(a.budget.observe(token, piece))
-            if a.prefix and not a.budget.in_reasoning:  # reasoning closed: open the answer
+            if a.open_answer and not a.budget.in_reasoning:  # reasoning closed: open the answer
                 a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
                                 + a.prefix)
-                a.prefix = ()
+                a.prefix, a.open_answer = (), False
         deltas: list[tuple[str, object]] = []
         if req.parser is not None:
             for kind, value in req.parser.feed(token):

@@ -58,6 +58,7 @@ class ChatJob:
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     tool_choice: object = None  # checked: None | "auto" | "none" | "required" | {function}
     answer_prefix: tuple[int, ...] = ()  # ids the engine forces to open the answer
+    banned_token_ids: tuple[int, ...] = ()  # ids the engine never samples (tool_choice none)
 
 
 def _get(body: dict, name: str, types, default=None, check=None, why: str = ""):
@@ -154,10 +155,32 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     calls = sum(len(m.tool_calls) for m in messages)
     forcing = tool_choice == "required" or isinstance(tool_choice, dict)
     prefix = tool_call_prefix(chat_format, tool_choice, calls) if forcing else ()
+    banned = tool_call_opener(chat_format) if tool_choice == "none" else ()
     return ChatJob(prompt, sampling, thinking, effort, stream,
                    bool(opts.get("include_usage")), logprobs, calls,
                    images=[im for m in messages for im in m.images],
-                   tool_choice=tool_choice, answer_prefix=prefix)
+                   tool_choice=tool_choice, answer_prefix=prefix, banned_token_ids=banned)
+
+
+def tool_call_opener(chat_format) -> tuple[int]:
+    """The one token id that starts a tool call, banned in decoding for ``tool_choice:
+    "none"``: the first token where the format's rendering of an assistant turn with a call
+    departs from the same turn without one (XTML ``<|open|>``, which opens ``tools`` after the
+    response -- the engine forces the response's own opening, so the ban only ever stops calls;
+    K2 ``<|tool_calls_section_begin|>``). It must be a special token: banning a text token
+    would also censor ordinary answers."""
+    user = [Message("user", "x")]
+    plain = chat_format.render(user + [Message("assistant", "", None)], thinking=False,
+                               add_generation_prompt=False)
+    call = ToolCall("functions.a:0", "a", "{}")
+    called = chat_format.render(user + [Message("assistant", "", None, (call,))],
+                                thinking=False, add_generation_prompt=False)
+    n = next((i for i, (x, y) in enumerate(zip(plain, called)) if x != y), None)
+    if n is None or not chat_format.tok.is_special(called[n]):
+        raise ApiError(f"tool_choice 'none' cannot be enforced with the {chat_format.name} "
+                       f"chat format (no special token opens its tool calls)",
+                       param="tool_choice")
+    return (called[n],)
 
 
 def tool_call_prefix(chat_format, choice, first_call_index: int = 0) -> tuple[int, ...]:

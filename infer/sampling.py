@@ -17,6 +17,12 @@ logits, before temperature and filters): what a trainer recomputes for RL import
 Forced tokens (thinking-budget close, ``forced >= 0``) replace the sample and get their model
 log-prob too.
 
+Banned tokens (``banned [B, K]`` ids per row, ``-1`` padding; ``tool_choice: "none"`` bans the
+chat format's tool-call opener, ``docs/serving.md``) get logit ``-inf`` before everything else
+on rows that are not forced: they are never sampled (greedy or not), and the returned log-probs
+are those of the model distribution restricted to the allowed tokens (renormalised; a banned
+token's probability is 0). A fixed ``K`` per engine keeps one compiled sampler.
+
 Tested against a float64 NumPy transcription (``tests/test_sampling.py``): filtered log-probs
 agree to 1e-5; kept sets are identical.
 """
@@ -105,17 +111,31 @@ def row_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(seeds, counters)
 
 
+def ban_tokens(logits: jax.Array, banned: jax.Array, forced: jax.Array) -> jax.Array:
+    """logits [B, V] float32, banned [B, K] int32 (ids, -1 = none), forced [B] int32 ->
+    logits with each row's banned ids at -inf, except on forced rows (``forced >= 0``)."""
+    b, v = logits.shape
+    if banned.ndim != 2 or banned.shape[0] != b:
+        raise ValueError(f"banned must be [B={b}, K] token ids, got shape {banned.shape}")
+    ids = jnp.where((banned >= 0) & (forced[:, None] < 0), banned, v)   # [B, K]; v = dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    return logits.at[rows, ids].set(NEG_INF, mode="drop")
+
+
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seeds: jax.Array, counters: jax.Array, forced: jax.Array,
-           *, num_top: int = 0):
+           banned: jax.Array | None = None, *, num_top: int = 0):
     """Choose one token per row and report model log-probs.
 
     logits [B, V]; per-row parameters [B]; ``seeds`` uint32 [B], ``counters`` int32 [B] (tokens
-    sampled so far: the stream position); ``forced`` int32 [B] (>= 0 replaces the sample).
+    sampled so far: the stream position); ``forced`` int32 [B] (>= 0 replaces the sample);
+    ``banned`` int32 [B, K] (optional; ids never sampled, -1 padding).
     Returns tokens [B] int32, logprobs [B] float32, top ids [B, num_top] int32 and top
-    log-probs [B, num_top] float32 (model distribution).
+    log-probs [B, num_top] float32 (model distribution, without the banned ids).
     """
     logits = logits.astype(jnp.float32)
+    if banned is not None:
+        logits = ban_tokens(logits, banned, forced)
     masked = filtered_logits(logits, temperature, top_k, top_p, min_p)
     keys = row_keys(seeds, counters)
     drawn = jax.vmap(jax.random.categorical)(keys, masked)               # [B]

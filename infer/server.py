@@ -106,6 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             parser=fmt.parser(thinking=job.thinking, strict=False,
                               first_call_index=job.first_call_index),
             request_id=f"{job.id}-{i}", answer_prefix=job.answer_prefix,
+            banned_token_ids=job.banned_token_ids,
             on_event=lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
     pending = {r.request_id for r in reqs}
     try:
@@ -174,7 +175,7 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
             lp = api._logprob_entries(tok, [ev.token_id], [ev.logprob], [ev.top_logprobs])
         for kind, value in ev.deltas:
             if kind == "tool_call" and job.tool_choice == "none":
-                continue  # tool_choice "none": calls are dropped (docs/serving.md)
+                continue  # tool_choice "none": never sampled; a second guard (docs/serving.md)
             await send(api.chunk(job, model_name=model, index=i,
                                  delta=api.delta_of(kind, value, tool_index[i]), logprobs=lp))
             lp = None

@@ -8,6 +8,7 @@ import json
 import socket
 import time
 
+import numpy as np
 import pytest
 
 from kdsa.infer.budget import BudgetConfig
@@ -26,17 +27,31 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                "city": {"type": "string"}}}}}]
 
 
-def _answer(content: str, calls=()) -> list[int]:
-    gen = FMT.render([Message("user", "q")])
-    full = FMT.render([Message("user", "q"), Message("assistant", content, "r", tuple(calls))],
+def _answer(content: str, calls=(), fmt=FMT) -> list[int]:
+    gen = fmt.render([Message("user", "q")])
+    full = fmt.render([Message("user", "q"), Message("assistant", content, "r", tuple(calls))],
                       add_generation_prompt=False)
-    body, close = full[len(gen):], list(FMT.reasoning_end_ids)
+    body, close = full[len(gen):], list(fmt.reasoning_end_ids)
     i = next(j for j in range(len(body)) if body[j:j + len(close)] == close)
     return body[i + len(close):]
 
 
+class EosSecond(ScriptedRunner):
+    """The scripted model, with ending the message as its second choice everywhere (logit
+    ``EOS_LOGIT`` against 20 for the script and 0 for the rest): what it writes when its first
+    choice is banned."""
+
+    def _logits(self, slots):
+        out = super()._logits(slots)
+        out[:, self.eos] = np.maximum(out[:, self.eos], EOS_LOGIT)
+        return out
+
+
+EOS_LOGIT = 5.0
+
+
 def _server(answer_ids, slots=4, caps=CAPS):
-    runner = ScriptedRunner(TOK, FMT, answer_ids=answer_ids, num_slots=slots, max_len=1024)
+    runner = EosSecond(TOK, FMT, answer_ids=answer_ids, num_slots=slots, max_len=1024)
     eng = Engine(runner, TOK, chat_format=FMT, budgets=BudgetConfig(caps=dict(caps),
                                                                      grace=GRACE))
     return start_server(eng, FMT, model_name="kdsa-test"), eng
@@ -272,10 +287,52 @@ TOOLS2 = TOOLS + [{"type": "function", "function": {"name": "get_time", "paramet
     "type": "object", "properties": {}}}}]
 
 
-def test_tool_choice_none_drops_calls(tools_server):
-    """tool_choice "none": the model was told (typed system message) and any call it still
-    writes is dropped from the answer, streamed or not."""
-    req = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "reasoning_effort": "low"}
+@pytest.mark.parametrize("flavor,thinking", [("k3", True), ("k3", False), ("k2", True)])
+def test_tool_choice_none_bans_the_call_opener(flavor, thinking):
+    """A model whose first choice is a tool call: with the format's call opener banned it
+    never starts one (it ends the message, its second choice), the banned token has
+    probability 0 (renormalised log-probs without it), and the same request without the ban
+    does call the tool."""
+    from kdsa.infer.engine import Request
+    from kdsa.infer.openai_api import tool_call_opener
+    from kdsa.infer.sampling import SamplingParams
+
+    tok = TOK if flavor == "k3" else ByteTokenizer(384, flavor="k2")
+    fmt = get_format("xtml" if flavor == "k3" else "k2", tok)
+    opener = tool_call_opener(fmt)
+    name = "<|open|>" if flavor == "k3" else "<|tool_calls_section_begin|>"
+    assert opener == (tok.special(name),)
+    runner = EosSecond(tok, fmt, answer_ids=_answer("", [CALL], fmt), num_slots=1, max_len=512,
+                       reasoning_tokens=4)
+    eng = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=dict(CAPS), grace=0))
+    prompt = fmt.render([Message("user", "q")], thinking=thinking)
+
+    def run(banned):
+        req = Request(prompt, SamplingParams(temperature=0, max_tokens=200, top_logprobs=20),
+                      in_reasoning=thinking, parser=fmt.parser(thinking=thinking),
+                      banned_token_ids=banned)
+        return eng.generate([req])[0]
+
+    free = run(())
+    assert [c.name for c in free.output.tool_calls] == ["get_weather"]
+    c = run(opener)
+    assert c.finish_reason == "stop" and c.output.tool_calls == () and not c.output.errors
+    assert c.token_ids[:-1] == free.token_ids[:len(c.token_ids) - 1]
+    assert c.token_ids[-1] == runner.eos
+    # the last step is where the free run opened its call: the opener is gone from the top
+    # log-probs, the end of message is first with the mass renormalised over the other tokens
+    assert free.token_ids[len(c.token_ids) - 1] == opener[0]
+    top_ids = [t for t, _ in c.top_logprobs[-1]]
+    assert top_ids[0] == runner.eos and opener[0] not in top_ids
+    want = EOS_LOGIT - np.log(np.exp(EOS_LOGIT) + tok.vocab_size - 2)
+    assert abs(c.logprobs[-1] - want) < 1e-5 and abs(c.top_logprobs[-1][0][1] - want) < 1e-5
+
+
+def test_tool_choice_none_server(tools_server):
+    """tool_choice "none" over HTTP: the model was told (typed system message) and cannot
+    start a call (its opener is banned), streamed or not."""
+    req = {"messages": USER, "tools": TOOLS, "tool_choice": "none", "reasoning_effort": "low",
+           "temperature": 0}
     status, text = _post(tools_server, req)
     choice = json.loads(text)["choices"][0]
     assert status == 200 and "tool_calls" not in choice["message"]
