@@ -86,20 +86,34 @@ class VisionConfig:
     init_pos_emb_width: int = 64
     merge_kernel_size: tuple[int, int] = (2, 2)
     norm_type: str = "rmsnorm"  # rmsnorm (K3) | layernorm (K2.5)
-    norm_eps: float = 1e-6
+    # None: PyTorch's default of the reference (vLLM nn.RMSNorm(dim) / nn.LayerNorm(dim)):
+    # rmsnorm finfo(bfloat16).eps = 2^-7 (the checkpoint's dtype), layernorm 1e-5
+    norm_eps: float | None = None
+    pos_emb_interpolation_mode: str = "bilinear"  # K3 config.json; bicubic (K2.5) not built
     attn_bias: bool = True
     linear_bias: bool = True
     patch_embed_proj_bias: bool = True
     rope_theta: float = 10000.0
     projector_ln_eps: float = 1e-5
-    max_patches: int = 16384  # per image, before merging (a clear error beyond it)
+    # the processor's in_patch_limit / patch_limit_on_one_side (K3: 65536 / 512): larger
+    # images are downscaled to fit (model/vision/patching.py)
+    max_patches: int = 65536
+    max_patches_per_side: int = 512
     media_placeholder_token_id: int = 163605  # <|media_pad|>
 
     def __post_init__(self):
         object.__setattr__(self, "merge_kernel_size", tuple(int(k) for k in self.merge_kernel_size))
+        if self.norm_eps is None:
+            eps = 2.0 ** -7 if self.norm_type == "rmsnorm" else 1e-5
+            object.__setattr__(self, "norm_eps", eps)
+        if self.pos_emb_interpolation_mode != "bilinear":
+            raise ValueError(f"vision_config.pos_emb_interpolation_mode="
+                             f"{self.pos_emb_interpolation_mode!r}: only 'bilinear' (K3) is "
+                             f"implemented")
         _positive(self, "vision_config.", "hidden_size", "num_hidden_layers",
                   "num_attention_heads", "intermediate_size", "patch_size",
-                  "init_pos_emb_height", "init_pos_emb_width", "max_patches")
+                  "init_pos_emb_height", "init_pos_emb_width", "max_patches",
+                  "max_patches_per_side")
         if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) < 1:
             raise ValueError(f"vision_config.merge_kernel_size must be two positive integers, "
                              f"got {self.merge_kernel_size}")

@@ -48,7 +48,8 @@ def tiny_vl() -> ModelConfig:
     return tiny().replace(vision_config=VisionConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
         patch_size=14, init_pos_emb_height=8, init_pos_emb_width=8, merge_kernel_size=(2, 2),
-        max_patches=1024, media_placeholder_token_id=277))
+        attn_bias=False, linear_bias=False, patch_embed_proj_bias=False,
+        max_patches=1024, max_patches_per_side=64, media_placeholder_token_id=277))
 
 
 def small() -> ModelConfig:
@@ -115,6 +116,7 @@ def k3_2p8t() -> ModelConfig:
             hidden_size=1024, num_hidden_layers=27, num_attention_heads=12,
             intermediate_size=4096, qkv_hidden_size=1536, patch_size=14, init_pos_emb_height=64,
             init_pos_emb_width=64, merge_kernel_size=(2, 2), norm_type="rmsnorm",
+            attn_bias=False, linear_bias=False, patch_embed_proj_bias=False,  # K3 config.json
             media_placeholder_token_id=163605),
     )
 

@@ -3,6 +3,9 @@ the position-grid interpolation (NumPy loops, PIL's bilinear resize, identity), 
 multiplication per pair), merge order (vLLM-style permutation of a raster grid), packed images
 (several images in one row == each alone), feature placement."""
 
+import base64
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from PIL import Image
 
 from kdsa.model.config import get_preset
 from kdsa.model.vision.assemble import pack_images, scatter_features
+from kdsa.model.vision.inputs import decode_image
 from kdsa.model.vision.patching import merge_order, patch_grid, patchify
 from kdsa.model.vision.position import apply_rope_2d, interpolate_pos_emb, rope_2d_angles
 from kdsa.model.vision.projector import merge_patches
@@ -27,8 +31,9 @@ def test_patch_grid_odd_sizes(h, w, grid):
     im = patchify(np.full((h, w, 3), 255, np.uint8), VC)
     assert im.grid == grid and im.num_patches == grid[0] * grid[1]
     assert im.num_tokens == im.num_patches // 4 and im.size == (w, h)
-    # the image itself is +1 (white), the padding to whole merge windows is 0
-    full = np.zeros((grid[0] * 14, grid[1] * 14), np.float32)
+    # the image itself is +1 (white), the padding to whole merge windows is -1 (black pixels,
+    # as the K2.5/K3 processor pads before normalising)
+    full = np.full((grid[0] * 14, grid[1] * 14), -1.0, np.float32)
     full[:h, :w] = 1.0
     for (r, c), p in zip(im.pos, im.patches):
         np.testing.assert_array_equal(p.reshape(3, 14, 14)[0], full[r * 14:(r + 1) * 14,
@@ -44,13 +49,55 @@ def test_patch_layout_is_channel_row_col():
                                rtol=1e-6)
 
 
-def test_patch_limit_and_bad_pixels():
-    with pytest.raises(ValueError, match=r"needs 34x34 = 1156 patches .* max_patches=1024"):
-        patchify(np.zeros((470, 470, 3), np.uint8), VC)
+def test_large_images_are_downscaled_like_the_processor():
+    """tiny-vl: max_patches (in_patch_limit) 1024, 64 patches per side. Expected sizes worked
+    out by hand from navit_resize_image (K2.5/K3 media_utils): 470 x 470 px has 33 x 33 whole
+    patches > 1024, scale sqrt(1024 / 1089), int(470 * 0.9697) = 455 px, padded to 34 x 34
+    patches (the padding may exceed the limit, as in the reference); 2000 x 20 px hits the
+    side limit, scale 64 * 14 / 2000: 896 x 8 px -> 64 x 2 patches."""
+    px = np.random.default_rng(3).integers(0, 256, (470, 470, 3)).astype(np.uint8)
+    im = patchify(px, VC)
+    assert im.grid == (34, 34) and im.size == (470, 470)
+    want = np.asarray(Image.fromarray(px).resize((455, 455), Image.BICUBIC), np.float32)
+    canvas = np.full((34 * 14, 34 * 14, 3), -1.0, np.float32)
+    canvas[:455, :455] = want / 127.5 - 1.0
+    for (r, c), p in zip(im.pos[:50], im.patches[:50]):
+        np.testing.assert_allclose(p.reshape(3, 14, 14),
+                                   canvas[r * 14:(r + 1) * 14, c * 14:(c + 1) * 14]
+                                   .transpose(2, 0, 1), atol=1e-6)
+    assert patchify(np.zeros((20, 2000, 3), np.uint8), VC).grid == (2, 64)
+    assert patchify(np.zeros((20, 2000, 3), np.float32), VC).grid == (2, 64)  # float path
+    k3 = get_preset("k3-2.8t").vision_config                  # 65536 / 512: 640x480 untouched
+    assert patchify(np.zeros((480, 640, 3), np.uint8), k3).grid == (36, 46)
+
+
+def test_bad_pixels():
     with pytest.raises(ValueError, match=r"\[height, width, 3\]"):
         patchify(np.zeros((20, 20), np.uint8), VC)
     with pytest.raises(ValueError, match="finite values in"):
         patchify(np.full((20, 20, 3), np.nan, np.float32), VC)
+
+
+def test_transparency_is_composited_onto_the_chessboard():
+    rgba = np.zeros((20, 20, 4), np.uint8)
+    rgba[..., 0], rgba[:, 10:, 3] = 200, 255          # red 200; left half fully transparent
+    rgba[0, 12, 3] = 128                              # one half-transparent pixel
+    out = decode_image(base64.b64decode(to_data_url_rgba(rgba)))
+    want_bg = np.array([[255 if ((y // 8) + (x // 8)) % 2 == 0 else 180 for x in range(10)]
+                        for y in range(20)])
+    for c in range(3):
+        np.testing.assert_array_equal(out[:, :10, c], want_bg)
+    assert out[5, 15].tolist() == [200, 0, 0]
+    a = 128 / 255                                      # background at (0, 12): gray (square 1)
+    g = round(180 * (1 - a))
+    assert out[0, 12].tolist() == [round(200 * a + 180 * (1 - a)), g, g]
+
+
+def to_data_url_rgba(rgba):
+    """RGBA uint8 -> base64 PNG bytes."""
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, "PNG")
+    return base64.b64encode(buf.getvalue())
 
 
 def _bilinear_reference(table: np.ndarray, oh: int, ow: int) -> np.ndarray:
@@ -182,3 +229,30 @@ def test_sharding_rules_cover_the_tower():
         assert tuple(specs["encoder.blocks.1.mlp.fc1.kernel"]) == (
             "tensor", "fsdp" if layout == "train" else None)
         assert tuple(specs["proj.2.kernel"])[0] == "tensor"
+
+
+# K3's published vision_config (config.json, revision recorded in kimi_k3.md; the same values in
+# lightseekorg/tokenspeed python/tokenspeed/runtime/configs/kimi_k3_config.py
+# KimiK3VisionConfig, "defaults verbatim from config.json")
+K3_PUBLISHED = {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64,
+                "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed",
+                "pos_emb_interpolation_mode": "bilinear", "vt_num_attention_heads": 12,
+                "vt_num_hidden_layers": 27, "vt_hidden_size": 1024, "vt_intermediate_size": 4096,
+                "qkv_hidden_size": 1536, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+                "mm_projector_type": "patchmergerv2", "projector_hidden_act": "gelu",
+                "projector_ln_eps": 1e-5, "norm_type": "rmsnorm", "attn_bias": False,
+                "patch_embed_proj_bias": False, "mlp_type": "mlp2", "linear_bias": False,
+                "activation_func": "gelu_pytorch_tanh", "text_hidden_size": 7168}
+
+
+def test_k3_preset_matches_the_published_vision_config():
+    from kdsa.model.config import VisionConfig
+
+    ours = get_preset("k3-2.8t").vision_config
+    assert VisionConfig.from_hf(K3_PUBLISHED) == ours
+    # vLLM builds the tower norms as nn.RMSNorm(dim): eps = finfo(bfloat16).eps in the bf16
+    # checkpoint; no biases anywhere in the K3 tower
+    assert ours.norm_eps == 2.0 ** -7 and not (ours.attn_bias or ours.linear_bias
+                                               or ours.patch_embed_proj_bias)
+    with pytest.raises(ValueError, match="only 'bilinear'"):
+        VisionConfig.from_hf(dict(K3_PUBLISHED, pos_emb_interpolation_mode="bicubic"))

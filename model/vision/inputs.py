@@ -4,8 +4,11 @@ Every failure is a ``ValueError`` that names the image (``where``) and the probl
 URL scheme, bad base64, bytes Pillow cannot identify or that are truncated, too many pixels,
 too many images. The pixel limit is checked from the header before the pixels are decoded
 (so a decompression bomb is refused cheaply); Pillow's own bomb check is turned into the same
-error. Decoded images are RGB ``uint8 [H, W, 3]`` (alpha dropped, palettes expanded, EXIF
-orientation not applied).
+error. Decoded images are RGB ``uint8 [H, W, 3]`` (palettes expanded, EXIF orientation not
+applied). An image with transparency is composited onto K3's background, a chessboard of 8-px
+squares, white (255) at the top left and gray (180) (the checkpoint's ``transparent_bg_config``
+as recorded by the sglang K3 processor and its ports; K2.5 dropped the alpha channel instead):
+``rgb' = round(rgb * a + bg * (1 - a))``, ``a = alpha / 255``.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
                 raise ValueError(f"{where}: {w}x{h} = {w * h} pixels; the limit is "
                                  f"{limits.max_pixels}")
             im.load()
-            rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
+            rgb = flatten_alpha(im)
     except ValueError:
         raise
     except (OSError, SyntaxError, EOFError, Image.DecompressionBombError,
@@ -61,6 +64,27 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
     if rgb.ndim != 3 or rgb.shape[2] != 3 or min(rgb.shape[:2]) < 1:
         raise ValueError(f"{where}: decoded to an unusable shape {rgb.shape}")
     return rgb
+
+
+CHESSBOARD = (8, 255, 180)  # square size, white (top left), gray
+
+
+def chessboard(height: int, width: int) -> np.ndarray:
+    """``[H, W]`` uint8 background of transparent pixels (module doc)."""
+    size, white, gray = CHESSBOARD
+    y, x = np.meshgrid(np.arange(height) // size, np.arange(width) // size, indexing="ij")
+    return np.where((y + x) % 2 == 0, white, gray).astype(np.uint8)
+
+
+def flatten_alpha(im) -> np.ndarray:
+    """A PIL image -> RGB ``uint8 [H, W, 3]``; transparency composited onto :func:`chessboard`."""
+    has_alpha = im.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in im.info
+    if not has_alpha:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+    rgba = np.asarray(im.convert("RGBA"), dtype=np.float32)
+    a = rgba[..., 3:] / 255.0
+    bg = chessboard(*rgba.shape[:2]).astype(np.float32)[..., None]
+    return np.round(rgba[..., :3] * a + bg * (1.0 - a)).astype(np.uint8)
 
 
 def image_from_url(url, where: str = "image_url", limits: ImageLimits = ImageLimits()

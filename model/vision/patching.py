@@ -1,23 +1,31 @@
 """Native-resolution patching: an RGB image -> 14 x 14 patches in 2 x 2 merge order.
 
-No resize to a square (MoonViT / Kimi-VL "native resolution", ``kimi_k3.md`` 5): an image of
-``W x H`` pixels is padded on the right and bottom to the next multiple of
-``patch_size * merge`` pixels and cut into a ``gh x gw`` grid of patches,
+No resize to a square (MoonViT / Kimi-VL "native resolution", ``kimi_k3.md`` 5). The rule is the
+K2.5 / K3 processor's (``navit_resize_image`` in the checkpoint's ``media_utils.py``, read via
+its ports; ``docs/vision.md`` "checked against"):
 
-    gh = merge_h * ceil(H / (patch_size * merge_h)),  gw = merge_w * ceil(W / (patch_size * merge_w)),
+1. **Downscale only when over a limit**, keeping the aspect ratio: with ``p`` the patch size,
+   ``scale = min(1, sqrt(L / (max(1, W // p) * max(1, H // p))), S * p / W, S * p / H)`` where
+   ``L = max_patches`` (the processor's ``in_patch_limit``; K3 65536) and ``S =
+   max_patches_per_side`` (``patch_limit_on_one_side``, 512); the new size is
+   ``min(max(1, int(W * scale)), S * p)`` (same for ``H``), resampled bicubically (PIL
+   ``BICUBIC``, as the processor).
+2. **Pad right and bottom with black** (pixel value 0, i.e. -1 after normalisation) to the next
+   multiple of ``patch_size * merge`` pixels: ``gh = merge_h * ceil(H' / (p * merge_h))``,
+   likewise ``gw``, so every patch grid divides into whole merge windows.
+3. **Normalise** ``(x / 255 - 0.5) / 0.5`` (image mean and std 0.5 per channel).
 
-so every patch grid divides into whole merge windows. Pixels are scaled to [-1, 1]
-(``(x / 255 - 0.5) / 0.5``, Kimi-VL's image mean and std); padding is 0 (mid-gray). A patch is
-flattened in ``(channel, row, col)`` order, the order of the checkpoint's conv weight
+A patch is flattened in ``(channel, row, col)`` order, the order of the checkpoint's conv weight
 ``patch_embed.proj.weight [D, 3, 14, 14]``. Patches are listed in **merge order**: merge windows
 row-major over the ``gh/mh x gw/mw`` window grid, and inside each window its ``mh x mw`` patches
-row-major, so merging is one reshape (vLLM ``tpool_patch_merger`` for ``t = 1``). An image that
-needs more than ``max_patches`` patches is refused with a ``ValueError`` naming its size.
+row-major, so merging is one reshape (vLLM ``tpool_patch_merger`` for ``t = 1``). ``size`` keeps
+the original ``W x H`` (the prompt's ``image WxH``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -63,26 +71,51 @@ def merge_order(gh: int, gw: int, merge_kernel_size: tuple[int, int] = (2, 2)) -
     return rc.reshape(-1, 2).astype(np.int32)
 
 
+def resized_size(width: int, height: int, vision) -> tuple[int, int]:
+    """``(W', H')`` after the processor's downscale rule (module doc, step 1)."""
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    p, side, limit = vision.patch_size, vision.max_patches_per_side, vision.max_patches
+    scale = min(1.0, math.sqrt(limit / (max(1.0, width // p) * max(1.0, height // p))),
+                side * p / width, side * p / height)
+    if scale >= 1.0:
+        return width, height
+    return (min(max(1, int(width * scale)), side * p), min(max(1, int(height * scale)), side * p))
+
+
+def _resize(x: np.ndarray, width: int, height: int) -> np.ndarray:
+    """Bicubic resize (PIL) of ``[H, W, 3]`` uint8 (as RGB) or float (per channel, mode F)."""
+    from PIL import Image
+
+    if x.dtype == np.uint8:
+        return np.asarray(Image.fromarray(x, "RGB").resize((width, height), Image.BICUBIC))
+    chans = [np.asarray(Image.fromarray(np.ascontiguousarray(x[..., c], np.float32), "F")
+                        .resize((width, height), Image.BICUBIC)) for c in range(3)]
+    return np.clip(np.stack(chans, -1), 0.0, 255.0)
+
+
 def patchify(pixels: np.ndarray, vision) -> ImagePatches:
     """``pixels [H, W, 3]`` uint8 (or floats in [0, 255]) -> :class:`ImagePatches` for the
-    ``VisionConfig`` ``vision``."""
+    ``VisionConfig`` ``vision`` (module doc: downscale over the limits, pad, normalise)."""
     pixels = np.asarray(pixels)
     if pixels.ndim != 3 or pixels.shape[2] != 3:
         raise ValueError(f"an image must be [height, width, 3] RGB, got shape {pixels.shape}")
     if not (np.issubdtype(pixels.dtype, np.integer) or np.issubdtype(pixels.dtype, np.floating)):
         raise ValueError(f"image pixels must be numbers, got dtype {pixels.dtype}")
     h, w, _ = pixels.shape
-    ps, (mh, mw) = vision.patch_size, vision.merge_kernel_size
-    gh, gw = patch_grid(h, w, ps, (mh, mw))
-    if gh * gw > vision.max_patches:
-        raise ValueError(f"an image of {w}x{h} px needs {gh}x{gw} = {gh * gw} patches of {ps} px; "
-                         f"the limit is max_patches={vision.max_patches}")
-    x = pixels.astype(np.float32)
-    if not np.all(np.isfinite(x)) or x.min() < 0 or x.max() > 255:
+    if h < 1 or w < 1:
+        raise ValueError(f"image size must be positive, got {w}x{h}")
+    x = pixels if pixels.dtype == np.uint8 else pixels.astype(np.float32)
+    if x.dtype != np.uint8 and (not np.all(np.isfinite(x)) or x.min() < 0 or x.max() > 255):
         raise ValueError("image pixels must be finite values in [0, 255]")
-    x = (x / 255.0 - IMAGE_MEAN) / IMAGE_STD
-    canvas = np.zeros((gh * ps, gw * ps, 3), np.float32)
-    canvas[:h, :w] = x
+    nw, nh = resized_size(w, h, vision)
+    if (nw, nh) != (w, h):
+        x = _resize(x, nw, nh)
+    ps, (mh, mw) = vision.patch_size, vision.merge_kernel_size
+    gh, gw = patch_grid(nh, nw, ps, (mh, mw))
+    canvas = np.zeros((gh * ps, gw * ps, 3), np.float32)        # black padding (pixel 0)
+    canvas[:nh, :nw] = x
+    canvas = (canvas / 255.0 - IMAGE_MEAN) / IMAGE_STD
     grid = canvas.reshape(gh, ps, gw, ps, 3).transpose(0, 2, 4, 1, 3)  # [gh, gw, C, ps, ps]
     grid = grid.reshape(gh, gw, 3 * ps * ps)
     pos = merge_order(gh, gw, (mh, mw))
