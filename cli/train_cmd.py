@@ -22,8 +22,10 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of init and data (train.seed)")
     p.add_argument("--run-dir", type=Path, required=True, help="output directory")
     p.add_argument("--data", type=Path, default=None,
-                   help="JSONL file of {\"tokens\": [...]} or {\"text\": ...} documents "
-                        "(default: synthetic data)")
+                   help="JSONL file of {\"tokens\": [...]} or {\"text\": ...} documents, or of "
+                        "{\"messages\": [...]} chat examples (SFT on the last assistant turn; "
+                        "image_url / image parts need a preset with a vision tower; "
+                        "docs/vision.md) (default: synthetic data)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest readable checkpoint in --run-dir")
     p.add_argument("--train-set", dest="train_overrides", action="append", default=[],
@@ -60,6 +62,11 @@ def run(args) -> int:
     check_configs(config, tc)  # every config error before anything compiles
     if args.data is not None and not args.data.is_file():
         raise ValueError(f"--data {args.data}: no such file")
+    data = args.data
+    if data is not None:
+        from kdsa.train.vision_data import chat_sft_data, is_chat_jsonl
+        if is_chat_jsonl(data):  # every line checked (images decoded) before anything compiles
+            data = chat_sft_data(config, tc, data)
     from kdsa.sharding.mesh import fit_layout
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     mesh = fit_layout(config, "train", preset=name, override=args.mesh,
@@ -68,7 +75,7 @@ def run(args) -> int:
     log(f"kdsa train: {name}, {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} "
         f"(accum {tc.accum_steps}), {tc.optimizer}, mesh {axes} ({jax.process_count()} "
         f"process(es)), run dir {args.run_dir}")
-    result = run_training(config, tc, args.run_dir, data_path=args.data, resume=args.resume,
+    result = run_training(config, tc, args.run_dir, data_path=data, resume=args.resume,
                           progress=not args.no_progress and jax.process_index() == 0,
                           mesh=mesh)
     last = result.losses.get(result.final_step)

@@ -3,6 +3,7 @@ vision-language model (1-block tower, one KDA layer) that learns by SFT, in 40 s
 the stripes it is shown (horizontal -> "h", vertical -> "v"), checked on held-out images."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,9 @@ from kdsa.model.transformer import Transformer
 from kdsa.model.vision.assemble import image_batch, image_inputs
 from kdsa.model.vision.inputs import to_data_url
 from kdsa.train.config import TrainConfig
-from kdsa.train.optim import make_optimizer
-from kdsa.train.step import init_state, split_model, train_step
-from kdsa.train.vision_data import ImageSftData, read_image_sft_jsonl
+from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.trainer import prepare, run_training
+from kdsa.train.vision_data import ImageSftData, chat_sft_data, read_image_sft_jsonl
 
 FMT = get_format("xtml", ByteTokenizer(384))
 SEQ = 104
@@ -60,7 +61,7 @@ def test_data_rows_loss_mask_and_image_files(tmp_path):
     Image.fromarray(_stripes(np.random.default_rng(0), True)).save(tmp_path / "a.png")
     lines = [_example(None, True, {"type": "image", "path": "a.png"}),
              _example(np.random.default_rng(1), False)]
-    (tmp_path / "d.jsonl").write_text("\n".join(__import__("json").dumps(x) for x in lines))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     d = read_image_sft_jsonl(tmp_path / "d.jsonl", FMT, vc, batch_size=2, seq_len=SEQ)
     b = d.batch(0)
     assert b["image_patches"].shape == (2, 8, 3 * 14 * 14) and b["inputs"].shape == (2, SEQ)
@@ -90,15 +91,67 @@ def test_bad_examples_are_named(tmp_path, messages, msg):
                       seq_len=SEQ, base_dir=tmp_path)
 
 
-def test_tiny_vl_learns_stripe_direction_by_sft():
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_kdsa_train_reads_chat_jsonl_and_names_bad_lines(tmp_path, monkeypatch):
+    """``kdsa train --data`` on image conversations: the command hands the trainer chat SFT
+    data (rows, loss mask, image arrays); a bad image, an image over the limits, or an image
+    for a preset without a tower is a clear error naming FILE:LINE (before any compile)."""
+    from kdsa.cli.main import main
+    from kdsa.train import trainer
+
+    seen = {}
+
+    def fake_run(config, tc, run_dir, *, data_path, **kw):
+        seen["data"] = trainer.make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed,
+                                         data_path)
+        return trainer.RunResult(losses={1: 1.0}, final_step=1, stopped=False, resumed_from=None)
+
+    monkeypatch.setattr(trainer, "run_training", fake_run)
+    Image.fromarray(_stripes(np.random.default_rng(0), True)).save(tmp_path / "a.png")
+    good = [_example(None, True, {"type": "image", "path": "a.png"}),
+            _example(np.random.default_rng(1), False)]
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--steps", "20", "--no-progress",
+            "--train-set", "batch_size=2", "--train-set", f"seq_len={SEQ}", "--data"]
+    assert main(args + [str(_write_jsonl(tmp_path / "d.jsonl", good)), "--preset",
+                        "tiny-vl"]) == 0
+    data = seen["data"]
+    assert isinstance(data, ImageSftData)
+    b = data.batch(0)
+    assert b["image_patches"].shape == (2, 8, 3 * 14 * 14) and b["loss_mask"].sum() > 0
+    Image.new("L", (5000, 4000)).save(tmp_path / "big.png")
+    bad = {"bad.jsonl": (good + [_example(None, True, {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,iVBORw0KGgo="}})], "bad.jsonl:3: .*cannot decode"),
+           "big.jsonl": ([good[0], _example(None, True, {"type": "image", "path": "big.png"})],
+                         "big.jsonl:2: .*20000000 pixels; the limit is"),
+           "text.jsonl": (good, "text.jsonl:1: .*does not read images")}
+    for name, (lines, msg) in bad.items():
+        preset = "tiny" if name == "text.jsonl" else "tiny-vl"
+        with pytest.raises(ValueError, match=msg):
+            chat_sft_data(get_preset(preset), TrainConfig(batch_size=2, seq_len=SEQ),
+                          _write_jsonl(tmp_path / name, lines))
+        assert main(args + [str(tmp_path / name), "--preset", preset]) == 2
+
+
+def test_tiny_vl_learns_stripe_direction_by_sft(tmp_path):
+    """The training loop ``kdsa train`` runs (``run_training``) on a chat JSONL of stripe
+    images (data URLs), then the final checkpoint names held-out stripes."""
     cfg = _config()
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    train, held_out = _data(64, seed=0), _data(16, seed=1)
+    rng = np.random.default_rng(0)
+    path = _write_jsonl(tmp_path / "train.jsonl", [_example(rng, k % 2 == 1) for k in range(64)])
+    held_out = _data(16, seed=1)
     tc = TrainConfig(steps=40, batch_size=16, seq_len=SEQ, warmup_steps=0, learning_rate=1e-2,
-                     weight_decay=0.0, bias_update_rate=0.0)
-    _, params, _ = split_model(model, tc)
-    tx = make_optimizer(tc, params)
-    graphdef, state = init_state(model, tc, tx)
+                     weight_decay=0.0, bias_update_rate=0.0, checkpoint_every=1000)
+    data = chat_sft_data(cfg, tc, path)
+    result = run_training(cfg, tc, tmp_path / "run", data_path=data, progress=False)
+    losses = [result.losses[k] for k in sorted(result.losses)]
+    _, graphdef, _, build = prepare(cfg, tc)
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints", every=1000, keep=1)
+    step, state, _ = ckpt.restore_latest(jax.eval_shape(build))
+    assert step == 40
 
     @jax.jit
     def first_answer_token(state, batch):
@@ -109,11 +162,6 @@ def test_tiny_vl_learns_stripe_direction_by_sft():
         pred = jnp.take_along_axis(logits, pos[:, None, None], 1)[:, 0].argmax(-1)
         return pred, jnp.take_along_axis(batch["targets"], pos[:, None], 1)[:, 0]
 
-    losses = []
-    for i in range(tc.steps):
-        state, metrics = train_step(graphdef, state, train.batch(i), tc=tc, tx=tx,
-                                    layout=model.segment_layout)
-        losses.append(float(metrics["loss"]))
     pred, want = (np.asarray(x) for x in first_answer_token(state, held_out.batch(0)))
     assert set(want.tolist()) == {ord("h"), ord("v")}
     assert (pred == want).mean() == 1.0, (pred, want, losses[-5:])

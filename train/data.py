@@ -137,7 +137,11 @@ def _from_rows(rows: np.ndarray, segments: np.ndarray | None) -> dict[str, np.nd
 def make_data(vocab_size: int, batch_size: int, seq_len: int, seed: int,
               path: str | Path | None = None, *, eos_id: int | None = None,
               pad_id: int | None = None):
-    """Synthetic data, or packed JSONL when ``path`` is given."""
+    """Synthetic data, or packed JSONL when ``path`` is given. ``path`` may also be a data
+    source the caller built (an object with ``batch(i)``; ``kdsa train`` builds chat SFT data,
+    ``train/vision_data.py``), used as it is."""
+    if hasattr(path, "batch"):
+        return path
     if path is None:
         return SyntheticData(vocab_size, batch_size, seq_len, seed)
     return PackedJsonlData(path, batch_size, seq_len, seed, vocab_size=vocab_size, eos_id=eos_id,

@@ -15,6 +15,12 @@ Images are patched (``model/vision/patching.py``) into the row's ``image_*`` arr
 row's ``<|media_pad|>`` placeholders take the features. Rows are padded to ``seq_len + 1``
 tokens and ``patches_per_row`` patch slots; an example that does not fit is an error naming it.
 Like the other sources, ``batch(i)`` is a pure function of the batch index (shuffled per epoch).
+
+``kdsa train --data FILE.jsonl`` reads such a file when its lines are ``{"messages": ...}``
+objects (:func:`is_chat_jsonl`, :func:`chat_sft_data`): tokens from the byte tokenizer and the
+``xtml`` chat format (K3's), image files relative to the JSONL, and every error names the file
+and line. Conversations without images train a text-only model too; an image for a model
+without a vision tower is an error naming the line.
 """
 
 from __future__ import annotations
@@ -41,16 +47,19 @@ def render_example(messages: list[Message], chat_format) -> tuple[list[int], int
 
 
 class ImageSftData:
+    """Rows of chat examples (module doc). ``vision`` None: a text-only model (an image is an
+    error). ``names``: how errors name each example (default ``example N``)."""
+
     def __init__(self, examples: list, chat_format, vision, *, batch_size: int, seq_len: int,
                  seed: int = 0, patches_per_row: int | None = None, base_dir=None,
-                 limits: ImageLimits = ImageLimits()):
-        if vision is None:
-            raise ValueError("image SFT data needs a model with a vision_config")
+                 limits: ImageLimits = ImageLimits(), names: list[str] | None = None):
         rows, images = [], []
         for n, ex in enumerate(examples):
-            where = f"example {n}"
+            where = names[n] if names is not None else f"example {n}"
             try:
-                load = make_image_loader(vision, limits, base_dir)
+                if not isinstance(ex, dict) or not isinstance(ex.get("messages"), list):
+                    raise ValueError("expected an object with a 'messages' list")
+                load = None if vision is None else make_image_loader(vision, limits, base_dir)
                 msgs = messages_from_openai(file_parts(ex["messages"]), load)
                 ims = [im for m in msgs for im in m.images]
                 ids, start = render_example(msgs, chat_format)
@@ -63,9 +72,9 @@ class ImageSftData:
             images.append(ims)
         if len(rows) < batch_size:
             raise ValueError(f"{len(rows)} examples, fewer than batch_size={batch_size}")
+        self.vision = vision
         need = max(sum(im.num_patches for im in ims) for ims in images)
         self.patches = patches_per_row or max(8, -(-need // 8) * 8)
-        ph = vision.media_placeholder_token_id
         n, t = len(rows), seq_len + 1
         self.tokens = np.zeros((n, t), np.int32)
         self.answer = np.zeros((n, t), bool)  # positions whose token is trained
@@ -74,8 +83,10 @@ class ImageSftData:
             self.tokens[r, :len(ids)] = ids
             self.valid[r, :len(ids)] = True
             self.answer[r, start:len(ids)] = True
-        check_placeholders(self.tokens, images, ph)
-        self.images, self.feature_size = images, 3 * vision.patch_size ** 2
+        if vision is not None:
+            check_placeholders(self.tokens, images, vision.media_placeholder_token_id)
+        self.images = images
+        self.feature_size = None if vision is None else 3 * vision.patch_size ** 2
         self.batch_size, self.seed = batch_size, seed
         self.batches_per_epoch = n // batch_size
 
@@ -87,18 +98,57 @@ class ImageSftData:
         out = {"inputs": tok[:, :-1], "targets": tok[:, 1:],
                "loss_mask": self.answer[rows][:, 1:].astype(np.float32),
                "segment_ids": valid[:, :-1].astype(np.int32)}
+        if self.vision is None:
+            return out
         packed = pack_images([self.images[r] for r in rows], self.patches, self.feature_size)
         return out | batch_arrays(packed)
 
 
-def read_image_sft_jsonl(path, chat_format, vision, **kw) -> ImageSftData:
-    """:class:`ImageSftData` from a JSONL file; image paths are relative to its directory."""
-    path = Path(path)
-    examples = []
+def _jsonl_records(path: Path):
+    """``(line number, object)`` per non-empty line; bad JSON names the line."""
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                examples.append(json.loads(line))
+                yield n, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-    return ImageSftData(examples, chat_format, vision, base_dir=path.parent, **kw)
+
+
+def read_image_sft_jsonl(path, chat_format, vision, **kw) -> ImageSftData:
+    """:class:`ImageSftData` from a JSONL file; image paths are relative to its directory;
+    errors name ``FILE:LINE``."""
+    path = Path(path)
+    recs = list(_jsonl_records(path))
+    return ImageSftData([r for _, r in recs], chat_format, vision, base_dir=path.parent,
+                        names=[f"{path}:{n}" for n, _ in recs], **kw)
+
+
+def is_chat_jsonl(path) -> bool:
+    """Whether the first record of a JSONL file is a chat example (``{"messages": ...}``)."""
+    path = Path(path)
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+                return isinstance(rec, dict) and "messages" in rec
+    return False
+
+
+def chat_sft_data(config, tc, path, limits: ImageLimits = ImageLimits()) -> ImageSftData:
+    """``kdsa train --data`` on a chat JSONL: byte tokenizer + ``xtml`` format of the model's
+    vocabulary, ``tc.batch_size`` rows of ``tc.seq_len``, shuffled with ``tc.seed``."""
+    from kdsa.infer.chat import get_format
+    from kdsa.infer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None, vocab_size=config.vocab_size)
+    vc = config.vision_config
+    pad = tok.special_tokens.get("<|media_pad|>")
+    if vc is not None and pad != vc.media_placeholder_token_id:
+        raise ValueError(f"vision_config.media_placeholder_token_id="
+                         f"{vc.media_placeholder_token_id} is not the byte tokenizer's "
+                         f"<|media_pad|> ({pad})")
+    return read_image_sft_jsonl(path, get_format("xtml", tok), vc, batch_size=tc.batch_size,
+                                seq_len=tc.seq_len, seed=tc.seed, limits=limits)
