@@ -59,8 +59,8 @@ class RoutingBias(nnx.Variable):
 # Router
 # ---------------------------------------------------------------------------------------------
 
-def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array,
-          config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: ModelConfig,
+          expert_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k routing with a selection-only bias (DeepSeek-V3 ``noaux_tc``).
 
     Args:
@@ -74,6 +74,10 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array,
     best ``topk_group`` groups are masked to -inf before the top-k (vLLM masks with -inf; the
     HF DeepSeek code masks with 0, which differs only when biased scores go negative).
     Ties go to the lower expert index (``lax.top_k``).
+
+    ``expert_ids [N, k]`` (MoE routing replay in RL: the experts the rollout engine chose)
+    replace the top-k choice; the weights are still gathered from the current ``scores`` at
+    those ids (renormalised and scaled the same way), so gradients reach the router.
     """
     n, d = x.shape
     e = config.num_experts
@@ -89,7 +93,13 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array,
     choice = jax.lax.stop_gradient(scores + bias.astype(jnp.float32)[None, :])  # [N, E]
     if config.use_grouped_topk and config.num_expert_group > 1:
         choice = _limit_to_top_groups(choice, config.num_expert_group, config.topk_group)
-    _, topk_idx = jax.lax.top_k(choice, config.num_experts_per_token)  # [N, k]
+    if expert_ids is None:
+        _, topk_idx = jax.lax.top_k(choice, config.num_experts_per_token)  # [N, k]
+    elif expert_ids.shape != (n, config.num_experts_per_token):
+        raise ValueError(f"expert_ids must be [N={n}, k={config.num_experts_per_token}], got "
+                         f"{expert_ids.shape}")
+    else:
+        topk_idx = expert_ids
     topk_weight = jnp.take_along_axis(scores, topk_idx, axis=-1)  # [N, k]
     if config.moe_renormalize:
         topk_weight = topk_weight / (jnp.sum(topk_weight, axis=-1, keepdims=True) + 1e-20)
@@ -301,8 +311,10 @@ class Router(nnx.Module):
         self.e_score_correction_bias = RoutingBias(jnp.zeros((config.num_experts,), jnp.float32),
                                                    axes=(None,))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return route(x, self.weight[...], self.e_score_correction_bias[...], self.config)
+    def __call__(self, x: jax.Array, expert_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return route(x, self.weight[...], self.e_score_correction_bias[...], self.config,
+                     expert_ids)
 
 
 class RoutedExperts(nnx.Module):
@@ -390,17 +402,19 @@ class MoE(nnx.Module):
             DenseFFN(config, config.moe_intermediate_size * config.num_shared_experts, rngs=rngs)
             if config.num_shared_experts > 0 else None)
 
-    def __call__(self, x: jax.Array, *,
-                 token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        return self._forward(x, token_mask, routed_experts_fn(experts_ragged))
+    def __call__(self, x: jax.Array, *, token_mask: jax.Array | None = None,
+                 expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """``expert_ids [B, T, k]``: use these experts instead of the router's top-k (routing
+        replay); the gate weights still come from the current router."""
+        return self._forward(x, token_mask, routed_experts_fn(experts_ragged), expert_ids)
 
-    def reference(self, x: jax.Array, *,
-                  token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    def reference(self, x: jax.Array, *, token_mask: jax.Array | None = None,
+                  expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Same layer with the one-hot dense expert computation (tests, debugging)."""
-        return self._forward(x, token_mask, experts_one_hot)
+        return self._forward(x, token_mask, experts_one_hot, expert_ids)
 
-    def _forward(self, x: jax.Array, token_mask: jax.Array | None,
-                 experts_fn: ExpertsFn) -> tuple[jax.Array, dict]:
+    def _forward(self, x: jax.Array, token_mask: jax.Array | None, experts_fn: ExpertsFn,
+                 expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         c = self.config
         if x.ndim != 3 or x.shape[-1] != c.hidden_size:
             raise ValueError(f"MoE expects x [B, T, D={c.hidden_size}], got {x.shape}")
@@ -409,7 +423,12 @@ class MoE(nnx.Module):
             raise ValueError(f"token_mask must be [B={b}, T={t}], got {token_mask.shape}")
         cdt = dtype_of(c.compute_dtype)
         xf = x.reshape(b * t, d).astype(cdt)  # [N, D]
-        topk_idx, topk_weight, _ = self.gate(xf)  # [N, k], [N, k]
+        if expert_ids is not None:
+            if expert_ids.shape != (b, t, c.num_experts_per_token):
+                raise ValueError(f"expert_ids must be [B={b}, T={t}, k="
+                                 f"{c.num_experts_per_token}], got {expert_ids.shape}")
+            expert_ids = expert_ids.reshape(b * t, -1).astype(jnp.int32)
+        topk_idx, topk_weight, _ = self.gate(xf, expert_ids)  # [N, k], [N, k]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
         r = self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn)  # [N, De]
         r, ep_metrics = r if isinstance(r, tuple) else (r, {})  # expert parallel: moe_dropped

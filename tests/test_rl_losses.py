@@ -178,3 +178,28 @@ def test_config_errors():
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(RLLossConfig(), jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.ones((2, 3)),
                     jnp.zeros(3))
+
+
+def test_sequence_tis_in_the_loss():
+    """``tis="sequence"``: each sequence's per-token loss times one detached weight
+    ``min(exp(sum_t (old - sampler)), cap)`` (GRPO sequence mean and the Kimi objective)."""
+    sampler = OLD + np.array([[0.1, -0.2, 0.0], [-0.5, 0.1, 7.0], [0.3, 0.0, 0.1],
+                              [-0.6, -0.4, 0.2]], np.float32)
+    w = np.minimum(np.exp(((OLD - sampler) * MASK).sum(1)), 1.5)  # [B]
+    assert w[3] == 1.5 and w[0] < 1.5  # one sequence capped; padding (7.0) ignored
+    cfg = RLLossConfig(tis="sequence", tis_cap=1.5)
+    per = _np_clipped(LOGP, OLD, ADV, 0.2, 0.2) * w[:, None]
+    num, den = _call(cfg, sampler_logp=jnp.asarray(sampler))
+    np.testing.assert_allclose(num, ((per * MASK).sum(1) / MASK.sum(1)).sum(), rtol=1e-6)
+    assert den == 4
+    kimi = RLLossConfig(loss="kimi", tau=0.5, tis="sequence", tis_cap=1.5)
+    lr = ((LOGP - OLD) * MASK).sum(1)
+    num, _ = _call(kimi, sampler_logp=jnp.asarray(sampler))
+    np.testing.assert_allclose(num, (np.square(ADV - 0.5 * lr) * w).sum(), rtol=1e-6)
+    # detached: the gradient is the unweighted one times w
+    g = jax.grad(lambda lp: policy_loss(cfg, lp, jnp.asarray(OLD), jnp.asarray(MASK),
+                                        jnp.asarray(ADV), sampler_logp=jnp.asarray(sampler))[0])
+    g0 = jax.grad(lambda lp: policy_loss(RLLossConfig(), lp, jnp.asarray(OLD),
+                                         jnp.asarray(MASK), jnp.asarray(ADV))[0])
+    np.testing.assert_allclose(g(jnp.asarray(LOGP)), g0(jnp.asarray(LOGP)) * w[:, None],
+                               rtol=1e-6)
