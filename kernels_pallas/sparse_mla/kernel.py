@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kdsa.kernels_pallas import common
+from kdsa.kernels_pallas.sparse_mla import kernel_tpu
 
 f32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
@@ -63,9 +64,10 @@ _DEFAULT_BLOCK_H, _DEFAULT_BLOCK_K, _MIN_TILE = 64, 64, 16
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Static sizes of one call: true ``s, h, k, v_dim, d_b``; padded ``hp, kp, da, db``; tiles
-    ``bh`` (heads per program) and ``bk`` (slots per step); Triton ``num_warps`` / ``num_stages``
-    (8 warps: a 64 x 512 float32 accumulator is 128 registers per thread; untuned, no GPU was
-    available when this was written; ``bench/gpu_check.py`` sweeps them)."""
+    ``bh`` (heads per program) and ``bk`` (slots per step); ``backend`` "triton" (this file) or
+    "mosaic" (``kernel_tpu.py``); Triton ``num_warps`` / ``num_stages`` (8 warps: a 64 x 512
+    float32 accumulator is 128 registers per thread; untuned, no GPU was available when this was
+    written; ``bench/gpu_check.py`` sweeps them)."""
     s: int
     h: int
     k: int
@@ -79,10 +81,18 @@ class Plan:
     bk: int
     num_warps: int = 8
     num_stages: int = 2
+    backend: str = "triton"
 
     @property
     def two_parts(self) -> bool:
         return self.d_b > 0
+
+
+BACKENDS = ("triton", "mosaic")
+
+# TPU (Mosaic): up to 128 heads per program (the MXU's M), slot tiles of 128 (one lane row of
+# scores and of the index row); fewer slots than that run as one tile.
+_TPU_BLOCK_H, _TPU_BLOCK_K = 128, 128
 
 
 def _width(d: int) -> int:
@@ -90,9 +100,14 @@ def _width(d: int) -> int:
 
 
 def plan(s: int, h: int, k: int, v_dim: int, d_b: int, *, block_h: int | None = None,
-         block_k: int | None = None, num_warps: int = 8, num_stages: int = 2) -> Plan:
+         block_k: int | None = None, num_warps: int = 8, num_stages: int = 2,
+         backend: str = "triton", dtype=jnp.float32) -> Plan:
     """Pad and tile sizes for ``S`` keys, ``N = h`` heads, ``K = k`` slots and widths
-    ``v_dim`` (part a) / ``d_b`` (part b)."""
+    ``v_dim`` (part a) / ``d_b`` (part b) on ``backend``; ``dtype`` of the keys (TPU tiles)."""
+    if backend == "mosaic":
+        return _plan_tpu(s, h, k, v_dim, d_b, block_h, block_k, dtype)
+    if backend != "triton":
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     for name, v in (("block_h", block_h), ("block_k", block_k)):
         if v is not None and (v < 1 or v & (v - 1)):
             raise ValueError(f"{name} = {v} must be a power of two")
@@ -102,6 +117,21 @@ def plan(s: int, h: int, k: int, v_dim: int, d_b: int, *, block_h: int | None = 
                 kp=max(bk, common.round_up(k, bk)), da=_width(v_dim),
                 db=_width(d_b) if d_b else 0, bh=bh, bk=bk, num_warps=num_warps,
                 num_stages=num_stages)
+
+
+def _plan_tpu(s, h, k, v_dim, d_b, block_h, block_k, dtype) -> Plan:
+    """Mosaic plan: heads padded to the sublane tile (8 f32 / 16 bf16) and to ``bh``, slots to
+    ``bk``, key widths unpadded (``kernel_tpu.check_tiles`` says what is allowed)."""
+    sub = kernel_tpu.sublanes(dtype) if jnp.dtype(dtype).itemsize in (2, 4) else 8
+    for name, v in (("block_h", block_h), ("block_k", block_k)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} = {v} must be positive")
+    bh = block_h or min(_TPU_BLOCK_H, common.round_up(h, sub))
+    bk = block_k or min(_TPU_BLOCK_K, max(sub, common.round_up(k, sub)))
+    hp, kp = common.round_up(h, bh), max(bk, common.round_up(k, bk))
+    kernel_tpu.check_tiles(h, k, bh, bk, hp, kp, dtype)
+    return Plan(s=s, h=h, k=k, v_dim=v_dim, d_b=d_b, hp=hp, kp=kp, da=v_dim, db=d_b, bh=bh,
+                bk=bk, backend="mosaic")
 
 
 def _pad_last(x: jax.Array, width: int) -> jax.Array:
@@ -233,8 +263,9 @@ def _triton_params(p: Plan):
 
 def _check_platform(interpret: bool) -> None:
     if not interpret and common.backend() == "tpu":
-        raise NotImplementedError("sparse_mla_attention Pallas kernel: no TPU (Mosaic) version "
-                                  "(it gathers rows with pointer arithmetic); use impl='xla'")
+        raise NotImplementedError("sparse_mla_attention: the Triton kernel does not run on TPU "
+                                  "(it gathers rows with pointer arithmetic); use "
+                                  "backend='mosaic' (kernel_tpu.py, the default there)")
 
 
 def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p: Plan, scale: float, interpret: bool):

@@ -7,8 +7,11 @@ skipped; duplicates count twice; a query with no valid slot gives out 0 and lse 
 first width is ``v_dim`` (the layer's latent and RoPE key) the parts go to the kernel as they are;
 any other form is concatenated once and split at ``v_dim`` (values, rest of the key).
 
-``impl="pallas"`` (default) runs ``kernel.py`` (interpret mode on CPU); ``impl="xla"`` the
-reference. The Pallas path is differentiable through ``jax.custom_vjp``:
+``impl="pallas"`` (default) runs the Pallas kernels (interpret mode on CPU): ``backend="triton"``
+(``kernel.py``, GPU; the CPU default) or ``"mosaic"`` (``kernel_tpu.py``, TPU; rows gathered by
+DMA). Both take the same padded layout (``kernel.plan`` / ``to_layout``, tiles per backend) and
+return the same arrays, so one ``custom_vjp`` serves both. ``impl="xla"`` runs the reference.
+The Pallas path is differentiable through ``jax.custom_vjp``:
 
 * forward: the kernel; out and lse (``[B, T, Hp]``, tiny) are the residuals.
 * backward: the backward kernel gives dQ (each program gathers its query's rows again and
@@ -34,9 +37,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from kdsa.kernels_pallas import common
-from kdsa.kernels_pallas.sparse_mla import kernel
+from kdsa.kernels_pallas.sparse_mla import kernel, kernel_tpu
 from kdsa.kernels_pallas.sparse_mla.ref import check_inputs, sparse_mla_attention_ref
 
 IMPLS = ("pallas", "xla")
@@ -55,9 +59,16 @@ def split_values(parts: tuple[jax.Array, ...], v_dim: int):
 
 # ----------------------------------------------------------------------------- gradient
 
+def _kernels(p: kernel.Plan):
+    """(forward, backward) pallas calls of the plan's backend; same layout and outputs."""
+    if p.backend == "mosaic":
+        return kernel_tpu.sparse_mla_fwd, kernel_tpu.sparse_mla_bwd
+    return kernel.sparse_mla_fwd, kernel.sparse_mla_bwd
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _attend(qa, qb, ka, kb, idx, p, scale, interpret, chunk):
-    return kernel.sparse_mla_fwd(qa, qb, ka, kb, idx, p=p, scale=scale, interpret=interpret)
+    return _kernels(p)[0](qa, qb, ka, kb, idx, p=p, scale=scale, interpret=interpret)
 
 
 def _attend_fwd(qa, qb, ka, kb, idx, p, scale, interpret, chunk):
@@ -93,7 +104,7 @@ def _attend_bwd(p, scale, interpret, chunk, res, cot):
     def chunk_grads(x, acc=None):
         """One query chunk: its dq parts and dKV with its rows scatter-added (into ``acc``)."""
         qa_c, qb_c, idx_c, do_c, lse_c, delta_c = x
-        grads = kernel.sparse_mla_bwd(qa_c, qb_c, ka, kb, idx_c, do_c, lse_c, delta_c, p=p,
+        grads = _kernels(p)[1](qa_c, qb_c, ka, kb, idx_c, do_c, lse_c, delta_c, p=p,
                                       scale=scale, interpret=interpret)
         dka, dkb = acc or (jnp.zeros(ka.shape, f32), None if kb is None else
                            jnp.zeros(kb.shape, f32))
@@ -129,19 +140,30 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 # ----------------------------------------------------------------------------- public op
 
+def default_backend() -> str:
+    """Kernel family for the current JAX backend: "mosaic" on TPU, "triton" elsewhere (GPU; CPU
+    runs either in interpret mode, Triton by default)."""
+    return "mosaic" if common.backend() == "tpu" else "triton"
+
+
 def sparse_mla_attention(q: jax.Array, kv, indices: jax.Array, sm_scale: float, v_dim: int, *,
                          chunk_size: int = 256, impl: str = "pallas",
                          interpret: bool | None = None, block_h: int | None = None,
                          block_k: int | None = None, num_warps: int = 8,
-                         num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+                         num_stages: int = 2,
+                         backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Sparse top-k MLA attention: out ``[B, T, N, v_dim]`` float32, lse ``[B, T, N]``.
 
     q ``[B, T, N, Dk]`` absorbed queries, kv ``[B, S, Dk]`` or parts ``([B, S, Dc], [B, S, Dr])``
     (``kv[..., :v_dim]`` are the values), indices ``[B, T, K]`` int (slots outside ``[0, S)``
     unused). ``chunk_size``: queries per step of the backward pass (Pallas) or of the reference.
-    ``block_h`` / ``block_k``: heads per program and slots per step (powers of two; defaults
-    ``min(64, next_pow2(N))`` and ``min(64, next_pow2(K))``, at least 16); ``num_warps`` /
-    ``num_stages``: Triton launch parameters (GPU only).
+    ``backend``: "triton" (``kernel.py``; GPU, the CPU default) or "mosaic" (``kernel_tpu.py``;
+    the TPU default). ``block_h`` / ``block_k``: heads per program and slots per step. Triton:
+    powers of two, defaults ``min(64, next_pow2(N))`` and ``min(64, next_pow2(K))``, at least
+    16. Mosaic: multiples of 8 (f32) / 16 (bf16), defaults ``min(128, N)`` and ``min(128, K)``
+    rounded up to that. ``num_warps`` / ``num_stages``: Triton launch parameters (GPU only).
+    ``interpret``: None (interpret on CPU only), a bool, or for "mosaic" a
+    ``pltpu.InterpretParams()`` (the TPU simulator, see ``kernel_tpu.interpret_params``).
     """
     if impl == "xla":
         return sparse_mla_attention_ref(q, kv, indices, sm_scale, v_dim, chunk_size=chunk_size)
@@ -156,10 +178,15 @@ def sparse_mla_attention(q: jax.Array, kv, indices: jax.Array, sm_scale: float, 
         return jnp.zeros((b, t, h, v_dim), f32), jnp.full((b, t, h), -jnp.inf, f32)
     ka, kb = split_values(parts, v_dim)
     dtype = jnp.result_type(q, *parts)
+    backend = backend or default_backend()
     p = kernel.plan(s, h, k, v_dim, dk - v_dim, block_h=block_h, block_k=block_k,
-                    num_warps=num_warps, num_stages=num_stages)
+                    num_warps=num_warps, num_stages=num_stages, backend=backend, dtype=dtype)
     qa, qb, ka, kb, idx = kernel.to_layout(q.astype(dtype), ka.astype(dtype),
                                            None if kb is None else kb.astype(dtype), indices, p)
-    out, lse = _attend(qa, qb, ka, kb, idx, p, float(sm_scale),
-                       common.resolve_interpret(interpret), int(chunk_size))
+    if isinstance(interpret, pltpu.InterpretParams) and p.backend != "mosaic":
+        raise ValueError("interpret=pltpu.InterpretParams() (the TPU simulator) needs "
+                         "backend='mosaic'")
+    if not isinstance(interpret, pltpu.InterpretParams):
+        interpret = common.resolve_interpret(interpret)
+    out, lse = _attend(qa, qb, ka, kb, idx, p, float(sm_scale), interpret, int(chunk_size))
     return out[:, :, :h, :v_dim], lse[:, :, :h]

@@ -1,0 +1,274 @@
+"""Pallas TPU (Mosaic) sparse top-k MLA attention: forward and backward kernels.
+
+Same problem, padded layout (``kernel.to_layout``) and outputs as the Triton kernels in
+``kernel.py``, so ``ops.py``'s ``custom_vjp`` (dQ in the kernel, dKV scatter-added in XLA) serves
+both; only the gather differs. A Mosaic kernel cannot index a ref with a vector of row ids (the
+Triton kernel's ``ka_ref[rows, :]``), so the selected key rows are **copied by DMA**:
+
+* the key parts stay in HBM (``memory_space=pl.ANY``); the query's index row ``[Kp]`` is an SMEM
+  block (scalar reads give the DMA addresses) and also a VMEM block (the tile's validity mask);
+* grid ``(B, T, Hp / bh, Kp / bk)``, the last axis walks the slot tiles in order ("arbitrary"),
+  the others are "parallel". At slot tile ``j`` the kernel starts ``bk`` one-row DMAs
+  (``pltpu.make_async_copy(k_hbm.at[b, row], buf.at[slot, i])``) for tile ``j + 1`` into the
+  other half of a double buffer ``[2, bk, D]`` (one DMA semaphore per half and key part; a
+  single wait on the whole half counts all ``bk`` rows, as jax's ``paged_attention`` waits for
+  its pages), then waits for tile ``j`` and computes on it. Tile 0 of each program is started
+  and waited at ``j = 0`` (not hidden behind the previous program).
+* invalid slots (-1 padding, indices >= S) copy row 0 and are masked to -inf, as on GPU.
+* forward: online softmax in float32 scratch ``(m, l [bh, 128], acc [bh, Da])`` carried over the
+  slot axis, written at the last tile; a query with no valid slot writes out 0 and lse -inf.
+* backward: ``dq`` accumulates in its output block across the slot axis; each tile writes its
+  per-slot key/value cotangent rows ``[bk, D]`` (``ds^T q + p^T dO``) as an output block.
+
+Patterns from jax's ``pallas/ops/tpu/paged_attention`` (multi-row async copies on one semaphore,
+waited once) and ``flash_attention`` (``(rows, 128)`` softmax statistics, explicit ``.T`` before
+a matmul); tokamax's TPU ``sparse_mla`` instead gathers rows in a separate SparseCore kernel
+(``csa_gather``). Written without a TPU: the CPU tests run it in TPU interpret mode
+(``pltpu.InterpretParams``: simulated HBM/VMEM/SMEM, DMAs and semaphores) and lower it to Mosaic
+for TPU; the Mosaic compiler (layout passes, run inside libtpu) has not seen it.
+
+Tile rules (checked in :func:`check_tiles`): heads per program ``bh`` a multiple of 8 (16 for
+bf16) or all padded heads; slot tile ``bk`` a multiple of 128 (the index row's lanes) or all
+slots in one tile (then a multiple of 8 / 16). Key widths are not padded (the HBM cache is never
+copied; a Triton plan pads them to powers of two). float16 is not supported (no f16 MXU path).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+f32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
+_LANES = 128
+
+
+def sublanes(dtype) -> int:
+    """Rows of one packed VMEM tile: 8 for 32-bit, 16 for bf16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def check_tiles(h: int, k: int, bh: int, bk: int, hp: int, kp: int, dtype) -> None:
+    """ValueError / NotImplementedError for what this kernel cannot tile (see module doc)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
+        raise NotImplementedError(f"sparse_mla_attention TPU kernel: dtype {jnp.dtype(dtype)} "
+                                  "not supported (float32 or bfloat16)")
+    sub = sublanes(dtype)
+    if bh % sub and bh != hp:
+        raise ValueError(f"sparse_mla_attention TPU kernel: block_h = {bh} must be a multiple of "
+                         f"{sub} for {jnp.dtype(dtype)} (or cover all {hp} padded heads)")
+    if bk % sub:
+        raise ValueError(f"sparse_mla_attention TPU kernel: block_k = {bk} must be a multiple of "
+                         f"{sub} for {jnp.dtype(dtype)}")
+
+
+def interpret_params(interpret):
+    """``pallas_call``'s ``interpret`` for this kernel: ``False`` (compile with Mosaic),
+    ``True`` (the generic interpreter: DMAs become plain copies; fast, what most CPU tests use)
+    or a ``pltpu.InterpretParams`` (the TPU simulator: HBM/VMEM/SMEM buffers, DMAs executed on
+    wait, semaphores counted, out-of-bounds accesses caught; ~10x slower)."""
+    return interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)
+
+
+# ----------------------------------------------------------------------------- gather
+
+def _gather(idx_smem, hbm, bufs, sems, b, j, slot, p):
+    """DMA descriptors of slot tile ``j``'s rows, part by part, into buffer half ``slot``."""
+    def start():
+        def row(i, carry):
+            r = idx_smem[0, j * p.bk + i]
+            r = jnp.where((r >= 0) & (r < p.s), r, 0)                          # invalid: row 0
+            for part in range(len(hbm)):
+                pltpu.make_async_copy(hbm[part].at[b, pl.ds(r, 1)],
+                                      bufs[part].at[slot, pl.ds(i, 1)],
+                                      sems.at[part, slot]).start()
+            return carry
+        jax.lax.fori_loop(0, p.bk, row, 0)
+
+    def wait():  # one wait per part for the whole half (the semaphore counts all bk rows)
+        for part in range(len(hbm)):
+            pltpu.make_async_copy(bufs[part].at[slot], bufs[part].at[slot],
+                                  sems.at[part, slot]).wait()
+    return start, wait
+
+
+def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p):
+    """Double-buffered gather of this step's tile: ``(valid [1, bk], rows per part [bk, D])``."""
+    b, j, nk = pl.program_id(0), pl.program_id(3), pl.num_programs(3)
+    slot = j % 2
+
+    @pl.when(j == 0)
+    def _():
+        _gather(idx_smem, hbm, bufs, sems, b, 0, 0, p)[0]()
+
+    @pl.when(j + 1 < nk)
+    def _():
+        _gather(idx_smem, hbm, bufs, sems, b, j + 1, 1 - slot, p)[0]()
+
+    _gather(idx_smem, hbm, bufs, sems, b, j, slot, p)[1]()
+    ids = idx_vmem[...]                                                        # [1, bk]
+    valid = (ids >= 0) & (ids < p.s)
+    return valid, [buf[slot] for buf in bufs]
+
+
+def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+
+
+def _scores(qs, rows, scale):
+    s = _dot(qs[0], rows[0], _NT)                                              # [bh, bk]
+    for q, r in zip(qs[1:], rows[1:]):
+        s = s + _dot(q, r, _NT)
+    return s * scale
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _fwd_kernel(idx_smem, idx_vmem, *refs, p, scale):
+    n = 2 if p.two_parts else 1
+    q_refs, hbm, (o_ref, lse_ref) = refs[:n], refs[n:2 * n], refs[2 * n:2 * n + 2]
+    bufs, (sems, m_ref, l_ref, acc_ref) = refs[2 * n + 2:3 * n + 2], refs[3 * n + 2:]
+    j = pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, f32)
+        l_ref[...] = jnp.zeros(l_ref.shape, f32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
+
+    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p)
+    s = jnp.where(valid, _scores([r[...] for r in q_refs], rows, scale), -jnp.inf)  # [bh, bk]
+    m_prev = m_ref[...]                                                        # [bh, 128]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))             # [bh, 128]
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)                           # all masked so far
+    alpha = jnp.exp(m_prev - shift)                                            # [bh, 128]
+    e = jnp.exp(s - shift[:, :1])                                              # masked -> 0
+    l_ref[...] = l_ref[...] * alpha + jnp.sum(e, axis=1, keepdims=True)
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + _dot(e.astype(rows[0].dtype), rows[0])
+    m_ref[...] = m_new
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _():
+        l = l_ref[...][:, :1]                                                  # [bh, 1]
+        live = l > 0
+        l_safe = jnp.where(live, l, 1.0)
+        o_ref[...] = acc_ref[...] / l_safe
+        lse_ref[...] = jnp.where(live, m_ref[...][:, :1] + jnp.log(l_safe), -jnp.inf)
+
+
+def _bwd_kernel(idx_smem, idx_vmem, *refs, p, scale):
+    n = 2 if p.two_parts else 1
+    q_refs, hbm = refs[:n], refs[n:2 * n]
+    do_ref, lse_ref, delta_ref = refs[2 * n:2 * n + 3]
+    outs = refs[2 * n + 3:4 * n + 3]                                           # dqa, dka(, ...)
+    dq_refs, dk_refs = outs[0::2], outs[1::2]
+    bufs, sems = refs[4 * n + 3:5 * n + 3], refs[5 * n + 3]
+    j = pl.program_id(3)
+
+    @pl.when(j == 0)
+    def _():
+        for r in dq_refs:
+            r[...] = jnp.zeros(r.shape, f32)
+
+    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p)
+    qs = [r[...] for r in q_refs]
+    do = do_ref[...]                                                           # [bh, Da] f32
+    lse = lse_ref[...]                                                         # [bh, 1]
+    live = lse > -jnp.inf
+    prob = jnp.where(valid & live, jnp.exp(_scores(qs, rows, scale)
+                                           - jnp.where(live, lse, 0.0)), 0.0)  # [bh, bk]
+    dp = _dot(do, rows[0].astype(f32), _NT)                                    # [bh, bk]
+    ds = prob * (dp - delta_ref[...]) * scale                                  # d logits * scale
+    ds_t = ds.T                                                                # [bk, bh]
+    for part in range(n):
+        dq_refs[part][...] += _dot(ds, rows[part].astype(f32))                 # [bh, D]
+        dk = _dot(ds_t, qs[part].astype(f32))                                  # [bk, D]
+        if part == 0:
+            dk = dk + _dot(prob.T, do)
+        dk_refs[part][...] = dk
+
+
+# ----------------------------------------------------------------------------- pallas calls
+
+def _common_specs(p, widths):
+    """(idx SMEM row, idx VMEM row, q parts, key parts in HBM) for grid (b, t, h, j)."""
+    idx_s = pl.BlockSpec((None, None, 1, p.kp), lambda b, t, h, j: (b, t, 0, 0),
+                         memory_space=pltpu.SMEM)
+    idx_v = pl.BlockSpec((None, None, None, 1, p.bk), lambda b, t, h, j: (b, t, j, 0, 0))
+    q = [pl.BlockSpec((None, None, p.bh, d), lambda b, t, h, j: (b, t, h, 0)) for d in widths]
+    hbm = [pl.BlockSpec(memory_space=pl.ANY) for _ in widths]
+    return [idx_s, idx_v] + q + hbm
+
+
+def _tiled(idx, p):
+    """``[B, T, Kp]`` -> ``[B, T, Kp / bk, 1, bk]``: one ``(1, bk)`` VMEM block per slot tile."""
+    return idx.reshape(*idx.shape[:2], p.kp // p.bk, 1, p.bk)
+
+
+def _scratch(p, widths, dtype):
+    return ([pltpu.VMEM((2, p.bk, d), dtype) for d in widths]
+            + [pltpu.SemaphoreType.DMA((len(widths), 2))])
+
+
+def _params():
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+
+
+def _out(shape, like):
+    return jax.ShapeDtypeStruct(shape, f32, manual_axis_type=jax.typeof(like).mat)
+
+
+def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p, scale: float, interpret):
+    """Padded layout in -> ``out [B, T, Hp, Da]`` f32, ``lse [B, T, Hp]`` f32."""
+    b, t = qa.shape[:2]
+    widths = (p.da, p.db) if p.two_parts else (p.da,)
+    qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
+    check_tiles(p.h, p.k, p.bh, p.bk, p.hp, p.kp, ka.dtype)
+    row = pl.BlockSpec((None, None, p.bh, p.da), lambda b, t, h, j: (b, t, h, 0))
+    col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, p=p, scale=scale),
+        out_shape=(_out((b, t, p.hp, p.da), qa), _out((b, t, p.hp, 1), qa)),
+        grid=(b, t, p.hp // p.bh, p.kp // p.bk),
+        in_specs=_common_specs(p, widths), out_specs=(row, col),
+        scratch_shapes=_scratch(p, widths, ka.dtype) + [
+            pltpu.VMEM((p.bh, _LANES), f32), pltpu.VMEM((p.bh, _LANES), f32),
+            pltpu.VMEM((p.bh, p.da), f32)],
+        compiler_params=_params(), interpret=interpret_params(interpret),
+        name="sparse_mla_fwd_tpu",
+    )(idx[:, :, None], _tiled(idx, p), *qs, *ks)
+    return out, lse[..., 0]
+
+
+def sparse_mla_bwd(qa, qb, ka, kb, idx, do, lse, delta, *, p, scale: float, interpret):
+    """Same contract as ``kernel.sparse_mla_bwd``: ``dqa [B, T, Hp, Da]``, per-slot rows
+    ``dka [B, T, Hb, Kp, Da]`` (and ``dqb``, ``dkb``), float32."""
+    b, t = qa.shape[:2]
+    hb = p.hp // p.bh
+    widths = (p.da, p.db) if p.two_parts else (p.da,)
+    qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
+    check_tiles(p.h, p.k, p.bh, p.bk, p.hp, p.kp, ka.dtype)
+    row = lambda d: pl.BlockSpec((None, None, p.bh, d),  # noqa: E731
+                                 lambda b, t, h, j: (b, t, h, 0))
+    col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
+    slots = lambda d: pl.BlockSpec((None, None, None, p.bk, d),  # noqa: E731
+                                   lambda b, t, h, j: (b, t, h, j, 0))
+    outs, out_specs = [], []
+    for d in widths:
+        outs += [_out((b, t, p.hp, d), qa), _out((b, t, hb, p.kp, d), qa)]
+        out_specs += [row(d), slots(d)]
+    grads = pl.pallas_call(
+        functools.partial(_bwd_kernel, p=p, scale=scale),
+        out_shape=tuple(outs), grid=(b, t, hb, p.kp // p.bk),
+        in_specs=_common_specs(p, widths) + [row(p.da), col, col],
+        out_specs=tuple(out_specs), scratch_shapes=_scratch(p, widths, ka.dtype),
+        compiler_params=_params(), interpret=interpret_params(interpret),
+        name="sparse_mla_bwd_tpu",
+    )(idx[:, :, None], _tiled(idx, p), *qs, *ks, do, lse[..., None], delta[..., None])
+    return tuple(grads)
