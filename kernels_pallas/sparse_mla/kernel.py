@@ -15,6 +15,7 @@ Layout (:func:`plan` and :func:`to_layout`, done once per call by the wrapper in
 * widths padded with zeros to powers of two >= 16 (Triton tiles are powers of two and ``tl.dot``
   wants K >= 16; zero columns change no dot product), heads to ``Hp`` (a multiple of the head
   block ``bh``, >= 16), the K slots to ``Kp`` (a multiple of the slot tile ``bk``) with -1.
+  That is the Triton plan; the Mosaic plan pads only heads and slots (``_plan_tpu``).
 
 Grid ``(B, T, Hp / bh)``: one program per (row, query, head block), the same grid for prefill
 (T queries) and decode (T = 1, many heads). Each program walks its ``Kp / bk`` slot tiles
@@ -35,7 +36,8 @@ key/value cotangent rows ``scale ds^T q + p^T dO`` (summed over the block's head
 
 Accuracy (f32, interpret mode): see ``ops.py`` and ``tests/test_sparse_mla_kernel.py``.
 Backends: CPU (``interpret=True``) and GPU (Pallas Triton; the lowering is tested on CPU through
-``jax.export`` for CUDA). TPU (Mosaic) has no per-row gather from a ref; it raises.
+``jax.export`` for CUDA). Mosaic (TPU) has no per-row gather from a ref, so TPU runs
+``kernel_tpu.py`` (rows copied by DMA) on the same layout; :func:`plan` picks either's tiles.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def _plan_tpu(s, h, k, v_dim, d_b, block_h, block_k, dtype) -> Plan:
     bh = block_h or min(_TPU_BLOCK_H, common.round_up(h, sub))
     bk = block_k or min(_TPU_BLOCK_K, max(sub, common.round_up(k, sub)))
     hp, kp = common.round_up(h, bh), max(bk, common.round_up(k, bk))
-    kernel_tpu.check_tiles(h, k, bh, bk, hp, kp, dtype)
+    kernel_tpu.check_tiles(bh, bk, hp, dtype)
     return Plan(s=s, h=h, k=k, v_dim=v_dim, d_b=d_b, hp=hp, kp=kp, da=v_dim, db=d_b, bh=bh,
                 bk=bk, backend="mosaic")
 

@@ -27,10 +27,12 @@ a matmul); tokamax's TPU ``sparse_mla`` instead gathers rows in a separate Spars
 (``pltpu.InterpretParams``: simulated HBM/VMEM/SMEM, DMAs and semaphores) and lower it to Mosaic
 for TPU; the Mosaic compiler (layout passes, run inside libtpu) has not seen it.
 
-Tile rules (checked in :func:`check_tiles`): heads per program ``bh`` a multiple of 8 (16 for
-bf16) or all padded heads; slot tile ``bk`` a multiple of 128 (the index row's lanes) or all
-slots in one tile (then a multiple of 8 / 16). Key widths are not padded (the HBM cache is never
-copied; a Triton plan pads them to powers of two). float16 is not supported (no f16 MXU path).
+Tile rules (checked in :func:`check_tiles`, sizes chosen in ``kernel.plan``): heads per program
+``bh`` a multiple of the sublane tile, 8 rows for f32 and 16 for bf16 (or all padded heads); slot
+tile ``bk`` a multiple of it too (the index row arrives as ``(1, bk)`` blocks, the gathered rows
+fill whole ``[bk, D]`` tiles); defaults 128 and 128 (MXU-sized score tiles). Key widths are not
+padded (the HBM cache is never copied; a Triton plan pads them to powers of two). float16 raises
+``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def sublanes(dtype) -> int:
     return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
-def check_tiles(h: int, k: int, bh: int, bk: int, hp: int, kp: int, dtype) -> None:
+def check_tiles(bh: int, bk: int, hp: int, dtype) -> None:
     """ValueError / NotImplementedError for what this kernel cannot tile (see module doc)."""
     if jnp.dtype(dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
         raise NotImplementedError(f"sparse_mla_attention TPU kernel: dtype {jnp.dtype(dtype)} "
@@ -229,7 +231,7 @@ def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p, scale: float, interpret):
     b, t = qa.shape[:2]
     widths = (p.da, p.db) if p.two_parts else (p.da,)
     qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
-    check_tiles(p.h, p.k, p.bh, p.bk, p.hp, p.kp, ka.dtype)
+    check_tiles(p.bh, p.bk, p.hp, ka.dtype)
     row = pl.BlockSpec((None, None, p.bh, p.da), lambda b, t, h, j: (b, t, h, 0))
     col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
     out, lse = pl.pallas_call(
@@ -253,7 +255,7 @@ def sparse_mla_bwd(qa, qb, ka, kb, idx, do, lse, delta, *, p, scale: float, inte
     hb = p.hp // p.bh
     widths = (p.da, p.db) if p.two_parts else (p.da,)
     qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
-    check_tiles(p.h, p.k, p.bh, p.bk, p.hp, p.kp, ka.dtype)
+    check_tiles(p.bh, p.bk, p.hp, ka.dtype)
     row = lambda d: pl.BlockSpec((None, None, p.bh, d),  # noqa: E731
                                  lambda b, t, h, j: (b, t, h, 0))
     col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
