@@ -18,7 +18,20 @@ def register(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens when a request gives none (default: the rest of the context)")
     p.add_argument("--no-warmup", action="store_true", help="compile on the first request")
+    g = p.add_argument_group("image limits (vision models; a request past one is a 400)")
+    g.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")
+    g.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="width x height of one image, checked before decoding (default 4096^2)")
+    g.add_argument("--max-image-bytes", type=int, default=16 * 2**20,
+                   help="encoded size of one image (default 16 MiB)")
     p.set_defaults(run=run)
+
+
+def image_limits_from_args(args):
+    from kdsa.model.vision.inputs import ImageLimits
+
+    return ImageLimits(max_images=args.max_images, max_pixels=args.max_image_pixels,
+                       max_bytes=args.max_image_bytes)
 
 
 def run(args) -> int:
@@ -28,9 +41,10 @@ def run(args) -> int:
     from kdsa.infer.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    limits = image_limits_from_args(args)  # bad values fail before the model loads
     engine, fmt, name = engine_from_args(args)
     if not args.no_warmup:
         engine.runner.warmup()
     serve(engine, fmt, host=args.host, port=args.port, model_name=args.model_name or name,
-          default_max_tokens=args.default_max_tokens)
+          default_max_tokens=args.default_max_tokens, image_limits=limits)
     return 0

@@ -54,7 +54,7 @@ def _sequence(ims, ph):
                       + list(b" ok?"), np.int32)
 
 
-MAX_LEN = 160
+MAX_LEN = 224
 
 
 @nnx.jit
@@ -136,11 +136,25 @@ def test_generate_jsonl_with_image_file(runner, tmp_path):
         read_requests(tmp_path / "bad.jsonl", eng, FMT, effort="low", defaults={}, seed=0)
 
 
+SERVE_LIMITS = ["--max-images", "2", "--max-image-pixels", "40000", "--max-image-bytes", "20000"]
+
+
+def _serve_args(extra):
+    from kdsa.cli.main import build_parser
+
+    return build_parser().parse_args(["serve", "--preset", "tiny-vl"] + extra)
+
+
 @pytest.fixture(scope="module")
 def served(runner):
+    """The server with the image limits of ``kdsa serve --max-images 2 --max-image-pixels
+    40000 --max-image-bytes 20000``."""
+    from kdsa.cli.serve_cmd import image_limits_from_args
+
+    limits = image_limits_from_args(_serve_args(SERVE_LIMITS))
+    assert limits == ImageLimits(max_images=2, max_pixels=200 * 200, max_bytes=20000)
     eng = Engine(runner, TOK, chat_format=FMT)
-    handle = start_server(eng, FMT, model_name="kdsa-vl",
-                          image_limits=ImageLimits(max_images=2, max_pixels=200 * 200))
+    handle = start_server(eng, FMT, model_name="kdsa-vl", image_limits=limits)
     yield handle, eng
     handle.stop()
 
@@ -198,8 +212,24 @@ def test_image_limits_are_400(served):
     assert status == 400 and "limit is 2" in out["error"]["message"]
     status, out = _post(handle, _body(to_data_url(np.zeros((300, 300, 3), np.uint8))))
     assert status == 400 and "90000 pixels" in out["error"]["message"]
+    noisy = np.random.default_rng(0).integers(0, 256, (150, 150, 3)).astype(np.uint8)
+    status, out = _post(handle, _body(to_data_url(noisy)))       # 22500 px, > 20000 bytes
+    assert status == 400 and "more than 20000 bytes" in out["error"]["message"], out
     status, out = _post(handle, _body(small))  # the server still serves
     assert status == 200
+
+
+def test_serve_passes_the_image_limit_flags(monkeypatch):
+    from kdsa.cli import generate_cmd, serve_cmd
+    from kdsa.infer import server
+
+    seen = {}
+    monkeypatch.setattr(generate_cmd, "engine_from_args", lambda a: (None, FMT, "m"))
+    monkeypatch.setattr(server, "serve", lambda engine, fmt, **kw: seen.update(kw))
+    assert serve_cmd.run(_serve_args(SERVE_LIMITS + ["--no-warmup"])) == 0
+    assert seen["image_limits"] == ImageLimits(max_images=2, max_pixels=40000, max_bytes=20000)
+    with pytest.raises(ValueError, match="max_images must be a positive integer, got 0"):
+        serve_cmd.run(_serve_args(["--max-images", "0"]))
 
 
 def test_engine_refuses_mismatched_placeholders_and_text_models(runner):
@@ -210,3 +240,57 @@ def test_engine_refuses_mismatched_placeholders_and_text_models(runner):
     with pytest.raises(api.ApiError, match="does not read images"):
         api.parse_chat_request(_body(to_data_url(np.zeros((20, 20, 3), np.uint8))),
                                model_name="kdsa-vl", chat_format=FMT, max_len=64)
+
+
+def test_rl_with_image_episodes(model, runner):
+    """RL with image prompts (``image_stripes``): the rollouts hand the task's image to the
+    engine, the training batch carries it, the sampler's log-probs equal a forward with the
+    same images (and not one without), and one RL step on the batch trains the tower."""
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.optim import make_optimizer
+    from kdsa.train.rl import rollout as ro
+    from kdsa.train.rl.config import RLConfig
+    from kdsa.train.rl.envs import make_env, registered_envs
+    from kdsa.train.rl.step import rl_step
+    from kdsa.train.step import init_state, split_model
+
+    assert "image_stripes" in registered_envs()
+    env = make_env("image_stripes", seed=0)
+    rc = RLConfig(envs=("image_stripes",), group_size=2, seq_len=200, chat_format="xtml",
+                  tis="none")
+    tasks = [(env.task(i), "low") for i in range(2)]
+    assert {t.data for t, _ in tasks} <= {"h", "v"} and tasks[0][0].messages[0].images
+    eng = Engine(runner, TOK, chat_format=FMT)
+    eps = ro.run_episodes(eng, FMT, {env.domain: env}, tasks, group_size=2, rc=rc, seed=0)
+    for e in eps:
+        e.reward = float(e is eps[0] or e is eps[2])          # varied groups -> advantages
+    batch = ro.training_batch([eps[:2], eps[2:]], 4, rc.seq_len, 2, rc)
+    assert batch["image_patches"].shape == (4, 8, 3 * 14 * 14)
+    assert batch["image_segment"][:, :4].tolist() == [[1] * 4] * 4   # 28 x 28 px: 4 patches
+
+    mask = batch["mask"] > 0
+    assert mask.sum() >= 4
+    for r, e in enumerate(eps):              # the module's compiled full forward, per row
+        n = len(e.tokens) - 1
+        feats = runner.encode_images(e.task.messages[0].images)
+        lp = jax.nn.log_softmax(_full(model, np.asarray(e.tokens[:n], np.int32), feats)[0], -1)
+        got = np.take_along_axis(lp, batch["targets"][r, :n, None], -1)[:, 0][mask[r, :n]]
+        np.testing.assert_allclose(got, batch["sampler_logp"][r, :n][mask[r, :n]], atol=2e-3)
+        blind = jax.nn.log_softmax(_full(model, np.asarray(e.tokens[:n], np.int32),
+                                         0 * feats)[0], -1)         # image features zeroed
+        assert np.abs(np.take_along_axis(blind, batch["targets"][r, :n, None], -1)[:, 0]
+                      [mask[r, :n]] - got).max() > 1e-2             # the images matter here
+
+    tc = TrainConfig(batch_size=4, seq_len=rc.seq_len, warmup_steps=0, learning_rate=1e-3,
+                     weight_decay=0.0, bias_update_rate=0.0, steps=2)
+    m2 = nnx.clone(model)
+    _, params, _ = split_model(m2, tc)
+    tx = make_optimizer(tc, params)
+    graphdef, state = init_state(m2, tc, tx)
+    new, metrics = rl_step(graphdef, state, batch, 0.0, tc=tc, tx=tx,
+                           loss_cfg=rc.loss_config(), layout=m2.segment_layout)
+    assert float(metrics["mismatch_abs"]) < 2e-3 and np.isfinite(float(metrics["loss"]))
+    path = ("vision_tower", "patch_embed", "proj", "kernel")
+    before, after = (np.asarray(s.params[path[0]][path[1]][path[2]][path[3]][...])
+                     for s in (state, new))
+    assert np.abs(after - before).max() > 0                  # gradient reached the tower

@@ -115,3 +115,22 @@ def image_inputs(model, input_ids: jax.Array, images: ImageBatch | None) -> dict
     mask = input_ids == model.config.vision_config.media_placeholder_token_id
     return {"image_embeds": scatter_features(encode_images(model, images), mask),
             "image_mask": mask}
+
+
+def image_kwargs(model, batch: dict) -> dict:
+    """``forward`` keyword arguments for a training batch dict (its ``image_*`` arrays, if
+    any): ``model.forward(batch["inputs"], **image_kwargs(model, batch))``."""
+    return image_inputs(model, batch["inputs"], image_batch(batch))
+
+
+def message_images(messages) -> list:
+    """The images of chat ``messages`` (``infer/chat.py`` ``Message``), in prompt order."""
+    return [im for m in messages for im in m.images]
+
+
+def row_image_arrays(rows: list[list[ImagePatches]], num_rows: int) -> dict:
+    """The ``image_*`` batch entries for ``num_rows`` rows whose first ``len(rows)`` hold these
+    images (the rest none); ``{}`` when no row has an image (a text-only batch)."""
+    if not any(rows):
+        return {}
+    return batch_arrays(pack_images(list(rows) + [[]] * (num_rows - len(rows))))

@@ -32,6 +32,12 @@ class ImageLimits:
     max_pixels: int = 4096 * 4096  # per image, width x height
     max_bytes: int = 16 * 2**20  # encoded size per image
 
+    def __post_init__(self):
+        for f in ("max_images", "max_pixels", "max_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"image limit {f} must be a positive integer, got {v!r}")
+
     def check_count(self, n: int, where: str = "request") -> None:
         if n > self.max_images:
             raise ValueError(f"{where} has {n} images; the limit is {self.max_images}")

@@ -25,6 +25,7 @@ import numpy as np
 from kdsa.infer.chat import AssistantOutput, Message
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.sampling import SamplingParams
+from kdsa.model.vision.assemble import message_images, row_image_arrays
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import Environment, Task
 
@@ -103,7 +104,8 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
             sp = SamplingParams(temperature=rc.temperature, max_tokens=room,
                                 seed=(seed * 7919 + order[id(e)] * 131 + turn) % (2**31 - 1))
             reqs.append((e, Request(list(e.tokens), sp, reasoning_cap=rc.reasoning_caps[
-                e.effort], in_reasoning=True, parser=fmt.parser(first_call_index=calls))))
+                e.effort], in_reasoning=True, parser=fmt.parser(first_call_index=calls),
+                images=message_images(e.task.messages))))
         if not reqs:
             continue
         outs = engine.generate([r for _, r in reqs])
@@ -184,7 +186,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
          "mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
          "advantages": np.zeros((rows,), np.float32)}
-    r = 0
+    r, row_images = 0, []
     for grp in groups:
         if r + len(grp) > rows:
             break
@@ -199,8 +201,9 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
             b["mask"][r, :n] = e.mask[1:n + 1]
             b["sampler_logp"][r, :n] = e.sampler_logp[1:n + 1]
             b["advantages"][r] = a
+            row_images.append(message_images(e.task.messages))
             r += 1
-    return b
+    return b | row_image_arrays(row_images, rows)  # image prompts: image_* arrays per row
 
 
 def sample_tasks(envs: dict[str, Environment], weights: dict[str, float], n: int, *,

@@ -31,11 +31,13 @@ import optax
 from flax import nnx
 
 from kdsa.model.moe import max_load_ratio
+from kdsa.model.vision.assemble import image_kwargs
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl_losses import RLLossConfig, policy_loss
 from kdsa.train.step import TrainState, _micro_batches, _schedule_of, update_routing_biases
 
-# batch: inputs, targets [B, T] int32; mask, sampler_logp [B, T] float32; advantages [B] f32
+# batch: inputs, targets [B, T] int32; mask, sampler_logp [B, T] float32; advantages [B] f32;
+# image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -63,7 +65,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
 
     def objective(params, mb):
         model = nnx.merge(graphdef, params, state.rest)
-        out = model.forward(mb["inputs"])
+        out = model.forward(mb["inputs"], **image_kwargs(model, mb))  # image_*: image prompts
         logp = token_logprobs(out.logits, mb["targets"])  # [b, T]
         mk = mb["mask"].astype(jnp.float32)
         ce_num = jnp.sum(-logp * mk)
