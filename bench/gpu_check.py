@@ -1,12 +1,16 @@
-"""GPU check of the Pallas sparse MLA kernel: lower, run, compare with the references, time.
+"""Accelerator check of the Pallas sparse MLA kernels: compile, run, compare with the references,
+time. On a GPU it runs the Triton kernel (``backend="triton"``), on a TPU the Mosaic kernel
+(``backend="mosaic"``, rows gathered by DMA); it refuses to run on CPU.
 
-Written without a GPU (the CPU tests only run the Pallas -> Triton lowering); run it on the first
-machine with one, it refuses to run elsewhere. K3 / DeepSeek-V3.2 sizes: 128 heads, latent 512 +
-RoPE key 64 (Dk 576, v_dim 512), top-2048, bf16. Stages, each printed as it finishes:
+Written without either (the CPU tests run the kernels in interpret mode and only lower them for
+CUDA / TPU); run it on the first machine with one. K3 / DeepSeek-V3.2 sizes: 128 heads, latent
+512 + RoPE key 64 (Dk 576, v_dim 512), top-2048, bf16. Stages, each printed as it finishes (a
+stage that fails to compile or run is logged with its error and the next one runs):
 
 1. correctness (f32 and bf16, B 2, T 8, S 4096, K 2048 with -1 slots and duplicates): kernel
    forward and gradients vs ``kdsa.model.dsa.sparse_mla_attention`` (XLA gather + autodiff).
-2. Triton tile sweep at the decode shape (``block_h`` x ``block_k`` x ``num_warps``).
+2. tile sweep at the decode shape: GPU ``block_h`` x ``block_k`` x ``num_warps``; TPU
+   ``block_h`` x ``block_k``.
 3. decode (T = 1, batch 64) at 32K and 128K context: kernel vs XLA gather reference vs dense
    MQA attention over the whole context (``jax.nn.dot_product_attention``, XLA, value = the
    576-wide key, so dense does ~6% extra work); achieved TFLOP/s = 2 B T N K (576 + 512) / t
@@ -15,8 +19,9 @@ RoPE key 64 (Dk 576, v_dim 512), top-2048, bf16. Stages, each printed as it fini
    XLA reference (``chunk_size`` 256); dense prefill is not run (no cuDNN kernel for 576-wide
    heads, the XLA one needs [N, T, S] scores).
 
-Writes ``bench/results/sparse_mla_gpu.json`` (with the device name). ``--quick`` drops 128K,
-the prefill backward and most of the sweep (about 2 minutes after start-up).
+Writes ``bench/results/sparse_mla_gpu.json`` or ``sparse_mla_tpu.json`` (with the device
+name). ``--quick`` drops 128K, the prefill backward and most of the sweep (about 2 minutes after
+start-up on a GPU; untimed on TPU).
 
     .venv/bin/python bench/gpu_check.py [--quick]
 """
@@ -80,39 +85,46 @@ def check_correctness(log):
             "ok": bool(ok)})
 
 
-def sweep(log, quick):
+def tile_configs(platform, quick):
+    """Tile settings to sweep: Triton (block_h, block_k, num_warps); Mosaic (block_h, block_k)."""
+    if platform == "gpu":
+        grid = ([(64, 64, 8), (64, 64, 4)] if quick else
+                [(bh, bk, w) for bh in (32, 64) for bk in (32, 64) for w in (4, 8)])
+        return [dict(block_h=bh, block_k=bk, num_warps=w) for bh, bk, w in grid]
+    grid = ([(128, 128), (64, 128)] if quick else
+            [(bh, bk) for bh in (64, 128) for bk in (64, 128, 256)])
+    return [dict(block_h=bh, block_k=bk) for bh, bk in grid]
+
+
+def sweep(log, platform, quick):
+    """Decode-shape time of each tile setting; returns the fastest ``(ms, tiles)`` or None."""
     q, kv, idx = problem(jax.random.key(2), 64, 1, 32768, jnp.bfloat16)
     best = None
-    configs = ([(64, 64, 8), (64, 64, 4)] if quick else
-               [(bh, bk, w) for bh in (32, 64) for bk in (32, 64) for w in (4, 8)])
-    for bh, bk, warps in configs:
-        fn = jax.jit(lambda q, kv, i, bh=bh, bk=bk, w=warps: sparse_mla_attention(
-            q, kv, i, SCALE, DC, block_h=bh, block_k=bk, num_warps=w))
+    for tiles in tile_configs(platform, quick):
+        fn = jax.jit(lambda q, kv, i, tiles=tiles: sparse_mla_attention(q, kv, i, SCALE, DC,
+                                                                        **tiles))
         try:
             ms = 1e3 * seconds(fn, q, kv, idx, reps=10)
-        except Exception as e:  # a tile that does not fit (shared memory / registers)
-            log("sweep", {"block_h": bh, "block_k": bk, "num_warps": warps,
-                          "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        except Exception as e:  # a tile that does not fit (shared memory / registers / VMEM)
+            log("sweep", {**tiles, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
-        log("sweep", {"block_h": bh, "block_k": bk, "num_warps": warps, "ms": ms,
-                      "tflops": flops(64, 1) / ms / 1e9})
-        best = min(best or (ms, bh, bk, warps), (ms, bh, bk, warps))
+        log("sweep", {**tiles, "ms": ms, "tflops": flops(64, 1) / ms / 1e9})
+        if best is None or ms < best[0]:
+            best = (ms, tiles)
     return best
 
 
-def decode(log, contexts, best):
-    _, bh, bk, warps = best
+def decode(log, contexts, tiles):
     for s in contexts:
         q, kv, idx = problem(jax.random.key(3), 64, 1, s, jnp.bfloat16)
-        kern = jax.jit(lambda q, kv, i: sparse_mla_attention(q, kv, i, SCALE, DC, block_h=bh,
-                                                             block_k=bk, num_warps=warps))
+        kern = jax.jit(lambda q, kv, i: sparse_mla_attention(q, kv, i, SCALE, DC, **tiles))
         ref = jax.jit(lambda q, kv, i: sparse_mla_attention_ref(q, kv, i, SCALE, DC))
 
         def dense(q, kv):
             k = jnp.concatenate(kv, -1)[:, :, None]                        # [B, S, 1, 576]
             return jax.nn.dot_product_attention(q, k, k, scale=SCALE, implementation="xla")
 
-        row = {"context": s, "batch": 64,
+        row = {"context": s, "batch": 64, "tiles": tiles,
                "kernel_ms": 1e3 * seconds(kern, q, kv, idx, reps=10),
                "xla_gather_ms": 1e3 * seconds(ref, q, kv, idx, reps=10),
                "dense_ms": 1e3 * seconds(jax.jit(dense), q, kv, reps=5)}
@@ -142,11 +154,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     args = p.parse_args()
-    if common.backend() != "gpu":
-        sys.exit(f"gpu_check.py needs a GPU; the default JAX backend is {jax.default_backend()}")
+    platform = common.backend()
+    if platform == "cpu":
+        sys.exit(f"gpu_check.py needs a GPU or TPU; the default JAX backend is "
+                 f"{jax.default_backend()}")
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "quick": args.quick,
-               "stages": []}
-    out = Path(__file__).parent / "results" / "sparse_mla_gpu.json"
+               "kernel_backend": "triton" if platform == "gpu" else "mosaic", "stages": []}
+    out = Path(__file__).parent / "results" / f"sparse_mla_{platform}.json"
     start = time.perf_counter()
 
     def log(stage, row):
@@ -156,10 +170,17 @@ def main() -> None:
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(results, indent=2))   # partial results survive a timeout
 
-    check_correctness(log)
-    best = sweep(log, args.quick) or (0.0, 64, 64, 8)
-    decode(log, [32768] if args.quick else [32768, 131072], best)
-    prefill(log, 32768 if not args.quick else 8192, backward=not args.quick)
+    def stage(name, fn, *a):
+        try:
+            return fn(*a)
+        except Exception as e:  # e.g. a kernel the compiler rejects: record it, go on
+            log(name, {"error": f"{type(e).__name__}: {str(e)[:500]}"})
+
+    stage("correctness", check_correctness, log)
+    best = stage("sweep", sweep, log, platform, args.quick)
+    tiles = best[1] if best else tile_configs(platform, True)[0]
+    stage("decode", decode, log, [32768] if args.quick else [32768, 131072], tiles)
+    stage("prefill", prefill, log, 32768 if not args.quick else 8192, not args.quick)
     print(f"wrote {out}")
 
 
