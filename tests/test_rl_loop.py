@@ -1,7 +1,9 @@
 """The RL loop end to end on a trivially learnable environment (tiny model, 2 layers: KDA +
-Gated DSA with MoE): the reward rises within a bounded number of steps; a run stopped after
-step 2 and resumed takes step 3 exactly as the uninterrupted run. One shared generation side
-(compiled once), the update step at XLA opt level 0."""
+Gated DSA with MoE): the reward rises within a bounded number of steps (with a KL term to the
+initial policy, logged); a run stopped after step 2 and resumed (reference policy restored)
+takes step 3 exactly as the uninterrupted run; a greedy episode cut by the per-step token cap
+and continued equals the one generated in one go. One shared generation side (compiled once),
+the update step at XLA opt level 0."""
 
 import string
 
@@ -37,7 +39,7 @@ ZERO = {"low": 0, "high": 0, "max": 0}
 RC = RLConfig(envs=("test_first_letter",), steps=10, prompts_per_step=4, group_size=8,
               seq_len=64, num_slots=32, reasoning_caps=ZERO,  # think closed at once (forced)
               token_budgets={"low": 2, "high": 2, "max": 2},  # forced close + one answer token
-              truncation_penalty=0.0, max_sampling_rounds=1, tis="token")
+              truncation_penalty=0.0, max_sampling_rounds=1, tis="token", kl_coef=0.01)
 TC = TrainConfig(steps=10, learning_rate=1e-2, schedule="constant", warmup_steps=0,
                  weight_decay=0.0, checkpoint_every=100, seed=0)
 
@@ -58,6 +60,8 @@ def test_reward_rises_on_a_trivial_environment(full_run):
               "rollout_tokens_per_s", "kept_groups", "gen_tokens/low"):
         assert k in m
     assert m["mismatch_abs"] < 1e-2  # sampler and trainer agree on the same weights
+    # KL to the reference (the weights before RL: no SFT here): 0 before the first update
+    assert abs(m["kl"]) < 1e-6 and full_run.metrics[3]["kl"] > 1e-6
 
 
 def test_stop_and_resume_takes_the_same_step(full_run, tmp_path):
@@ -68,5 +72,23 @@ def test_stop_and_resume_takes_the_same_step(full_run, tmp_path):
     assert a.stopped and a.final_step == 2
     b = run_rl(CONFIG, tc, rc, tmp_path, resume=True, **kw)
     assert b.resumed_from == 2 and b.final_step == 3
-    for k in ("reward", "pg_loss", "grad_norm", "kept_groups"):
+    for k in ("reward", "pg_loss", "grad_norm", "kept_groups", "kl"):
         assert b.metrics[3][k] == full_run.metrics[3][k], k
+
+
+def test_partial_rollout_continues_the_greedy_episode(full_run):
+    from kdsa.train.rl import rollout as ro
+
+    s, envs = full_run.sampler, full_run.envs
+    rc = RC.replace(token_budgets={"low": 9, "high": 9, "max": 9},
+                    reasoning_caps={"low": 0, "high": 4, "max": 16})
+    tasks = [(envs["test_first_letter"].task(0), e) for e in ("low", "high", "max")]
+    kw = dict(rc=rc, seed=0, temperature=0.0)
+    whole = ro.play(s.engine, s.fmt, envs, ro.start_episodes(s.fmt, tasks, 1), **kw)
+    cut = ro.start_episodes(s.fmt, tasks, 1)
+    ro.play(s.engine, s.fmt, envs, cut, step_cap=3, **kw)
+    assert any(e.paused and not e.done for e in cut)
+    ro.play(s.engine, s.fmt, envs, cut, **kw)
+    for a, b in zip(whole, cut):
+        assert b.done and a.tokens == b.tokens and a.mask == b.mask and a.texts == b.texts
+        np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=1e-4)

@@ -74,6 +74,9 @@ class RLConfig:
     truncation_penalty: float = 0.5
     dynamic_sampling: bool = True
     max_sampling_rounds: int = 2  # rollout rounds per step to fill the batch with varied groups
+    # ---- partial rollouts (Kimi K1.5): 0 = off ----
+    partial_rollout_tokens: int = 0  # tokens an episode may generate per step; unfinished: kept
+    max_staleness: int = 1  # steps a cut episode may be continued for, then its group is dropped
     # ---- policy loss (train/rl_losses.py) ----
     loss: str = "grpo"
     aggregation: str = "sequence"
@@ -83,6 +86,8 @@ class RLConfig:
     tis: str = "token"
     tis_cap: float = 2.0
     normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO); kimi: never
+    kl_coef: float = 0.0  # KL to the reference policy (the weights after SFT); 0: off
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (rl_losses.kl_per_token)
     # ---- SFT warm-up (demonstrations of the same environments) ----
     sft_steps: int = 0  # rows per SFT step = rollouts_per_step (one compiled step for both)
     # ---- held-out evaluation ----
@@ -96,11 +101,15 @@ class RLConfig:
         object.__setattr__(self, "envs", tuple(EnvSpec.parse(e, f"rl.envs[{i}]")
                                                for i, e in enumerate(envs)))
         for name in ("steps", "prompts_per_step", "group_size", "seq_len", "num_slots",
-                     "generate_devices", "max_sampling_rounds",
+                     "generate_devices", "max_sampling_rounds", "max_staleness",
                      "heldout_tasks", "heldout_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"rl.{name} must be a positive integer, got {v!r}")
+        for name in ("sft_steps", "partial_rollout_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"rl.{name} must be a non-negative integer, got {v!r}")
         if not isinstance(self.sft_steps, int) or self.sft_steps < 0:
             raise ValueError(f"rl.sft_steps must be a non-negative integer, got "
                              f"{self.sft_steps!r}")
@@ -131,6 +140,8 @@ class RLConfig:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"rl.aggregation must be one of {AGGREGATIONS}, got "
                              f"{self.aggregation!r}")
+        if not isinstance(self.kl_coef, (int, float)) or self.kl_coef < 0:
+            raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef!r}")
         if self.chat_format not in ("k2", "xtml"):
             raise ValueError(f"rl.chat_format must be 'k2' or 'xtml', got {self.chat_format!r}")
         self.loss_config()  # validates the loss fields
@@ -146,7 +157,8 @@ class RLConfig:
         try:
             return RLLossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,
                                 aggregation=agg, tau=self.tau, tis=self.tis,
-                                tis_cap=self.tis_cap)
+                                tis_cap=self.tis_cap, kl_beta=float(self.kl_coef),
+                                kl_kind=self.kl_estimator)
         except ValueError as e:
             raise ValueError(f"rl: {e}") from None
 

@@ -85,7 +85,14 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
     for e in eps:
         q = e.task.messages[-1].content
         a = e.texts[-1] if e.texts else "(truncated)"
-        out(f"  [{e.task.env}, effort {e.effort}] {q!r} -> {a!r}  reward {max(e.score, 0):.0f}")
+        demo = result.envs[e.task.env].demonstration(e.task)
+        ref = f"  (reference {demo[-1].content!r})" if demo else ""
+        out(f"  [{e.task.env}, effort {e.effort}] {q!r} -> {a!r}  reward "
+            f"{max(e.score, 0):.2f}{ref}")
+    if result.heldout_before_by_domain and result.heldout_after_by_domain:
+        out("held-out reward per environment: " + ", ".join(
+            f"{d} {result.heldout_before_by_domain[d]:.3f} -> {v:.3f}"
+            for d, v in result.heldout_after_by_domain.items()))
     out(f"wall time {time.perf_counter() - t0:.0f} s, {rc.sft_steps} SFT + {rc.steps} RL steps")
     out(f"held-out reward: before {result.heldout_before:.3f} -> after "
         f"{result.heldout_after:.3f}")

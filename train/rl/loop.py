@@ -17,7 +17,8 @@ metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
 at the rollout temperature) is measured after the warm-up and at the end. Checkpoints
 (``train/checkpointing.py``) every ``checkpoint_every`` steps, at the end and on SIGTERM hold
 the train state and, in the metadata, the task counter, the held-out reward before RL and the
-configs; ``resume`` continues from the newest readable one. Every random draw is a function of
+configs; ``resume`` continues from the newest readable one. With ``rl.kl_coef > 0`` the weights
+after SFT are the reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
 ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
 
@@ -57,6 +58,8 @@ class RLResult:
     metrics: dict[int, dict]  # RL step -> the metrics line
     heldout_before: float | None
     heldout_after: float | None
+    heldout_before_by_domain: dict[str, float] | None  # same, per environment
+    heldout_after_by_domain: dict[str, float] | None
     final_step: int  # global (SFT + RL) steps done
     stopped: bool
     resumed_from: int | None
@@ -122,16 +125,18 @@ class Sampler:
         return report.seconds
 
 
-def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, list]:
+def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, dict, list]:
     """Held-out reward: ``heldout_tasks`` fixed held-out tasks per domain, effort levels in
     turn, ``heldout_samples`` samples each at the rollout temperature; the mean environment
-    reward; a truncated episode counts 0."""
+    reward (a truncated episode counts 0), the same per domain, and the episodes."""
     levels = [k for k, w in rc.effort_weights.items() if w > 0]
     tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
              for env in envs.values() for i in range(rc.heldout_tasks)]
     eps = ro.run_episodes(sampler.engine, sampler.fmt, envs, tasks,
                           group_size=rc.heldout_samples, rc=rc, seed=seed)
-    return float(np.mean([0.0 if e.truncated else e.score for e in eps])), eps
+    score = {id(e): 0.0 if e.truncated else e.score for e in eps}
+    by_domain = {d: float(np.mean([score[id(e)] for e in eps if e.task.env == d])) for d in envs}
+    return float(np.mean(list(score.values()))), by_domain, eps
 
 
 def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
@@ -152,7 +157,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     loss_cfg = rc.loss_config()
     total = rc.sft_steps + rc.steps
 
-    meta0 = {"task_counter": 0, "heldout_before": None}
+    meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None}
     restored = ckpt.restore_latest(jax.eval_shape(build), log=log) if resume and \
         ckpt.all_steps() else None
     if restored is not None:
@@ -163,20 +168,32 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         meta0 = {k: meta.get(k) for k in meta0}
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
-        start, state = 0, jax.device_put(build(), jax.devices()[0])
+        start, state = 0, jax.device_put(build(), jax.local_devices()[0])
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
+    before_d, after_d = meta0["heldout_before_by_domain"], None
 
+    ref_params, ref_ckpt = None, None
+    if loss_cfg.kl_beta > 0:  # the reference policy: the weights after SFT, saved once
+        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False)
+        if ref_ckpt.all_steps():
+            got = ref_ckpt.restore_latest(jax.eval_shape(build).params, log=log)
+            if got is None:
+                raise ValueError(f"--resume: the reference policy in {ref_ckpt.directory} is "
+                                 "unreadable")
+            ref_params = got[1]
     if sampler is None:
         sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
     rows, T = rc.rollouts_per_step, rc.seq_len
     sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False) if rc.sft_steps else None
     writer = MetricsWriter(run_dir)
     rewards, lines = {}, {}
+    pending: list = []  # partial rollouts: groups cut by the step cap, continued next step
     stopped, step = False, start
     bar = _progress(total, start, progress)
 
     def save(force: bool):
-        meta = {"task_counter": counter, "heldout_before": before, "train_config": tc.to_dict(),
+        meta = {"task_counter": counter, "heldout_before": before,
+                "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
                 "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
         ckpt.save(step, state, meta, force=force)
 
@@ -189,7 +206,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                         start_index=counter)
                 counter += rows
                 batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
-                state, m = step_fn(graphdef, state, batch, 1.0, tc=tc, tx=tx,
+                state, m = step_fn(graphdef, state, batch, 1.0,
+                                   None if ref_ckpt is None else state.params, tc=tc, tx=tx,
                                    loss_cfg=loss_cfg, layout=layout)
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 step += 1
@@ -197,17 +215,20 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 sft_writer.write(step, m)
                 bar(step, f"sft ce {m['ce']:.3f}")
             else:  # ---- RL ----
+                if ref_ckpt is not None and ref_params is None:
+                    ref_params = state.params
+                    ref_ckpt.save(step, ref_params, {"step": step}, force=True)
                 if before is None and evaluate_heldout:
                     sampler.sync(graphdef, state)
-                    before, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
-                    log(f"\nheld-out reward before RL: {before:.3f}")
+                    before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+                    log(f"\nheld-out reward before RL: {before:.3f} ({_fmt_domains(before_d)})")
                     t0 = time.perf_counter()
                 m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
-                                           step, counter, rows)
+                                           step, counter, rows, pending)
                 batch = m.pop("_batch")
                 m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
                 if m["kept_groups"] > 0:
-                    state, tm = step_fn(graphdef, state, batch, 0.0, tc=tc, tx=tx,
+                    state, tm = step_fn(graphdef, state, batch, 0.0, ref_params, tc=tc, tx=tx,
                                         loss_cfg=loss_cfg, layout=layout)
                     m.update({k: float(v) for k, v in jax.device_get(tm).items()})
                 step += 1
@@ -228,47 +249,76 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     after = None
     if not stopped and evaluate_heldout:
         sampler.sync(graphdef, state)
-        after, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+        after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
     ckpt.close()
+    if ref_ckpt is not None:
+        ref_ckpt.close()
     writer.close()
     if sft_writer is not None:
         sft_writer.close()
     bar(None, None)
-    result = RLResult(rewards, lines, before, after, step, stopped,
+    result = RLResult(rewards, lines, before, after, before_d, after_d, step, stopped,
                       None if restored is None else start)
     result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
     return result
 
 
-def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter, rows):
-    """Sync, rollouts (with dynamic-sampling rounds) and the batch; returns metrics."""
+def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter, rows,
+                  pending):
+    """Sync, rollouts (with dynamic-sampling rounds) and the batch; returns metrics.
+
+    ``pending``: groups with episodes cut by the step cap (partial rollouts) in earlier steps;
+    they are continued first, with the first round's new episodes; the list is updated in
+    place (groups still unfinished ``rl.max_staleness`` steps after they started are dropped).
+    """
     reshard_s = sampler.sync(graphdef, state)
     t0 = time.perf_counter()
-    kept, all_eps = [], []
+    cap = rc.partial_rollout_tokens or None
+    kept, finished, carried, dropped, gen = [], [], [], 0, 0
     for rnd in range(rc.max_sampling_rounds):
         rng = np.random.default_rng([tc.seed, 2, step, rnd])
         tasks = ro.sample_tasks(envs, weights, rc.prompts_per_step, rc=rc, rng=rng,
                                 start_index=counter)
         counter += rc.prompts_per_step
-        eps = ro.run_episodes(sampler.engine, sampler.fmt, envs, tasks,
-                              group_size=rc.group_size, rc=rc, seed=tc.seed * 100003 + step * 101
-                              + rnd)
+        new = ro.start_episodes(sampler.fmt, tasks, rc.group_size)
+        for e in new:
+            e.born = step
+        groups = [new[g:g + rc.group_size] for g in range(0, len(new), rc.group_size)]
+        if rnd == 0:
+            groups, pending[:] = pending + groups, []
+        eps = [e for grp in groups for e in grp]
+        before = sum(e.generated for e in eps)
+        ro.play(sampler.engine, sampler.fmt, envs, eps, rc=rc, step_cap=cap,
+                seed=tc.seed * 100003 + step * 101 + rnd)
+        gen += sum(e.generated for e in eps) - before
+        done = [grp for grp in groups if all(e.done for e in grp)]
+        for grp in groups:
+            if not all(e.done for e in grp):
+                if step - grp[0].born < rc.max_staleness:
+                    carried.append(grp)
+                else:
+                    dropped += 1
+        eps = [e for grp in done for e in grp]
         ro.group_rewards(eps, rc.group_size, rc)
-        all_eps += eps
-        groups = ro.varied_groups(eps, rc.group_size) if rc.dynamic_sampling else [
-            eps[g:g + rc.group_size] for g in range(0, len(eps), rc.group_size)]
-        kept += groups
+        finished += eps
+        kept += ro.varied_groups(eps, rc.group_size) if rc.dynamic_sampling else done
         if len(kept) >= rc.prompts_per_step or not rc.dynamic_sampling:
             break
+    pending[:] = carried
     kept = kept[:rc.prompts_per_step]
     rollout_s = time.perf_counter() - t0
-    gen = sum(e.generated for e in all_eps)
-    m = ro.domain_metrics(all_eps)
+    m = ro.domain_metrics(finished)
     m.update(reshard_s=reshard_s, rollout_s=rollout_s, rollout_tokens=gen,
              rollout_tokens_per_s=gen / rollout_s if rollout_s > 0 else 0.0,
-             kept_groups=len(kept), sampled_groups=len(all_eps) // rc.group_size)
+             kept_groups=len(kept), sampled_groups=len(finished) // rc.group_size)
+    if cap is not None:
+        m.update(pending_groups=len(carried), stale_dropped_groups=dropped)
     m["_batch"] = ro.training_batch(kept, rows, rc.seq_len, rc.group_size, rc)
     return m, counter
+
+
+def _fmt_domains(d: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in d.items())
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -18,10 +18,12 @@ verifiable rewards are all equal are dropped).
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 
 import numpy as np
 
+from kdsa.infer.budget import ThinkingBudget
 from kdsa.infer.chat import AssistantOutput, Message
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.sampling import SamplingParams
@@ -47,6 +49,10 @@ class Episode:
     reasoning_tokens: int = 0
     metrics: dict = dataclasses.field(default_factory=dict)
     texts: list[str] = dataclasses.field(default_factory=list)  # content per turn
+    turns: int = 0  # assistant turns finished
+    turn_tokens: list[int] = dataclasses.field(default_factory=list)  # a cut turn's tokens
+    paused: bool = False  # cut by the step cap (partial rollouts), continued by a later play()
+    born: int = 0  # RL step whose play() started it
 
 
 def render_prompt(fmt, task: Task, effort: str) -> list[int]:
@@ -78,20 +84,39 @@ def _forced_positions(fmt, c) -> set[int]:
     return set()
 
 
-def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
-                 tasks: list[tuple[Task, str]], *, group_size: int, rc: RLConfig,
-                 seed: int) -> list[Episode]:
-    """``group_size`` episodes per ``(task, effort)``, consecutive; returns them finished."""
+def start_episodes(fmt, tasks: list[tuple[Task, str]], group_size: int) -> list[Episode]:
+    """``group_size`` fresh episodes per ``(task, effort)``, consecutive."""
     eps = []
     for task, effort in tasks:
         prompt = render_prompt(fmt, task, effort)
         for _ in range(group_size):
             eps.append(Episode(task, effort, list(prompt), [0.0] * len(prompt),
                                [0.0] * len(prompt), len(prompt)))
+    return eps
+
+
+def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
+                 tasks: list[tuple[Task, str]], *, group_size: int, rc: RLConfig,
+                 seed: int, temperature: float | None = None) -> list[Episode]:
+    """``group_size`` episodes per ``(task, effort)``, consecutive; returns them finished."""
+    return play(engine, fmt, envs, start_episodes(fmt, tasks, group_size), rc=rc, seed=seed,
+                temperature=temperature)
+
+
+def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], *,
+         rc: RLConfig, seed: int, step_cap: int | None = None,
+         temperature: float | None = None) -> list[Episode]:
+    """Advance every unfinished episode until it is done or, with ``step_cap`` (partial
+    rollouts), has generated ``step_cap`` tokens in this call: then it is ``paused`` mid-turn
+    and a later call continues it (its tokens and sampler log-probs kept). ``temperature``
+    overrides ``rc.temperature`` (0: greedy). Returns ``eps``."""
     order = {id(e): i for i, e in enumerate(eps)}
-    turn = 0
+    used = {id(e): 0 for e in eps}  # tokens generated in this call
+    for e in eps:
+        e.paused = False
+    temp = rc.temperature if temperature is None else temperature
     while True:
-        active = [e for e in eps if not e.done]
+        active = [e for e in eps if not e.done and not e.paused]
         if not active:
             return eps
         reqs = []
@@ -101,36 +126,63 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
                 _truncate(e, rc)
                 continue
             calls = sum(len(m.tool_calls) for m in e.history)
-            sp = SamplingParams(temperature=rc.temperature, max_tokens=room,
-                                seed=(seed * 7919 + order[id(e)] * 131 + turn) % (2**31 - 1))
-            reqs.append((e, Request(list(e.tokens), sp, reasoning_cap=rc.reasoning_caps[
-                e.effort], in_reasoning=True, parser=fmt.parser(first_call_index=calls),
-                images=message_images(e.task.messages))))
+            parser, in_reasoning, cap, pre = fmt.parser(first_call_index=calls), True, \
+                rc.reasoning_caps[e.effort], ""
+            if e.turn_tokens:  # continue a turn cut by an earlier call's step cap
+                parser, in_reasoning, cap, pre = _resume_turn(engine, fmt, e, rc, calls)
+                room = min(rc.token_budgets[e.effort] - e.generated, rc.seq_len - len(e.tokens))
+                if room < 1:
+                    _truncate(e, rc)
+                    continue
+            n = room if step_cap is None else min(room, step_cap - used[id(e)])
+            if n < 1:
+                e.paused = True
+                continue
+            sp = SamplingParams(temperature=temp, max_tokens=n,
+                                seed=(seed * 7919 + order[id(e)] * 131 + e.turns) % (2**31 - 1))
+            reqs.append((e, n < room, pre, Request(
+                list(e.tokens), sp, reasoning_cap=cap, in_reasoning=in_reasoning,
+                parser=parser, images=message_images(e.task.messages))))
         if not reqs:
             continue
-        outs = engine.generate([r for _, r in reqs])
-        for (e, _), c in zip(reqs, outs):
-            forced = _forced_positions(fmt, c)
+        outs = engine.generate([r for *_, r in reqs])
+        for (e, capped, pre, _), c in zip(reqs, outs):
+            split = bool(e.turn_tokens) or (capped and c.finish_reason == "length")
+            if split:  # forced tokens from the budget replayed over the whole turn
+                forced = {i - len(e.turn_tokens) for i in _budget_replay(
+                    engine, fmt, rc.reasoning_caps[e.effort], e.turn_tokens + list(
+                        c.token_ids))[0]}
+            else:
+                forced = _forced_positions(fmt, c)
             for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
                 e.tokens.append(int(t))
                 e.mask.append(0.0 if i in forced else 1.0)
                 e.sampler_logp.append(0.0 if i in forced else float(lp))
             e.generated += len(c.token_ids)
+            used[id(e)] += len(c.token_ids)
             e.reasoning_tokens += c.reasoning_tokens
+            if capped and c.finish_reason == "length":  # step cap hit: continue later
+                e.turn_tokens += [int(t) for t in c.token_ids]
+                e.paused = True
+                continue
             out: AssistantOutput = c.output
+            if e.turn_tokens:
+                out = dataclasses.replace(out, content=pre + out.content)
+                e.turn_tokens = []
             e.texts.append(out.content)
             env = envs[e.task.env]
             outcome = env.respond(e.task, out, tuple(e.history))
             e.history.append(out.as_message())
             for k, v in outcome.metrics.items():
                 e.metrics[k] = float(v)
+            e.turns += 1
             if c.finish_reason != "stop":  # over budget: judged as it stands, penalised
                 _truncate(e, rc, float(outcome.reward))
                 continue
             if outcome.done:
                 e.score, e.done = float(outcome.reward), True
                 continue
-            if turn + 1 >= env.max_turns:
+            if e.turns >= env.max_turns:
                 e.score, e.done = 0.0, True
                 continue
             more = continuation_ids(fmt, e.task, e.effort, e.history, list(outcome.messages))
@@ -140,7 +192,45 @@ def run_episodes(engine: Engine, fmt, envs: dict[str, Environment],
             e.sampler_logp += [0.0] * len(more)
             if len(e.tokens) >= rc.seq_len:
                 _truncate(e, rc)
-        turn += 1
+
+
+def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
+    """Replay the engine's thinking budget (``infer/budget.py``) over one turn's tokens:
+    ``(forced positions, ids still to force, budget)``."""
+    b = ThinkingBudget(cap=cap, grace=engine.budgets.grace,
+                       end_marker=tuple(fmt.reasoning_end_ids),
+                       after=tuple(fmt.after_reasoning_ids), in_reasoning=True)
+    queue, forced = list(b.start()), set()
+    raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for i, t in enumerate(tokens):
+        if queue:
+            if queue[0] != t:
+                raise ValueError(f"budget replay: token {i} is {t}, the engine forced "
+                                 f"{queue[0]}")
+            queue.pop(0)
+            forced.add(i)
+        piece = "" if engine.tok.is_special(t) else raw.decode(engine.tok.token_bytes(t))
+        queue += b.observe(t, piece)
+    return forced, queue, b
+
+
+def _resume_turn(engine: Engine, fmt, e: Episode, rc: RLConfig, calls: int):
+    """State to continue ``e``'s cut turn: ids the budget still had to force are appended (as
+    forced tokens); returns ``(parser fed with the turn so far, in_reasoning, remaining
+    reasoning cap, content so far)``."""
+    cap = rc.reasoning_caps[e.effort]
+    _, queue, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
+    if queue:
+        e.tokens += queue
+        e.turn_tokens += queue
+        e.mask += [0.0] * len(queue)
+        e.sampler_logp += [0.0] * len(queue)
+        e.generated += len(queue)
+        _, _, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
+    parser = fmt.parser(first_call_index=calls)
+    pre = "".join(v for t in e.turn_tokens for k, v in parser.feed(t) if k == "content")
+    left = None if cap is None else max(cap - b.reasoning_tokens, 0)
+    return parser, b.in_reasoning, left, pre
 
 
 def _truncate(e: Episode, rc: RLConfig, judged: float = 0.0) -> None:

@@ -15,6 +15,11 @@ truncated importance sampling (``cfg.tis``) and the mismatch metrics
 ``mismatch_k1 = mean(old - sampler)``, ``mismatch_k3 = mean(exp(s - o) - (s - o) - 1)``,
 ``mismatch_abs = mean|old - sampler|`` over the loss tokens (``rl_and_serving.md`` 3).
 
+KL to a reference (``loss_cfg.kl_beta > 0``): ``ref_params`` (the frozen post-SFT weights, same
+structure as ``state.params``, with the current routing biases) run a second, gradient-free
+forward on the same rows; ``rl_losses.policy_loss`` adds ``kl_beta * kl_kind(logp, ref_logp)``
+per token; ``kl`` is its mean over the loss tokens.
+
 Accumulation is exact as in ``train/step.py``: the denominators (tokens or sequences) come from
 the whole batch first, each micro-batch contributes the gradient of its numerators divided by
 them, and the sums are the large-batch gradient. MoE expert loads and the routing-bias update
@@ -54,8 +59,11 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
     return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
 
 
-def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
-             tx: optax.GradientTransformation, loss_cfg: RLLossConfig, layout: tuple):
+def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
+             tc: TrainConfig, tx: optax.GradientTransformation, loss_cfg: RLLossConfig,
+             layout: tuple):
+    if loss_cfg.kl_beta > 0 and ref_params is None:
+        raise ValueError("rl.kl_coef > 0 needs the reference policy's parameters (ref_params)")
     m = tc.accum_steps
     mbs = _micro_batches(batch, m)
     mask = batch["mask"].astype(jnp.float32)
@@ -70,13 +78,20 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
         mk = mb["mask"].astype(jnp.float32)
         ce_num = jnp.sum(-logp * mk)
         old = jax.lax.stop_gradient(logp)
+        ref_logp = None
+        if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
+            ref = nnx.merge(graphdef, ref_params, state.rest)
+            ref_logp = jax.lax.stop_gradient(
+                token_logprobs(ref.forward(mb["inputs"], **image_kwargs(ref, mb)).logits,
+                               mb["targets"]))
         pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
-                                    sampler_logp=mb["sampler_logp"])
+                                    sampler_logp=mb["sampler_logp"], ref_logp=ref_logp)
         d = (old - mb["sampler_logp"]) * mk
         stats = {"ce_num": ce_num, "pg_num": pg_num, "mis_k1": jnp.sum(d),
                  "mis_abs": jnp.sum(jnp.abs(d)),
                  "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
-                 "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk)}
+                 "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk),
+                 "kl_num": pm.get("kl_numerator", jnp.float32(0.0))}
         loss = w * ce_num / ce_den + (1.0 - w) * pg_num / pg_den
         return loss, (stats, out.expert_load)
 
@@ -104,6 +119,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, *, tc: TrainConfig,
         "grad_norm": optax.tree.norm(grads), "learning_rate": lr, "loss_tokens": jnp.sum(mask),
         "mismatch_k1": stats["mis_k1"] / ce_den, "mismatch_abs": stats["mis_abs"] / ce_den,
         "mismatch_k3": stats["mis_k3"] / ce_den, "tis_weight_mean": stats["tis_num"] / ce_den,
+        "kl": stats["kl_num"] / ce_den,
         "expert_load_max_over_mean": jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load),
                                                        0.0)),
     }
@@ -120,6 +136,7 @@ def rl_step_with_options(compiler_options: tuple = ()):
 
 
 rl_step = rl_step_with_options()
-rl_step.__doc__ = """``(state, metrics) = rl_step(graphdef, state, batch, sft_weight, tc=, tx=,
-loss_cfg=, layout=)``: compiled once per shapes and static configs; ``sft_weight`` 1.0 is an SFT
-step, 0.0 an RL step."""
+rl_step.__doc__ = """``(state, metrics) = rl_step(graphdef, state, batch, sft_weight, ref_params,
+tc=, tx=, loss_cfg=, layout=)``: compiled once per shapes and static configs; ``sft_weight`` 1.0
+is an SFT step, 0.0 an RL step; ``ref_params`` (the reference policy, same structure as
+``state.params``) is needed when ``loss_cfg.kl_beta > 0``."""

@@ -1,0 +1,123 @@
+"""Partial rollouts (Kimi K1.5): an episode cut by the per-step token cap and continued in later
+steps is the episode generated in one go (tokens, trained-token mask, sampler log-probs, answer,
+budget forcing), and the loop carries unfinished groups for at most ``max_staleness`` steps.
+Driven by a scripted stand-in for the model whose next token is a function of the sequence
+alone (as a model's is), so no model is compiled."""
+
+import numpy as np
+import pytest
+
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.chat import Message, get_format
+from kdsa.infer.engine import Engine
+from kdsa.infer.scripted import ScriptedRunner
+from kdsa.infer.tokenizer import ByteTokenizer
+from kdsa.train.config import TrainConfig
+from kdsa.train.rl import rollout as ro
+from kdsa.train.rl.config import RLConfig
+from kdsa.train.rl.envs import Environment, Outcome, Task
+from kdsa.train.rl.loop import _rl_iteration
+
+
+class _SequenceScript(ScriptedRunner):
+    """``ScriptedRunner`` whose script restarts at the *last* generation prompt of everything
+    the slot has seen (not at the end of the submitted prompt), so a continued request picks
+    up where the cut one stopped, as a model would."""
+
+    def prefill(self, slot, tokens, start=0):
+        super().prefill(slot, tokens, start)
+        s, n = self.seen[slot], len(self.think_prompt)
+        ends = [i + n for i in range(len(s) - n + 1) if s[i:i + n] == self.think_prompt]
+        if ends:
+            self.prompt_len[slot], self.thinking[slot] = ends[-1], True
+        return self._logits([slot])
+
+
+class _Yes(Environment):
+    def __init__(self, seed=0):
+        super().__init__(seed=seed)
+        self.domain = "test_yes"
+
+    def task(self, index, split="train"):
+        return Task(self.domain, index, (Message("user", f"Question {index}?"),))
+
+    def respond(self, task, output, history):
+        return Outcome(float(output.content == "Yes it is."))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = ByteTokenizer(384, flavor="k2")
+    fmt = get_format("k2", tok)
+    answer = tok.encode("Yes it is.") + [fmt.stop_ids[0]]
+    # caps: low 0 (closed at once, forced), high 3 (forced mid-reasoning), max 16 (the
+    # script's own close after 5 reasoning tokens)
+    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
+                  reasoning_caps={"low": 0, "high": 3, "max": 16},
+                  token_budgets={"low": 60, "high": 60, "max": 60})
+    runner = _SequenceScript(tok, fmt, answer_ids=answer, reasoning_tokens=5, num_slots=8,
+                             max_len=rc.seq_len + 1)
+    engine = Engine(runner, tok, chat_format=fmt,
+                    budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=0), seed=0)
+    env = _Yes(seed=0)
+    return fmt, engine, rc, {env.domain: env}, env
+
+
+def _fields(e):
+    return (e.tokens, e.mask, e.sampler_logp, e.texts, e.score, e.truncated, e.generated,
+            e.reasoning_tokens)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 5, 8])
+def test_episode_split_across_steps_equals_one_go(setup, cap):
+    fmt, engine, rc, envs, env = setup
+    tasks = [(env.task(i), effort) for i, effort in enumerate(("low", "high", "max"))]
+    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
+                    temperature=0.0)
+    assert all(e.done and e.score == 1.0 for e in whole), [e.texts for e in whole]
+    eps, calls = ro.start_episodes(fmt, tasks, 1), 0
+    while not all(e.done for e in eps):
+        ro.play(engine, fmt, envs, eps, rc=rc, seed=calls, step_cap=cap, temperature=0.0)
+        calls += 1
+        assert all(e.done or e.paused for e in eps)
+    assert calls == max(-(-e.generated // cap) for e in whole)  # ceil(tokens / cap) steps
+    for a, b in zip(whole, eps):
+        assert _fields(a) == _fields(b)
+    forced = [t for t, m, i in zip(eps[1].tokens, eps[1].mask, range(len(eps[1].tokens)))
+              if not m and i >= eps[1].prompt_len]
+    assert forced == list(fmt.reasoning_end_ids)  # the forced close is not trained on
+
+
+def test_loop_carries_partial_groups_up_to_max_staleness(setup):
+    fmt, engine, rc, envs, env = setup
+
+    class _Sampler:  # the loop's generation side without weights
+        def __init__(self):
+            self.engine, self.fmt = engine, fmt
+
+        def sync(self, graphdef, state):
+            return 0.0
+
+    tc = TrainConfig(steps=10, warmup_steps=0, seed=0)
+    base = rc.replace(prompts_per_step=2, group_size=2, max_sampling_rounds=1,
+                      dynamic_sampling=False, partial_rollout_tokens=4,
+                      effort_weights={"low": 0.0, "high": 0.0, "max": 1.0})
+    # an episode here is 5 reasoning + 1 close + 11 answer = 17 tokens: 5 steps of 4
+
+    def run(rc, steps):
+        pending, counter, out = [], 0, []
+        for step in range(steps):
+            m, counter = _rl_iteration(_Sampler(), envs, {env.domain: 1.0}, None, None, rc,
+                                       tc, step, counter, rc.rollouts_per_step, pending)
+            out.append((m["sampled_groups"], m["pending_groups"], m["stale_dropped_groups"],
+                        float(m["_batch"]["mask"].sum())))
+        return out
+
+    # staleness 1: a group started at step s may be continued at s + 1 only, then dropped
+    got = run(base.replace(max_staleness=1), 3)
+    assert [g[:3] for g in got] == [(0, 2, 0), (0, 2, 2), (0, 2, 2)]
+    # staleness 4: groups started at step s finish at step s + 4 (ceil(17 / 4) = 5 pieces)
+    got = run(base.replace(max_staleness=4), 6)
+    assert [g[0] for g in got] == [0, 0, 0, 0, 2, 2]
+    assert [g[1] for g in got] == [2, 4, 6, 8, 8, 8]
+    assert got[4][3] > 0 and got[3][3] == 0  # finished groups are trained on
