@@ -66,8 +66,9 @@ def loss_fn(attend, idx, v_dim, w_out, w_lse, **kw):
 
 def run_both(q, kv, idx, v_dim, *variants, extra=None):
     """(out, lse, grads, second) of the kernel with each option dict in ``variants``, then of
-    the reference (one jit each); with ``extra = (kv2, v_dim2)`` ``second`` is the forward
-    output for that second key form (default kernel options), in the same jit."""
+    the reference (one jit each); with ``extra = (kv2, v_dim2, heads)`` ``second`` is the
+    forward output of the first ``heads`` heads for that second key form (default kernel
+    options), in the same jit."""
     rng = np.random.default_rng(99)
     w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], v_dim)), jnp.float32)
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
@@ -80,7 +81,8 @@ def run_both(q, kv, idx, v_dim, *variants, extra=None):
 
         def both(q, *kv, attend=attend, f=f):
             (_, (out, lse)), grads = f(q, *kv)
-            second = None if extra is None else attend(q, extra[0], idx, SCALE, extra[1])[0]
+            second = None if extra is None else attend(q[:, :, :extra[2]], extra[0], idx,
+                                                       SCALE, extra[1])[0]
             return out, lse, grads, second
 
         res.append(run_jit(both, q, *kv))
@@ -138,12 +140,12 @@ def test_gradients_match_reference_autodiff(main_case, which):
 
 def test_decode_shape_one_key_array():
     """Decode (T = 1, 32 heads, K = 16 > S = 9 keys), default tiles; kv one array: values =
-    the whole key (one part, forward and gradient) and values = its first 16 of 24 columns
-    (split once in the wrapper, forward)."""
+    the whole key (one part, forward and gradient) and, with a single head (15 padded), values =
+    its first 16 of 24 columns (split once in the wrapper, forward)."""
     q, kv, idx = make_problem(2, b=2, t=1, n=32, s=9, dims=(24,), k=16)
     idx = idx.at[0, 0].set(-1).at[1, 0, 3:6].set(idx[1, 0, 2])  # no valid slot; duplicates
     (out, lse, grads, out16), (rout, rlse, rgrads, rout16) = run_both(
-        q, kv, idx, 24, {}, extra=(kv[0], 16))
+        q, kv, idx, 24, {}, extra=(kv[0], 16, 1))
     np.testing.assert_allclose(out, rout, **TOL)
     assert_lse_close(lse, rlse)
     np.testing.assert_allclose(out16, rout16, **TOL)
@@ -273,10 +275,10 @@ def test_lowers_for_tpu_mosaic():
     """Forward and backward go through the Pallas -> Mosaic lowering for TPU
     (``jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))``: block shapes, SMEM / ANY
     memory spaces, DMAs and semaphores): K3 widths (latent 512, RoPE key 64, 128 heads, top-2048)
-    in bf16 and f32, and one key array (v_dim = Dk = 40) with 20 heads, top-200, in 2 query
-    chunks. Not Mosaic's compiler passes, which run inside libtpu on a TPU."""
-    cases = [((1, 2, 128, 576), (512, 64), 2048, dt) for dt in (jnp.bfloat16, jnp.float32)]
-    cases.append(((1, 5, 20, 40), (40,), 200, jnp.float32))
+    in bf16, and one key array (v_dim = Dk = 40) with 20 heads, top-200, in 2 query chunks, f32.
+    Not Mosaic's compiler passes, which run inside libtpu on a TPU."""
+    cases = [((1, 2, 128, 576), (512, 64), 2048, jnp.bfloat16),
+             ((1, 5, 20, 40), (40,), 200, jnp.float32)]
     for q_shape, dims, k, dtype in cases:
         args = ([jax.ShapeDtypeStruct(q_shape, dtype)]
                 + [jax.ShapeDtypeStruct((1, 300, d), dtype) for d in dims]

@@ -179,13 +179,13 @@ def sparse_mla_attention(q: jax.Array, kv, indices: jax.Array, sm_scale: float, 
     ka, kb = split_values(parts, v_dim)
     dtype = jnp.result_type(q, *parts)
     backend = backend or default_backend()
+    if isinstance(interpret, pltpu.InterpretParams) and backend != "mosaic":
+        raise ValueError("interpret=pltpu.InterpretParams() (the TPU simulator) needs "
+                         "backend='mosaic'")
     p = kernel.plan(s, h, k, v_dim, dk - v_dim, block_h=block_h, block_k=block_k,
                     num_warps=num_warps, num_stages=num_stages, backend=backend, dtype=dtype)
     qa, qb, ka, kb, idx = kernel.to_layout(q.astype(dtype), ka.astype(dtype),
                                            None if kb is None else kb.astype(dtype), indices, p)
-    if isinstance(interpret, pltpu.InterpretParams) and p.backend != "mosaic":
-        raise ValueError("interpret=pltpu.InterpretParams() (the TPU simulator) needs "
-                         "backend='mosaic'")
     if not isinstance(interpret, pltpu.InterpretParams):
         interpret = common.resolve_interpret(interpret)
     out, lse = _attend(qa, qb, ka, kb, idx, p, float(sm_scale), interpret, int(chunk_size))
