@@ -83,6 +83,8 @@ def configs_from_args(args):
 
 
 def run(args) -> int:
+    import jax
+
     from kdsa.train.rl.loop import check_rl_configs
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
@@ -101,10 +103,11 @@ def run(args) -> int:
           file=sys.stderr, flush=True)
     if args.demo:
         return run_demo(config, tc, rc, run_dir, resume=args.resume,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress and jax.process_index() == 0)
     from kdsa.train.rl.loop import run_rl
 
-    result = run_rl(config, tc, rc, run_dir, resume=args.resume, progress=not args.no_progress)
+    result = run_rl(config, tc, rc, run_dir, resume=args.resume,
+                    progress=not args.no_progress and jax.process_index() == 0)
     if result.stopped:
         return SIGTERM_EXIT_CODE
     last = result.rewards.get(max(result.rewards, default=0))

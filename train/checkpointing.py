@@ -62,14 +62,22 @@ def fingerprint(flat: dict[str, jax.Array]) -> dict[str, float]:
 class Checkpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``."""
 
-    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True,
+                 process_local: bool = False):
+        """``process_local``: this process alone (no barriers with the job's other processes);
+        for state replicated per process (``kdsa rl`` multi-host: only process 0 saves)."""
         self.directory = Path(directory).absolute()
         self.every = every
+        me = jax.process_index()
+        mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+              if process_local else ocp.options.MultiprocessingOptions())
+        if process_local:  # Orbax creates no root directory with active_processes set
+            self.directory.mkdir(parents=True, exist_ok=True)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, save_interval_steps=every, create=True,
-                enable_async_checkpointing=async_save),
+                max_to_keep=keep, save_interval_steps=every, create=not process_local,
+                enable_async_checkpointing=async_save, multiprocessing_options=mp),
             item_names=("state", "meta"))
 
     def all_steps(self) -> list[int]:

@@ -57,6 +57,8 @@ def enable_compilation_cache(path: str | Path) -> None:
 
 def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
              resume: bool = False, progress: bool = True, out=print) -> int:
+    import jax
+
     from kdsa.train.rl import rollout as ro
     from kdsa.train.rl.loop import run_rl
     from kdsa.train.rl.plot import line_plot
@@ -68,10 +70,11 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
         return 143
     steps = sorted(result.rewards)
     curve = [max(result.metrics[s]["score"], 0.0) for s in steps]
-    png = line_plot(run_dir / "reward_curve.png",
-                    [(curve, (31, 119, 180)),
-                     ([result.heldout_before] * max(len(curve), 2), (214, 39, 40)),
-                     ([result.heldout_after] * max(len(curve), 2), (44, 160, 44))])
+    png = run_dir / "reward_curve.png"
+    if jax.process_index() == 0:  # multi-host: every process ran the same job
+        line_plot(png, [(curve, (31, 119, 180)),
+                        ([result.heldout_before] * max(len(curve), 2), (214, 39, 40)),
+                        ([result.heldout_after] * max(len(curve), 2), (44, 160, 44))])
     out(f"reward curve: {png}  (blue: rollout score per RL step; red/green: held-out reward "
         f"before/after)")
     out(f"final checkpoint: {run_dir / 'checkpoints' / str(result.final_step)}")

@@ -17,7 +17,10 @@ metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
 at the rollout temperature) is measured after the warm-up and at the end. Checkpoints
 (``train/checkpointing.py``) every ``checkpoint_every`` steps, at the end and on SIGTERM hold
 the train state and, in the metadata, the task counter, the held-out reward before RL and the
-configs; ``resume`` continues from the newest readable one. With ``rl.kl_coef > 0`` the weights
+configs; ``resume`` continues from the newest readable one. Multi-host (the same command on
+every process, e.g. under ``kdsa launch-local``): every process runs the whole job on its own
+local devices with the same seeds (rollouts and updates replicated, identical on CPU); process 0
+alone writes metrics and checkpoints. With ``rl.kl_coef > 0`` the weights
 after SFT are the reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
 ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
@@ -150,8 +153,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
+    multi = jax.process_count() > 1  # every process runs the same job; process 0 writes
+    writes = jax.process_index() == 0
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
-                        keep=tc.keep_checkpoints)
+                        keep=tc.keep_checkpoints, process_local=multi)
     abstract, graphdef, tx, build = prepare(config, tc)
     layout = abstract.segment_layout
     loss_cfg = rc.loss_config()
@@ -174,7 +179,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
 
     ref_params, ref_ckpt = None, None
     if loss_cfg.kl_beta > 0:  # the reference policy: the weights after SFT, saved once
-        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False)
+        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False,
+                                process_local=multi)
         if ref_ckpt.all_steps():
             got = ref_ckpt.restore_latest(jax.eval_shape(build).params, log=log)
             if got is None:
@@ -195,7 +201,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         meta = {"task_counter": counter, "heldout_before": before,
                 "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
                 "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
-        ckpt.save(step, state, meta, force=force)
+        if writes:
+            ckpt.save(step, state, meta, force=force)
 
     with _StopFlag() as flag:
         while step < total:
@@ -217,7 +224,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
             else:  # ---- RL ----
                 if ref_ckpt is not None and ref_params is None:
                     ref_params = state.params
-                    ref_ckpt.save(step, ref_params, {"step": step}, force=True)
+                    if writes:
+                        ref_ckpt.save(step, ref_params, {"step": step}, force=True)
                 if before is None and evaluate_heldout:
                     sampler.sync(graphdef, state)
                     before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
