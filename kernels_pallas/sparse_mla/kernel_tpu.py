@@ -87,24 +87,23 @@ def interpret_params(interpret):
 
 # ----------------------------------------------------------------------------- gather
 
-def _gather(idx_smem, hbm, bufs, sems, b, j, slot, p):
-    """DMA descriptors of slot tile ``j``'s rows, part by part, into buffer half ``slot``."""
-    def start():
-        def row(i, carry):
-            r = idx_smem[0, j * p.bk + i]
-            r = jnp.where((r >= 0) & (r < p.s), r, 0)                          # invalid: row 0
-            for part in range(len(hbm)):
-                pltpu.make_async_copy(hbm[part].at[b, pl.ds(r, 1)],
-                                      bufs[part].at[slot, pl.ds(i, 1)],
-                                      sems.at[part, slot]).start()
-            return carry
-        jax.lax.fori_loop(0, p.bk, row, 0)
-
-    def wait():  # one wait per part for the whole half (the semaphore counts all bk rows)
+def _start(idx_smem, hbm, bufs, sems, b, j, slot, p):
+    """Start the one-row DMAs of slot tile ``j`` (every key part) into buffer half ``slot``."""
+    def row(i, carry):
+        r = idx_smem[0, j * p.bk + i]
+        r = jnp.where((r >= 0) & (r < p.s), r, 0)                              # invalid: row 0
         for part in range(len(hbm)):
-            pltpu.make_async_copy(bufs[part].at[slot], bufs[part].at[slot],
-                                  sems.at[part, slot]).wait()
-    return start, wait
+            pltpu.make_async_copy(hbm[part].at[b, pl.ds(r, 1)],
+                                  bufs[part].at[slot, pl.ds(i, 1)],
+                                  sems.at[part, slot]).start()
+        return carry
+    jax.lax.fori_loop(0, p.bk, row, 0)
+
+
+def _wait(bufs, sems, slot):
+    """One wait per key part for the whole half (its semaphore counts all ``bk`` rows)."""
+    for part, buf in enumerate(bufs):
+        pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[part, slot]).wait()
 
 
 def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p):
@@ -114,13 +113,13 @@ def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p):
 
     @pl.when(j == 0)
     def _():
-        _gather(idx_smem, hbm, bufs, sems, b, 0, 0, p)[0]()
+        _start(idx_smem, hbm, bufs, sems, b, 0, 0, p)
 
     @pl.when(j + 1 < nk)
     def _():
-        _gather(idx_smem, hbm, bufs, sems, b, j + 1, 1 - slot, p)[0]()
+        _start(idx_smem, hbm, bufs, sems, b, j + 1, 1 - slot, p)
 
-    _gather(idx_smem, hbm, bufs, sems, b, j, slot, p)[1]()
+    _wait(bufs, sems, slot)
     ids = idx_vmem[...]                                                        # [1, bk]
     valid = (ids >= 0) & (ids < p.s)
     return valid, [buf[slot] for buf in bufs]
