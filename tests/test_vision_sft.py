@@ -1,6 +1,7 @@
-"""SFT with images: the data path (rendering, loss mask, image files, errors) and a tiny
-vision-language model (1-block tower, one KDA layer) that learns by SFT, in 40 steps, to name
-the stripes it is shown (horizontal -> "h", vertical -> "v"), checked on held-out images."""
+"""SFT with images: the data path (rendering, loss mask, image files, errors), ``kdsa train
+--data`` on a chat JSONL, and a tiny vision-language model (1-block tower, one KDA layer) that
+learns by SFT through the training loop, in 40 steps, to name the stripes it is shown
+(horizontal -> "h", vertical -> "v"), checked on held-out images."""
 
 import dataclasses
 import json
@@ -15,11 +16,10 @@ from PIL import Image
 from kdsa.infer.chat import get_format
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
-from kdsa.model.transformer import Transformer
 from kdsa.model.vision.assemble import image_batch, image_inputs
 from kdsa.model.vision.inputs import to_data_url
-from kdsa.train.config import TrainConfig
 from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.config import TrainConfig
 from kdsa.train.trainer import prepare, run_training
 from kdsa.train.vision_data import ImageSftData, chat_sft_data, read_image_sft_jsonl
 
