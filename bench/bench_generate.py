@@ -3,12 +3,19 @@ Gated DSA) vs the same model with every attention layer dense MLA (``index_topk=
 prefill tokens/s. One run, side by side; prints ratios and writes bench/results/generate.json.
 
 Decode is timed on the engine's compiled step (``ModelRunner.decode``, every slot active at the
-given context position, cache preallocated to ``max_len``), so a row costs what a slot costs
+given context position, cache preallocated to the context), so a row costs what a slot costs
 in serving: KDA layers are constant per token, DSA layers read ``index_topk`` selected keys of
-the latent cache plus the indexer over all keys, dense MLA reads all keys. The end-to-end row
-runs ``Engine.generate`` (sampling, host bookkeeping) at one batch size.
+the latent cache plus the indexer over all keys, dense MLA reads all keys. Each (batch,
+context) shape compiles once per model; the two models alternate inside a row, so both see the
+same load. The end-to-end row runs ``Engine.generate`` (sampling, host bookkeeping) at one batch
+size. The load average is recorded before and after: on a shared CPU the absolute tokens/s are
+upper-bound noisy, the hybrid / dense ratios much less so.
 
-    python bench/bench_generate.py [--quick] [--preset small]
+    python bench/bench_generate.py [--quick] [--preset tiny] [--topk 2048]
+
+The full grid (batch 1..64 at 1K, context 1K..32K at batch 1, prefill 256..4096) takes about
+10 minutes on 2 loaded CPU cores with the ``tiny`` preset and K3's top-2048 (the default):
+DSA selects everything below 2K, so the grid shows both sides of the crossover.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from kdsa.infer.sampling import SamplingParams  # noqa: E402
 from kdsa.infer.tokenizer import ByteTokenizer  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.transformer import Transformer  # noqa: E402
+from kdsa.train.metrics import progress_bar  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
@@ -47,9 +55,10 @@ def _time(fn, reps: int) -> float:
 
 
 def decode_tps(model, batch: int, context: int, reps: int) -> float:
-    runner = ModelRunner(model, num_slots=batch, max_len=context + 1, prefill_chunk=16)
+    """Tokens/s of one decode step with ``batch`` slots, each attending over ``context``."""
+    runner = ModelRunner(model, num_slots=batch, max_len=context, prefill_chunk=16)
     toks = np.ones(batch, np.int32)
-    pos = np.full(batch, context - 1, np.int32)  # attend over `context` slots
+    pos = np.full(batch, context - 1, np.int32)  # the last slot: attend over `context` keys
     act = np.ones(batch, bool)
     return batch / _time(lambda: runner.decode(toks, pos, act), reps)
 
@@ -72,51 +81,80 @@ def engine_tps(model, batch: int, new: int) -> float:
     return sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0)
 
 
+def grid(quick: bool) -> dict:
+    if quick:
+        return {"batches": [1, 8, 64], "contexts": [1024, 8192], "prefill": [256, 1024],
+                "reps": 5, "engine_new": 16}
+    return {"batches": [1, 2, 4, 8, 16, 32, 64],
+            "contexts": [1024, 2048, 4096, 8192, 16384, 32768],
+            "prefill": [256, 1024, 4096], "reps": 7, "engine_new": 64}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--preset", default=None, help="default: small (tiny with --quick)")
+    ap.add_argument("--quick", action="store_true", help="a 3 x 2 grid (about 2 minutes)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--topk", type=int, default=None,
+                    help="index_topk of the hybrid model (default: K3's 2048; the preset's "
+                         "own with --quick)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate.json"))
     args = ap.parse_args()
-    args.preset = args.preset or ("tiny" if args.quick else "small")
-    batches = [1, 8, 64] if args.quick else [1, 4, 16, 64]
-    contexts = [1024, 8192] if args.quick else [1024, 4096, 16384, 32768]
+    g = grid(args.quick)
     cfg = get_preset(args.preset)
-    cfg = cfg.replace(max_position_embeddings=max(cfg.max_position_embeddings,
-                                                  max(contexts) + 1))
-    reps = 5 if args.quick else 10
+    topk = args.topk or (cfg.index_topk if args.quick else 2048)
+    cfg = cfg.replace(index_topk=topk, max_position_embeddings=max(
+        cfg.max_position_embeddings, max(g["contexts"]) + 1, max(g["prefill"])))
     models = {"hybrid_dsa": Transformer(cfg, rngs=nnx.Rngs(0)),
               "dense_mla": Transformer(cfg.replace(index_n_heads=None, index_head_dim=None,
                                                    index_topk=None), rngs=nnx.Rngs(0))}
+    load0 = os.getloadavg()
     res: dict = {"preset": args.preset, "backend": jax.default_backend(),
-                 "devices": len(jax.devices()), "quick": args.quick,
-                 "index_topk": cfg.index_topk, "decode_vs_batch": {}, "decode_vs_context": {},
+                 "devices": len(jax.devices()), "quick": args.quick, "index_topk": topk,
+                 "load_average_before": load0, "decode_vs_batch": {}, "decode_vs_context": {},
                  "prefill": {}}
-    ctx_b = 1024
-    print(f"{args.preset} on {jax.default_backend()}: decode tokens/s (hybrid vs dense MLA)")
-    for b in batches:
-        row = {k: decode_tps(m, b, ctx_b, reps) for k, m in models.items()}
-        row["ratio"] = row["hybrid_dsa"] / row["dense_mla"]
-        res["decode_vs_batch"][b] = row
-        print(f"  batch {b:3d} @ ctx {ctx_b}: hybrid {row['hybrid_dsa']:9.1f}  dense "
-              f"{row['dense_mla']:9.1f}  ratio {row['ratio']:.2f}", flush=True)
-    for c in contexts:
-        row = {k: decode_tps(m, 1, c, reps) for k, m in models.items()}
-        row["ratio"] = row["hybrid_dsa"] / row["dense_mla"]
-        res["decode_vs_context"][c] = row
-        print(f"  ctx {c:6d} @ batch 1: hybrid {row['hybrid_dsa']:9.1f}  dense "
-              f"{row['dense_mla']:9.1f}  ratio {row['ratio']:.2f}", flush=True)
-    for length in ([256, 1024] if args.quick else [256, 1024, 4096]):
-        row = {k: prefill_tps(m, length, reps) for k, m in models.items()}
-        row["ratio"] = row["hybrid_dsa"] / row["dense_mla"]
-        res["prefill"][length] = row
-        print(f"  prefill {length:5d}: hybrid {row['hybrid_dsa']:9.1f}  dense "
-              f"{row['dense_mla']:9.1f} tokens/s  ratio {row['ratio']:.2f}", flush=True)
+    t_start = time.perf_counter()
+    ctx_b = g["contexts"][0]
+    total = len(g["batches"]) + len(g["contexts"]) + len(g["prefill"]) + 1
+    bar = progress_bar(total, 0, True, lambda b, msg: b.set_description(msg))
+    lines, done = [], 0
+
+    def row(fn, *a):
+        r = {k: fn(m, *a) for k, m in models.items()}
+        r["ratio"] = r["hybrid_dsa"] / r["dense_mla"]
+        return r
+
+    def note(line):
+        nonlocal done
+        lines.append(line)
+        done += 1
+        bar(done, line.strip()[:60])
+
+    for b in g["batches"]:
+        r = res["decode_vs_batch"][b] = row(decode_tps, b, ctx_b, g["reps"])
+        note(f"  batch {b:3d} @ ctx {ctx_b:5d}: hybrid {r['hybrid_dsa']:9.1f}  dense "
+             f"{r['dense_mla']:9.1f}  ratio {r['ratio']:.2f}")
+    for c in g["contexts"]:
+        r = (res["decode_vs_batch"][1] if c == ctx_b and 1 in g["batches"]
+             else row(decode_tps, 1, c, g["reps"]))
+        res["decode_vs_context"][c] = r
+        note(f"  ctx {c:6d} @ batch 1: hybrid {r['hybrid_dsa']:9.1f}  dense "
+             f"{r['dense_mla']:9.1f}  ratio {r['ratio']:.2f}")
+    for n in g["prefill"]:
+        r = res["prefill"][n] = row(prefill_tps, n, 2 if n > 1024 else 3)
+        note(f"  prefill {n:5d}: hybrid {r['hybrid_dsa']:9.1f}  dense "
+             f"{r['dense_mla']:9.1f} tokens/s  ratio {r['ratio']:.2f}")
     b = 8
-    res["engine_end_to_end"] = {"batch": b, "tokens_per_s": engine_tps(
-        models["hybrid_dsa"], b, 16 if args.quick else 64)}
-    print(f"  engine (sampling + scheduling) batch {b}: "
-          f"{res['engine_end_to_end']['tokens_per_s']:.1f} tokens/s")
+    res["engine_end_to_end"] = {"batch": b, "new_tokens": g["engine_new"], "tokens_per_s":
+                                engine_tps(models["hybrid_dsa"], b, g["engine_new"])}
+    note(f"  engine (sampling + scheduling) batch {b}: "
+         f"{res['engine_end_to_end']['tokens_per_s']:.1f} tokens/s")
+    bar(None, None)
+    res["load_average_after"] = os.getloadavg()
+    res["seconds"] = time.perf_counter() - t_start
+    print(f"{args.preset} (index_topk {topk}) on {jax.default_backend()}: tokens/s, hybrid vs "
+          f"dense MLA; load average {load0[0]:.1f} -> {res['load_average_after'][0]:.1f}, "
+          f"{res['seconds']:.0f} s")
+    print("\n".join(lines))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out}")
