@@ -68,6 +68,7 @@ class Checkpointer:
         for state replicated per process (``kdsa rl`` multi-host: only process 0 saves)."""
         self.directory = Path(directory).absolute()
         self.every = every
+        self.process_local = process_local
         me = jax.process_index()
         mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
               if process_local else ocp.options.MultiprocessingOptions())
@@ -90,6 +91,8 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         flat = flatten_state(state)
+        if self.process_local:  # Orbax refuses host-local jax.Arrays in a multi-process job
+            flat = {k: np.asarray(v) for k, v in flat.items()}
         meta = dict(meta, step=int(step), fingerprint=fingerprint(flat))
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)), force=True)
@@ -110,11 +113,17 @@ class Checkpointer:
         for p in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
             log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing)")
         abstract = {k: _abstract(v) for k, v in flatten_state(template).items()}
+        local = None
+        if self.process_local:  # read as NumPy, then onto this process's first device
+            local = jax.local_devices()[0]
+            abstract = {k: np.zeros(v.shape, v.dtype) for k, v in abstract.items()}
         for step in reversed(self.all_steps()):
             try:
                 got = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
                 flat, meta = dict(got["state"]), dict(got["meta"])
+                if local is not None:
+                    flat = jax.device_put(flat, local)
                 if set(flat) != set(abstract):
                     raise ValueError(f"state keys differ from the model's: "
                                      f"{sorted(set(flat) ^ set(abstract))[:4]}")

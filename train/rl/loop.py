@@ -261,6 +261,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     ckpt.close()
     if ref_ckpt is not None:
         ref_ckpt.close()
+    if multi:  # every process finishes the job before any shuts the distributed client down
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("kdsa rl done")
     writer.close()
     if sft_writer is not None:
         sft_writer.close()
