@@ -14,6 +14,15 @@ A ``TrainState`` (``train/step.py``) holds pure trees: ``params`` (the trainable
 It works on arrays, ``ShapeDtypeStruct`` trees (restore templates) and tracers (the step pins
 its output state with it, so the state keeps one layout from step to step).
 
+The step-0 state is computed in that layout (:func:`init_sharded`): the initialiser is traced
+abstractly and compiled with the state's shardings as outputs, so every device computes only
+its own shards of the parameters and optimizer moments and no host ever holds the whole tree
+(K3's 2.78T parameters: about 39 TB at 2 bytes of weight plus 12 of AdamW state each).
+``jax_threefry_partitionable`` (on by default in JAX 0.12) makes the random values independent
+of the sharding: the result equals the one-device initialiser's (bit for bit, except for
+parameters computed through transcendental functions, where XLA's fused ``exp``/``log`` may
+round in the last bit: KDA's ``dt_bias``, 1 ulp; ``tests/test_sharded_train.py``).
+
 Batches ``[B, T]`` are split by ``("act_batch", "act_seq")``; in a multi-process job each
 process passes only the rows (and positions) its devices hold
 (``jax.make_array_from_process_local_data``), see :func:`place_batch`.
@@ -73,6 +82,25 @@ def train_state_shardings(graphdef, state, mesh: Mesh, layout: str = "train"):
         rest=_pure_shardings(state.rest, by_path, "rest"),
         opt_state=jax.tree_util.tree_map_with_path(opt_leaf, state.opt_state),
         step=replicated, rng=replicated)
+
+
+def sharded_template(template, shardings):
+    """``template`` (``ShapeDtypeStruct`` or array leaves) with ``shardings`` attached: the
+    restore target of a sharded checkpoint and the output spec of :func:`init_sharded`."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        template, shardings)
+
+
+def init_sharded(build, shardings, compiler_options: dict | None = None):
+    """``build()`` (a pure function making the step-0 state from a seed) run as one compiled
+    program with ``out_shardings=shardings``: each device computes and holds only its own
+    shards (in a multi-process job, each process only its devices'); nothing is built on a
+    host and then placed."""
+    if not jax.config.jax_threefry_partitionable:
+        raise ValueError("init_sharded needs jax_threefry_partitionable=True (random values "
+                         "independent of the sharding, equal to a one-device init)")
+    fn = jax.jit(build, out_shardings=shardings)
+    return fn.lower().compile(compiler_options)()
 
 
 def batch_sharding(mesh: Mesh, layout: str, shape: tuple[int, ...]) -> NamedSharding:

@@ -5,9 +5,10 @@ the model is initialised from the seed, batch ``i`` is a pure function of ``(see
 resumed run restores parameters, routing biases, optimizer state, step, RNG and the data
 position, so on one CPU its per-step losses equal an uninterrupted run's bit for bit (tested).
 
-Sharded (``mesh=``): the state is placed by the ``train`` rules
+Sharded (``mesh=``): the state is laid out by the ``train`` rules
 (``sharding.train_state.train_state_shardings``: parameters and biases by their logical axes,
-optimizer moments like their parameters), each batch split over the batch axes with every
+optimizer moments like their parameters; the step-0 state is computed in that layout,
+``init_sharded``), each batch split over the batch axes with every
 process handing over its own rows, and the step runs inside ``use_sharding(mesh, "train")``;
 checkpoints are written and restored sharded (Orbax, every process its shards). On CPU the
 losses equal the one-device run's to float32 rounding (``tests/test_sharded_train.py``).
@@ -138,10 +139,9 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     template = jax.eval_shape(build)
     shardings = None
     if mesh is not None:
-        from kdsa.sharding.train_state import train_state_shardings
+        from kdsa.sharding.train_state import sharded_template, train_state_shardings
         shardings = train_state_shardings(graphdef, template, mesh, "train")
-        template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                template, shardings)
+        template = sharded_template(template, shardings)
 
     restored = None
     if resume and ckpt.all_steps():
@@ -159,7 +159,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         if resume:
             log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         # committed to the device(s) like a restored state, so both share one compiled step
-        start, state, data_index = 0, _place_state(build(), shardings), 0
+        start, state, data_index = 0, _initial_state(build, shardings, compiler_options), 0
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
@@ -209,13 +209,14 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                      resumed_from=None if restored is None else start)
 
 
-def _place_state(state, shardings):
-    """The fresh state (built on the host from the seed, the same on every process) on its
-    devices: one device, or by ``shardings`` (each process fills only its own shards)."""
+def _initial_state(build, shardings, compiler_options):
+    """The step-0 state: on one device, built on the host and put there; on a mesh, computed
+    directly in its layout (``sharding.train_state.init_sharded``: every device only its own
+    shards, no host holds the whole tree)."""
     if shardings is None:
-        return jax.device_put(state, jax.local_devices()[0])
-    from kdsa.sharding.rules import place
-    return jax.tree.map(place, state, shardings)
+        return jax.device_put(build(), jax.local_devices()[0])
+    from kdsa.sharding.train_state import init_sharded
+    return init_sharded(build, shardings, compiler_options)
 
 
 def _progress(total: int, initial: int, enabled: bool):
