@@ -17,6 +17,7 @@ import jax
 ENV_COORDINATOR = "KDSA_COORDINATOR"
 ENV_NUM_PROCESSES = "KDSA_NUM_PROCESSES"
 ENV_PROCESS_ID = "KDSA_PROCESS_ID"
+ENV_SHARE_COMPILES = "KDSA_SHARE_COMPILES"
 
 _initialized = False
 
@@ -68,7 +69,32 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             f"(every host must run the same command; process 0 hosts the coordinator). "
             f"Cause: {_cause(e)}") from e
     _initialized = True
+    if os.environ.get(ENV_SHARE_COMPILES):
+        share_compiles(os.environ[ENV_SHARE_COMPILES])
     return True
+
+
+def share_compiles(cache_dir: str) -> None:
+    """Process 0 compiles every multi-process program and hands the executable to the others
+    (``jax_share_binary_between_hosts``, keyed by the persistent compilation cache in
+    ``cache_dir``); set by ``KDSA_SHARE_COMPILES=DIR`` (``kdsa launch-local`` tests: one compile
+    instead of one per process on a machine whose cores they share).
+
+    On CPU, JAX keys the cache by the device topology's fingerprint, which differs between the
+    processes of one job (each sees its own local devices), so they would never find each
+    other's program and every process but 0 would wait forever; here the key hashes the
+    program's global device ids and kinds instead (``jax._src.cache_key``, JAX 0.12).
+    """
+    from jax._src import cache_key
+
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_share_binary_between_hosts", True)
+    if jax.default_backend() == "cpu":
+        def by_device_ids(hash_obj, devices):
+            for d in devices.flat:
+                hash_obj.update(f"{d.id}:{d.device_kind};".encode())
+
+        cache_key._hash_accelerator_config = by_device_ids
 
 
 @contextlib.contextmanager

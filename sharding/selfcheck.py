@@ -9,6 +9,8 @@ rules (each process fills only its own shards), runs the jitted loss and gradien
 ``use_sharding`` and process 0 writes the gathered logits, loss and gradients to ``--out``
 (``.npz``), which tests compare with a single-device run. ``--fail-process N`` makes process N
 exit with status 3 right after joining (tests of ``launch-local``'s failure handling).
+The cross-process reshard check and the multi-process train / generate runs are in
+``sharding/jobcheck.py``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grad", action="store_true", help="also compute and save gradients")
-    p.add_argument("--reshard-mesh", default=None,
-                   help="then move the weights to the generate layout on this mesh (devices in "
-                        "reverse order, so shards change process) and run the forward again")
     p.add_argument("--out", default=None, help="where process 0 writes the results (.npz)")
     p.add_argument("--fail-process", type=int, default=None)
     p.add_argument("--timeout", type=int, default=60, help="seconds to wait for the peers")
@@ -90,41 +89,12 @@ def _run(args, config) -> int:
     if grads is not None:
         for path, g in nnx.to_flat_state(grads):
             out["grad/" + "/".join(map(str, path))] = gather(g[...])
-    if args.reshard_mesh:
-        out.update(_resharded(args, graphdef, state, ids, loss_fn, gather))
     print(f"selfcheck: process {jax.process_index()} of {jax.process_count()}, "
           f"{len(jax.devices())} devices, mesh {dict(mesh.shape)}: loss {float(out['loss']):.6f}")
     if args.out and jax.process_index() == 0:
         np.savez(args.out, **out)
     multihost_utils.sync_global_devices("selfcheck done")
     return 0
-
-
-def _resharded(args, graphdef, state, ids, loss_fn, gather) -> dict:
-    """Cross-process reshard (train -> generate layout, another device order): the moved
-    weights' largest difference from the originals and the forward's logits on them."""
-    import jax
-    import numpy as np
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from kdsa.sharding.constrain import use_sharding
-    from kdsa.sharding.mesh import layout_sizes, make_mesh
-    from kdsa.sharding.reshard import reshard_state
-    from kdsa.sharding.rules import place
-
-    mesh = make_mesh(layout_sizes(None, "generate", args.reshard_mesh),
-                     devices=jax.devices()[::-1])
-    moved, report = reshard_state(state, mesh, "generate")
-    diff = max(float(np.max(np.abs(gather(a[...]) - gather(b[...])))) for (_, a), (_, b) in
-               zip(nnx.to_flat_state(state), nnx.to_flat_state(moved)))
-    ids = place(np.asarray(gather(ids)), NamedSharding(mesh, P()))
-    with use_sharding(mesh, "generate"):
-        _, logits = jax.jit(loss_fn).lower(moved, ids).compile(
-            compiler_options={"xla_backend_optimization_level": 0})(moved, ids)
-    print(f"selfcheck: process {jax.process_index()}: resharded {report.arrays} arrays "
-          f"({report.tree_bytes} bytes) to {dict(mesh.shape)} in {report.seconds:.3f}s")
-    return {"reshard_param_max_diff": np.float32(diff), "resharded_logits": gather(logits)}
 
 
 if __name__ == "__main__":
