@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from launch_env import launch_env
 
 
@@ -49,3 +51,35 @@ def test_launch_local_stops_the_others_when_one_process_fails():
     assert "process 1 exited with 3; stopping the others" in proc.stderr
     assert "selfcheck: process 0 of 2" not in proc.stdout  # process 0 never finished
     assert elapsed < 45
+
+
+def test_jobcheck_steps_and_the_cross_process_count():
+    """``jobcheck``'s step splitting, and its count of moves whose shards change process
+    (the 2-process test asserts most arrays do): fake devices of 2 processes x 2."""
+    from kdsa.sharding.jobcheck import _crosses_processes, split_steps
+
+    assert split_steps(["train", "--x", "1", "+", "generate"]) == [["train", "--x", "1"],
+                                                                   ["generate"]]
+    with pytest.raises(ValueError, match="empty step"):
+        split_steps(["train", "+"])
+
+    class Dev:
+        def __init__(self, i):
+            self.id, self.process_index = i, i // 2
+
+    class Sharding:
+        def __init__(self, rows):  # device -> (start, stop) of the 4 rows
+            self.rows = rows
+
+        def devices_indices_map(self, shape):
+            return {d: (slice(*r), slice(None)) for d, r in self.rows.items()}
+
+    d = [Dev(i) for i in range(4)]
+    src = Sharding({d[0]: (0, 2), d[1]: (0, 2), d[2]: (2, 4), d[3]: (2, 4)})
+    finer = Sharding({d[0]: (0, 1), d[1]: (1, 2), d[2]: (2, 3), d[3]: (3, 4)})
+    reversed_ = Sharding({d[3]: (0, 2), d[2]: (0, 2), d[1]: (2, 4), d[0]: (2, 4)})
+    replicated = Sharding({x: (0, 4) for x in d})
+    assert not _crosses_processes(src, finer, (4, 3))  # every piece already in its process
+    assert _crosses_processes(src, reversed_, (4, 3))
+    assert _crosses_processes(src, replicated, (4, 3))  # each process needs the other's half
+    assert not _crosses_processes(replicated, src, (4, 3))
