@@ -87,9 +87,14 @@ def share_compiles(cache_dir: str) -> None:
     """
     from jax._src import cache_key
 
+    cpu = jax.default_backend() == "cpu"
+    if cpu and not callable(getattr(cache_key, "_hash_accelerator_config", None)):
+        raise ValueError(f"{ENV_SHARE_COMPILES}: this JAX ({jax.__version__}) has no "
+                         "jax._src.cache_key._hash_accelerator_config to re-key on CPU; unset "
+                         "it (each process then compiles for itself)")
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_share_binary_between_hosts", True)
-    if jax.default_backend() == "cpu":
+    if cpu:
         def by_device_ids(hash_obj, devices):
             for d in devices.flat:
                 hash_obj.update(f"{d.id}:{d.device_kind};".encode())
