@@ -261,10 +261,12 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     ckpt.close()
     if ref_ckpt is not None:
         ref_ckpt.close()
-    if multi:  # every process finishes the job before any shuts the distributed client down
-        from jax.experimental import multihost_utils
+    if multi:  # every process finishes the job before any shuts the distributed client down;
+        # a long timeout: a process whose compiles miss the persistent cache (its device
+        # assignment differs from process 0's) may be minutes behind
+        from jax._src import distributed as jax_distributed
 
-        multihost_utils.sync_global_devices("kdsa rl done")
+        jax_distributed.global_state.client.wait_at_barrier("kdsa_rl_done", 6 * 3600 * 1000)
     writer.close()
     if sft_writer is not None:
         sft_writer.close()
