@@ -20,9 +20,9 @@ the train state and, in the metadata, the task counter, the held-out reward befo
 configs; ``resume`` continues from the newest readable one. Multi-host (the same command on
 every process, e.g. under ``kdsa launch-local``): every process runs the whole job on its own
 local devices with the same seeds (rollouts and updates replicated, identical on CPU); process 0
-alone writes metrics and checkpoints. With ``rl.kl_coef > 0`` the weights
-after SFT are the reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
-``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
+alone writes metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the
+reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw
+is a function of ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
 
 from __future__ import annotations
