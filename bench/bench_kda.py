@@ -3,7 +3,9 @@
 Measured side by side in one run, on the same inputs (B=1, H=4, K=V=64, float32, JAX's device):
 
 * ours: ``kdsa.model.kda.kda_chunked`` (C=64) with the K3 lower-bound gate activation
-  (``kda_layer.kda_gate``, lb=-5) in the same jit.
+  (``kda_layer.kda_gate``, lb=-5) in the same jit, told the bound (``gate_lower_bound=-5``: the
+  bounded pair-product construction), and the same without the bound (``general``: the
+  construction exact for any g <= 0, used by Kimi-Linear's softplus gate).
 * peer: tokamax's pure-JAX chunked KDA (``tokamax._src.ops.kda.api.kimi_delta_attention``,
   ``implementation="xla_chunked"``, C=64), which requires the fused lower-bound gate, on the same
   raw gate, ``a_log`` and ``dt_bias`` (inputs pre-transposed to its [H, B, T, K] layout).
@@ -12,7 +14,10 @@ Measured side by side in one run, on the same inputs (B=1, H=4, K=V=64, float32,
   tokens (``--quick``: 1K vs 16K). The state is constant size, so the ratio should be ~1.
 
 Prints tokens/s and ratios ours/peer (> 1: ours faster) and writes bench/results/kda.json.
-The CPU here is shared: the load average at start and end is recorded with the numbers.
+Each time is the minimum over --reps calls after a warm-up call (the JSON also keeps the
+median and max: the spread). The CPU here is shared: the load average at start and end is
+recorded with the numbers; ours and the peer are timed alternately, call by call, so that both
+see the same load.
 
     .venv/bin/python bench/bench_kda.py [--quick] [--reps 5]
 """
@@ -37,11 +42,8 @@ from flax import nnx  # noqa: E402
 from kdsa.model.kda import kda_chunked  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache, kda_gate  # noqa: E402
 from kdsa.model.presets import small  # noqa: E402
-from timing import seconds  # noqa: E402  (bench/timing.py)
 
 H, K, LB = 4, 64, -5.0
-
-
 
 
 def make_inputs(t: int, seed: int = 0):
@@ -56,10 +58,10 @@ def make_inputs(t: int, seed: int = 0):
     return [jnp.asarray(x, jnp.float32) for x in (q, k, v, raw, beta, w, a_log, dt_bias)]
 
 
-def ours_fn(a_log, dt_bias):
+def ours_fn(a_log, dt_bias, bound=LB):
     def run(q, k, v, raw, beta):
         g = kda_gate(raw + dt_bias.reshape(H, K), a_log, LB)
-        return kda_chunked(q, k, v, g, beta, chunk_size=64)[0]
+        return kda_chunked(q, k, v, g, beta, chunk_size=64, gate_lower_bound=bound)[0]
     return run
 
 
@@ -78,36 +80,62 @@ def fwd_bwd(fn, w):
     return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2, 3, 4)))
 
 
+def interleaved_times(fns, reps):
+    """Wall times of each ``(fn, args)`` in ``fns`` (name -> pair), the calls interleaved round by
+    round so that every function sees the same load; one warm-up (compile) call each first."""
+    for fn, args in fns.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, (fn, args) in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def throughput(lengths, reps):
     rows, peer_error = [], None
     for t in lengths:
         q, k, v, raw, beta, w, a_log, dt_bias = make_inputs(t)
-        ours = ours_fn(a_log, dt_bias)
-        row = {"T": t, "ours_fwd_tok_s": t / seconds(jax.jit(ours), q, k, v, raw, beta, reps=reps),
-               "ours_fwd_bwd_tok_s": t / seconds(fwd_bwd(ours, w), q, k, v, raw, beta, reps=reps)}
+        args = (q, k, v, raw, beta)
+        ours, general = ours_fn(a_log, dt_bias), ours_fn(a_log, dt_bias, bound=None)
+        fns = {"ours_fwd": (jax.jit(ours), args), "ours_fwd_bwd": (fwd_bwd(ours, w), args),
+               "general_fwd": (jax.jit(general), args),
+               "general_fwd_bwd": (fwd_bwd(general, w), args)}
+        row = {"T": t}
         if peer_error is None:
             try:
                 peer = peer_fn(a_log, dt_bias)
                 hb = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  [B,T,H,..] -> [H,B,T,..]
-                pargs = [hb(x) for x in (q, k, v, raw, beta)]
+                pargs = [hb(x) for x in args]
                 o_peer = jax.jit(peer)(*pargs)
-                o_ours = jax.jit(ours)(q, k, v, raw, beta)
-                row["max_abs_diff_vs_peer"] = float(jnp.max(jnp.abs(hb(o_ours) - o_peer)))
-                row["peer_fwd_tok_s"] = t / seconds(jax.jit(peer), *pargs, reps=reps)
-                row["peer_fwd_bwd_tok_s"] = t / seconds(fwd_bwd(peer, hb(w)), *pargs, reps=reps)
-                row["fwd_ratio_ours_over_peer"] = row["ours_fwd_tok_s"] / row["peer_fwd_tok_s"]
-                row["fwd_bwd_ratio_ours_over_peer"] = (row["ours_fwd_bwd_tok_s"]
-                                                       / row["peer_fwd_bwd_tok_s"])
+                row["max_abs_diff_vs_peer"] = float(jnp.max(jnp.abs(hb(jax.jit(ours)(*args))
+                                                                    - o_peer)))
+                fns["peer_fwd"] = (jax.jit(peer), pargs)
+                fns["peer_fwd_bwd"] = (fwd_bwd(peer, hb(w)), pargs)
             except Exception as e:  # noqa: BLE001  the peer is optional: report why it is absent
                 peer_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        times = interleaved_times(fns, reps)
+        for name, ts in times.items():
+            row[f"{name}_tok_s"] = t / min(ts)
+            row[f"{name}_seconds_min_median_max"] = [min(ts), statistics.median(ts), max(ts)]
+        if "peer_fwd" in times:
+            for mode in ("fwd", "fwd_bwd"):
+                for who in ("ours", "general"):
+                    key = f"{mode}_ratio_{who}_over_peer"
+                    row[key] = row[f"{who}_{mode}_tok_s"] / row[f"peer_{mode}_tok_s"]
         rows.append(row)
-        peer = (f"peer fwd {row['peer_fwd_tok_s']:9.0f} fwd+bwd {row['peer_fwd_bwd_tok_s']:8.0f}"
+        peer = (f"peer fwd {row['peer_fwd_tok_s']:8.0f} fwd+bwd {row['peer_fwd_bwd_tok_s']:7.0f}"
                 f" | ours/peer fwd {row['fwd_ratio_ours_over_peer']:.2f}"
                 f" fwd+bwd {row['fwd_bwd_ratio_ours_over_peer']:.2f}"
-                f" | max|do| {row['max_abs_diff_vs_peer']:.1e}") if "peer_fwd_tok_s" in row \
+                f" (general {row['fwd_ratio_general_over_peer']:.2f}"
+                f" / {row['fwd_bwd_ratio_general_over_peer']:.2f})"
+                f" | max|do| {row['max_abs_diff_vs_peer']:.1e}") if "peer_fwd" in times \
             else "peer: not run"
-        print(f"T={t:6d} tok/s ours fwd {row['ours_fwd_tok_s']:9.0f} fwd+bwd "
-              f"{row['ours_fwd_bwd_tok_s']:8.0f} | {peer}", flush=True)
+        print(f"T={t:6d} tok/s ours fwd {row['ours_fwd_tok_s']:8.0f} fwd+bwd "
+              f"{row['ours_fwd_bwd_tok_s']:7.0f} (general {row['general_fwd_tok_s']:8.0f} / "
+              f"{row['general_fwd_bwd_tok_s']:7.0f}) | {peer}", flush=True)
     if peer_error:
         print(f"peer (tokamax xla_chunked) unavailable: {peer_error}")
     return rows, peer_error
@@ -165,13 +193,15 @@ def main():
     result = {
         "bench": "kda", "quick": args.quick, "device": jax.devices()[0].platform,
         "shape": {"B": 1, "H": H, "K": K, "V": K, "dtype": "float32", "chunk_size": 64,
-                  "gate": f"lower bound {LB}"},
+                  "gate": f"lower bound {LB}", "ours": f"gate_lower_bound={LB}",
+                  "general": "gate_lower_bound=None"},
         "throughput": rows,
         "peer": {"name": "tokamax xla_chunked kimi_delta_attention",
                  "available": peer_error is None, "error": peer_error},
         "decode": dec,
         "load_average": {"start": load0, "end": os.getloadavg()[0], "cpus": os.cpu_count()},
-        "timing": "median wall time of --reps calls after a warm-up call",
+        "timing": "tok/s from the minimum wall time of --reps calls after a warm-up call, "
+                  "all functions of one T interleaved call by call; decode: median",
     }
     path = Path(__file__).parent / "results" / "kda.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kdsa.model.kda_chunk import bounded_block, chunk_cumsum, pair_products, unit_lower_inverse
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -141,142 +143,59 @@ def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, segment_ids=
 # Chunkwise-parallel form
 # ----------------------------------------------------------------------------------------------
 
-def _block_size(c_len: int) -> int:
-    """Largest divisor of C reached by halving while above 8 (8 for C = 16, 32, 64, ...)."""
-    b = c_len
-    while b % 2 == 0 and b > 8:
-        b //= 2
-    return b
-
-
-def _pair_products(sq, k, cg, same):
-    """Per chunk, ``P_x[r, i] = sum_d x[r,d] k[i,d] exp(cg[r,d] - cg[i,d])`` for x in (sq, k).
-
-    sq, k, cg [..., C, K] (cg = chunk-local inclusive cumsum of g); same [..., C, C] bool: i <= r
-    and one document; entries outside it are exactly 0. Built from the diagonal up (base blocks
-    of C's odd factor, 1 for C = 2^m, with their pairwise decay masked before exp): at block
-    size s every pair of neighbouring blocks (L, R) adds the rows of R against the columns of L
-    with the decay factored at L's last token e_L, exp(cg_r - e_L) * exp(e_L - cg_i): both
-    exponents <= 0 (cg does not increase), so no factor
-    can overflow for any g <= 0 (finite gradients for arbitrarily strong decay), and the block is
-    one batched matmul ``[2s, K] x [K, s]``. log2(C) levels, C K exps each (a pairwise-decay
-    tensor would need C^2 K / 2). Cross-document pairs with i < r have finite exponents <= 0, so
-    the document mask is a product after. Against the previous form (8-token diagonal blocks
-    with a materialised ``[n, b, b, K]`` decay, off-diagonal blocks through a ``[2, n, b, n, K]``
-    operand), CPU time, min of 7 (B 1, H 4, K = V = 64, C 64, gate lower bound -5): this
-    function 1.8-2.0x faster, ``kda_chunked`` forward 1.2-1.3x and forward + backward 1.8-1.9x
-    at T = 1K and 4K; same error against float64. Memory: each level's operands are q-sized.
-    """
-    *lead, c_len, dk = cg.shape
-    x = jnp.stack([sq, k], axis=-3)                                    # [..., 2, C, K]
-    s = c_len & -c_len                                                 # largest 2^m dividing C
-    s = c_len // s                                                     # odd base block (1 if 2^m)
-    blk = lambda y: y.reshape(*y.shape[:-2], c_len // s, s, dk)  # noqa: E731  [..., C/s, s, K]
-    cgb = blk(cg)
-    diff = cgb[..., :, None, :] - cgb[..., None, :, :]                 # [..., C/s, s, s, K]
-    tril = jnp.tril(jnp.ones((s, s), bool))[..., None]
-    kd = blk(k)[..., None, :, :] * jnp.exp(jnp.where(tril, diff, -jnp.inf))  # mask, then exp
-    p = jnp.sum(blk(x)[..., :, None, :] * kd[..., None, :, :, :, :], axis=-1)  # [.,2,C/s,s,s]
-    while s < c_len:                                                   # blocks s -> 2s
-        nb = c_len // (2 * s)
-        xb = x.reshape(*lead, 2, nb, 2, s, dk)
-        kb = k.reshape(*lead, nb, 2, s, dk)
-        cgb = cg.reshape(*lead, nb, 2, s, dk)
-        e = cgb[..., 0, -1:, :]                                        # e_L [..., nb, 1, K]
-        xr = xb[..., 1, :, :] * jnp.exp(cgb[..., 1, :, :] - e)[..., None, :, :, :]  # [.,2,nb,s,K]
-        kl = kb[..., 0, :, :] * jnp.exp(e - cgb[..., 0, :, :])         # [..., nb, s, K]
-        off = _ein("...xnrd,...nid->...xnri", xr, kl)                  # [..., 2, nb, s, s]
-        pb = p.reshape(*lead, 2, nb, 2, s, s)
-        top = jnp.concatenate([pb[..., 0, :, :], jnp.zeros_like(off)], axis=-1)
-        bottom = jnp.concatenate([off, pb[..., 1, :, :]], axis=-1)
-        p = jnp.concatenate([top, bottom], axis=-2)                    # [..., 2, nb, 2s, 2s]
-        s *= 2
-    p = p.reshape(*lead, 2, c_len, c_len) * same[..., None, :, :].astype(jnp.float32)
-    return p[..., 0, :, :], p[..., 1, :, :]
-
-
-def _unit_lower_inverse(a):
-    """``(I + a)^-1`` for strictly lower-triangular ``a [..., C, C]``, by matmuls only.
-
-    Diagonal blocks of b <= 8 use the finite Neumann series of the nilpotent block,
-    (I - L)(I + L^2)(I + L^4) = sum_{j<8} (-L)^j; blocks then merge pairwise as
-    [[T11, 0], [-T22 a21 T11, T22]] (fla builds (I+A)^-1 from block solves the same way).
-    Replaces ``lax.linalg.triangular_solve``, whose batched CPU lowering measured 20 ms to 1 s
-    for the same work (16-64 chunks x 4 heads of 64 x 64, erratic by batch size); the row loop
-    alternative needs a custom VJP to avoid saving every row update. Relative error vs float64
-    ``inv``: 2e-7 for random blocks, 1.3e-6 for the ill-conditioned A = 0.99 * strict-lower ones
-    (C=64; ``triangular_solve``: 1e-8).
-    """
-    *lead, c_len, _ = a.shape
-    b = _block_size(c_len)
-    n = c_len // b
-    blocks = lambda s, i, j: a[..., i * s:(i + 1) * s, j * s:(j + 1) * s]  # noqa: E731
-    lo = jnp.stack([blocks(b, i, i) for i in range(n)], axis=-3)           # [..., n, b, b]
-    eye = jnp.eye(b, dtype=jnp.float32)
-    t, p, m = eye - lo, lo, 1
-    while 2 * m < b:                                                       # Neumann product
-        p = _ein("...ij,...jk->...ik", p, p)
-        t = _ein("...ij,...jk->...ik", t, eye + p)
-        m *= 2
-    s = b
-    while s < c_len:                                                       # pairwise merges
-        big = c_len // (2 * s)
-        a21 = jnp.stack([blocks(s, 2 * i + 1, 2 * i) for i in range(big)], axis=-3)
-        t2 = t.reshape(*lead, big, 2, s, s)
-        t11, t22 = t2[..., 0, :, :], t2[..., 1, :, :]
-        x21 = -_ein("...ij,...jl->...il", t22, _ein("...jk,...kl->...jl", a21, t11))
-        top = jnp.concatenate([t11, jnp.zeros_like(t11)], axis=-1)
-        t = jnp.concatenate([top, jnp.concatenate([x21, t22], axis=-1)], axis=-2)
-        s *= 2
-    return t.reshape(*lead, c_len, c_len)
-
-
-def _chunk_terms(q, k, v, g, beta, seg, chunk_size, scale):
+def _chunk_terms(q, k, v, g, beta, seg, chunk_size, scale, gate_lower_bound=None):
     """Everything that does not depend on the incoming state, for all chunks in parallel.
 
-    Inputs [B,T,...] float32 (T a multiple of C), seg [B,T] int32. Returns chunk-major tensors
-    (leading axis N): W [N,B,H,C,K], U [N,B,H,C,V], kt [N,B,H,C,K] (k_i * exp(G_C - G_i)),
-    gl [N,B,H,K] (exp(G_C), 0 if the chunk resets), qh [N,B,H,C,K] (scale q_r exp(G_r), 0 outside
-    the incoming document), aqk [N,B,H,C,C].
+    Inputs [B,T,...] float32 (T a multiple of C), seg [B,T] int32 or None (one document per row).
+    Returns chunk-major tensors (leading axis N): W [N,B,H,C,K], U [N,B,H,C,V], kt [N,B,H,C,K]
+    (k_i * exp(G_C - G_i)), gl [N,B,H,K] (exp(G_C), 0 if the chunk resets), qh [N,B,H,C,K]
+    (scale q_r exp(G_r), 0 outside the incoming document), aqk [N,B,H,C,C].
     """
     b, t, h, dk = q.shape
     n, c = t // chunk_size, chunk_size
     tr = lambda x: jnp.moveaxis(x.reshape(b, n, c, h, *x.shape[3:]), (1, 3), (0, 2))  # noqa: E731
     q, k, v, g, beta = map(tr, (q, k, v, g, beta))                    # [N, B, H, C, (K)]
-    seg = jnp.moveaxis(seg.reshape(b, n, c), 1, 0)[:, :, None]         # [N, B, 1, C]
-    seg_in = jnp.concatenate([jnp.zeros_like(seg[:1, ..., -1]), seg[:-1, ..., -1]])  # [N, B, 1]
-    tril = jnp.tril(jnp.ones((c, c), bool))
-    same = (seg[..., :, None] == seg[..., None, :]) & tril             # [N, B, 1, C, C]
-    in_doc = (seg == seg_in[..., None]).astype(jnp.float32)[..., None]  # [N, B, 1, C, 1]
-    last_doc = (seg == seg[..., -1:]).astype(jnp.float32)[..., None]
-    cg = jnp.cumsum(g, axis=-2)                                        # chunk-local only
-    aqk, akk = _pair_products(scale * q, k, cg, same)                  # [N, B, H, C, C]
+    cg = chunk_cumsum(g)                                               # chunk-local only
+    p = pair_products(jnp.stack([scale * q, k], axis=-3), k, cg, gate_lower_bound)
+    aqk, akk = p[..., 0, :, :], p[..., 1, :, :]                        # [N, B, H, C, C]
+    gam = jnp.exp(cg)                                                  # [N, B, H, C, K]
+    if seg is not None:                                                # document masks
+        seg = jnp.moveaxis(seg.reshape(b, n, c), 1, 0)[:, :, None]     # [N, B, 1, C]
+        seg_in = jnp.concatenate([jnp.zeros_like(seg[:1, ..., -1]), seg[:-1, ..., -1]])
+        same = (seg[..., :, None] == seg[..., None, :]).astype(jnp.float32)  # [N, B, 1, C, C]
+        aqk, akk = aqk * same, akk * same
+        gam = gam * (seg == seg_in[..., None]).astype(jnp.float32)[..., None]
+        last_doc = (seg == seg[..., -1:]).astype(jnp.float32)[..., None]
+        keep = (seg[..., -1] == seg_in).astype(jnp.float32)[..., None]  # [N, B, 1, 1]
     a = beta[..., None] * akk * jnp.tril(jnp.ones((c, c), jnp.float32), -1)
-    gam = jnp.exp(cg) * in_doc                                         # [N, B, H, C, K]
     rhs = jnp.concatenate([gam * k, v], axis=-1) * beta[..., None]     # [N, B, H, C, K+V]
-    wu = _ein("...ij,...jd->...id", _unit_lower_inverse(a), rhs)        # UT transform
+    wu = _ein("...ij,...jd->...id", unit_lower_inverse(a), rhs)         # UT transform
     w, u = wu[..., :dk], wu[..., dk:]
-    kt = k * jnp.exp(cg[..., -1:, :] - cg) * last_doc
-    gl = jnp.exp(cg[..., -1, :]) * (seg[..., -1] == seg_in).astype(jnp.float32)[..., None]
+    kt = k * jnp.exp(cg[..., -1:, :] - cg)
+    gl = jnp.exp(cg[..., -1, :])
+    if seg is not None:
+        kt, gl = kt * last_doc, gl * keep
     return w, u, kt, gl, scale * q * gam, aqk
 
 
 def _pad_to_chunks(chunk_size, q, k, v, g, beta, segment_ids):
-    """Right-pad T to a multiple of C with exact no-op tokens (beta = 0, g = 0)."""
+    """Right-pad T to a multiple of C with exact no-op tokens (beta = 0, g = 0).
+
+    Returns the float32 inputs, seg [B, T'] (None without ``segment_ids``) and valid [B, T]."""
     b, t = q.shape[:2]
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     pad = -t % chunk_size
     qf, kf, vf, gf, bf, _, seg, valid = _inputs(q, k, v, g, beta, segment_ids)
-    seg = jnp.zeros((b, t), jnp.int32) if seg is None else seg
     if pad:
         z = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         qf, kf, vf, gf, bf = map(z, (qf, kf, vf, gf, bf))
-        seg = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge")
+        seg = None if seg is None else jnp.pad(seg, [(0, 0), (0, pad)], mode="edge")
     return qf, kf, vf, gf, bf, seg, valid
 
 
-def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, segment_ids=None):
+def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64, segment_ids=None,
+                gate_lower_bound=None):
     """Chunkwise-parallel KDA (WY/UT form, kda.md §1), same results as ``kda_recurrent``.
 
     Per chunk of C tokens with chunk-local cumsum G: A = strict-lower beta_r k_r.(k_i e^{G_r-G_i}),
@@ -285,16 +204,22 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64,
     O = (scale q gamma) S + Aqk V_new for all chunks at once. Any T (internal no-op padding).
     Returns ``(o [B,T,H,V] in v.dtype, final state [B,H,K,V] float32)``.
 
+    ``gate_lower_bound`` (lb < 0): the caller guarantees g >= lb everywhere (the K3 gate
+    lb * sigmoid(.) does), which lets the pair products use one matmul per 80/|lb|-token row
+    block (``kda_chunk.pair_products``); without it the construction is exact for any g <= 0.
+
     Measured vs the float64 NumPy loop (``tests/test_kda.py``; T=300, H=2, K=16, V=8, float32):
     C=64 max |do| = 3.2e-7, |dS| = 7.9e-7 with logsigmoid gates, 1.0e-6 / 4.7e-7 with g in
     [-20, 0]; C=16 5.3e-8 / 2.7e-7 (``kda_recurrent``: 7e-8 / 5e-8).
     """
     _check(q, k, v, g, beta, initial_state, segment_ids)
+    bounded_block(1, gate_lower_bound)                                 # validates the bound
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     scale = dk ** -0.5 if scale is None else scale
     qf, kf, vf, gf, bf, seg, valid = _pad_to_chunks(chunk_size, q, k, v, g, beta, segment_ids)
-    w, u, kt, gl, qh, aqk = _chunk_terms(qf, kf, vf, gf, bf, seg, chunk_size, scale)
+    w, u, kt, gl, qh, aqk = _chunk_terms(qf, kf, vf, gf, bf, seg, chunk_size, scale,
+                                         gate_lower_bound)
     s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
 

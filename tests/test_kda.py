@@ -14,7 +14,7 @@ from kdsa.model import kda
 
 B, H, K, V = 2, 2, 16, 8
 rec = jax.jit(kda.kda_recurrent)
-chk = jax.jit(kda.kda_chunked, static_argnames=("chunk_size",))
+chk = jax.jit(kda.kda_chunked, static_argnames=("chunk_size", "gate_lower_bound"))
 step = jax.jit(kda.kda_step)
 affine = jax.jit(kda.kda_chunk_affine, static_argnames=("chunk_size",))
 
@@ -29,6 +29,8 @@ def make(t, *, b=B, seed=0, gate="logsigmoid"):
         g = -np.logaddexp(0.0, -r.standard_normal((b, t, H, K)))
     elif gate == "strong":                                  # Kimi-Linear softplus gate tails
         g = -20.0 * r.random((b, t, H, K))
+    elif gate == "bounded":                                 # K3 gate: -5 sigmoid(.) in (-5, 0)
+        g = -5.0 / (1.0 + np.exp(-2.0 * r.standard_normal((b, t, H, K))))
     else:                                                   # constant strong decay
         g = np.full((b, t, H, K), float(gate))
     beta = 1.0 / (1.0 + np.exp(-r.standard_normal((b, t, H))))
@@ -100,6 +102,14 @@ def test_chunked_matches_numpy_float64_strong_gates():
     assert err(o_c, o_ref) <= 1e-5 and err(s_c, s_ref) <= 1e-5
 
 
+def test_bounded_gate_path_matches_numpy_float64():
+    """``gate_lower_bound=-5`` (midpoint-factored 16-token row blocks) on the K3 gate."""
+    q, k, v, g, beta, s0 = make(300, seed=15, gate="bounded")
+    o_c, s_c = chk(q, k, v, g, beta, initial_state=s0, chunk_size=64, gate_lower_bound=-5.0)
+    o_ref, s_ref = numpy_kda(q, k, v, g, beta, s0)
+    assert err(o_c, o_ref) <= 1e-5 and err(s_c, s_ref) <= 1e-5
+
+
 def test_step_is_one_recurrent_token():
     q, k, v, g, beta, s0 = make(5, seed=4)
     o_r, s_r = rec(q, k, v, g, beta, initial_state=s0)
@@ -134,20 +144,27 @@ _grad_rec = jax.jit(jax.grad(lambda *a: _loss(kda.kda_recurrent, *a), argnums=ra
 _grad_chk = jax.jit(jax.grad(
     lambda *a: _loss(lambda *x, **kw: kda.kda_chunked(*x, chunk_size=32, **kw), *a),
     argnums=range(6)))
+_grad_chk_bounded = jax.jit(jax.grad(
+    lambda *a: _loss(lambda *x, **kw: kda.kda_chunked(*x, chunk_size=32, gate_lower_bound=-5.0,
+                                                      **kw), *a),
+    argnums=range(6)))
 
 
 @pytest.mark.parametrize("gate", ["logsigmoid", -5.0])
 def test_gradients_agree(gate):
     """Both forms' gradients for q, k, v, g, beta and the initial state; g = -5 constant over 256
-    tokens is the strong-decay case whose naive chunked gradients are NaN (kda.md §3)."""
+    tokens is the strong-decay case whose naive chunked gradients are NaN (kda.md §3). At the
+    bound itself the bounded-gate path (``gate_lower_bound=-5``) is checked too."""
     q, k, v, g, beta, s0 = make(256, b=1, seed=6, gate=gate)
     r = np.random.default_rng(7)
     wo, ws = (jnp.asarray(r.standard_normal(x.shape), jnp.float32) for x in (v, s0))
     g_r = _grad_rec(q, k, v, g, beta, s0, wo, ws)
-    g_c = _grad_chk(q, k, v, g, beta, s0, wo, ws)
-    for name, a, c in zip("q k v g beta s0".split(), g_r, g_c):
-        assert bool(jnp.all(jnp.isfinite(c))), name
-        assert err(a, c) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(a)))), name
+    chunked = [_grad_chk] + ([_grad_chk_bounded] if gate == -5.0 else [])
+    for grad_fn in chunked:
+        g_c = grad_fn(q, k, v, g, beta, s0, wo, ws)
+        for name, a, c in zip("q k v g beta s0".split(), g_r, g_c):
+            assert bool(jnp.all(jnp.isfinite(c))), name
+            assert err(a, c) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(a)))), name
 
 
 # ---- state passing: split, affine map ---------------------------------------------------------
@@ -231,5 +248,7 @@ def test_bad_shapes_raise():
         kda.kda_chunked(q, k, v, g, beta, segment_ids=jnp.ones((B, 8)))
     with pytest.raises(ValueError, match="chunk_size"):
         kda.kda_chunked(q, k, v, g, beta, chunk_size=0)
+    with pytest.raises(ValueError, match="gate_lower_bound"):
+        kda.kda_chunked(q, k, v, g, beta, gate_lower_bound=0.0)
     with pytest.raises(ValueError, match="q must be"):
         kda.kda_step(q, k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
