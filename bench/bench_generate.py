@@ -21,7 +21,6 @@ DSA selects everything below 2K, so the grid shows both sides of the crossover.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,6 +39,9 @@ from kdsa.infer.tokenizer import ByteTokenizer  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.transformer import Transformer  # noqa: E402
 from kdsa.train.metrics import progress_bar  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import write_results  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
@@ -155,9 +157,7 @@ def main() -> int:
           f"dense MLA; load average {load0[0]:.1f} -> {res['load_average_after'][0]:.1f}, "
           f"{res['seconds']:.0f} s")
     print("\n".join(lines))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, res)
     return 0
 
 

@@ -32,7 +32,6 @@ upper-bound noisy, the ratios less so. The load average is recorded before and a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import seconds  # noqa: E402
+from timing import seconds, write_results  # noqa: E402
 
 from kdsa.infer.engine import Request  # noqa: E402
 from kdsa.infer.sampling import SamplingParams  # noqa: E402
@@ -200,9 +199,7 @@ def main() -> int:
     print(f"  weight sync {train_mesh} -> generate ({args.generate_devices} devices): "
           f"{sync_s * 1e3:.1f} ms for {tree_bytes / 1e6:.1f} MB ({ws['bytes_per_s'] / 1e9:.2f} "
           f"GB/s) = {ws['vs_train_step']:.2f} x a train step")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, res)
     return 0
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 
@@ -17,3 +19,11 @@ def seconds(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def write_results(path, result: dict) -> None:
+    """Write a benchmark's results as JSON (parent folders created) and say where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
