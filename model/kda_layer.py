@@ -226,7 +226,8 @@ class KDA(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))           # [B, T, H]
         if cache is None:
             o, _ = cp.kda_chunked(q, k, v, g, beta, chunk_size=self.config.kda_chunk_size,
-                                  segment_ids=segment_ids)  # sequence-parallel under rules
+                                  segment_ids=segment_ids,  # sequence-parallel under rules
+                                  gate_lower_bound=self.lower_bound)  # K3 gate: g >= lb
             new_cache = None
         elif t == 1:
             if valid is not None:                                           # finished rows
@@ -239,7 +240,8 @@ class KDA(nnx.Module):
         else:
             ids = None if valid is None else valid.astype(jnp.int32)         # pads only
             o, state = cp.kda_chunked(q, k, v, g, beta, initial_state=cache.recurrent_state,
-                                      chunk_size=self.config.kda_chunk_size, segment_ids=ids)
+                                      chunk_size=self.config.kda_chunk_size, segment_ids=ids,
+                                      gate_lower_bound=self.lower_bound)
             new_cache = KDACache(conv_state=conv_state, recurrent_state=state)
         if self.config.linear_attn_config.use_full_rank_gate:
             gate = self.g_proj(x)

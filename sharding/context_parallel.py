@@ -80,15 +80,15 @@ def _gather_seq(x, axis, dim: int = 1):
 # ---------------------------------------------------------------------------------------------
 
 def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64,
-                segment_ids=None):
+                segment_ids=None, gate_lower_bound=None):
     """``kdsa.model.kda.kda_chunked``, sequence-parallel when the rules split ``act_seq``."""
     ctx = current()
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if spec is None:
         return kda_math.kda_chunked(q, k, v, g, beta, scale, initial_state, chunk_size,
-                                    segment_ids)
+                                    segment_ids, gate_lower_bound)
     return kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids,
-                          ctx=ctx, spec=spec)
+                          ctx=ctx, spec=spec, gate_lower_bound=gate_lower_bound)
 
 
 def _first_last_ids(seg):
@@ -102,7 +102,7 @@ def _first_last_ids(seg):
 
 
 def kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_ids, *,
-                   ctx: ShardingContext, spec: P):
+                   ctx: ShardingContext, spec: P, gate_lower_bound=None):
     """The shard_map form (see the module docstring). Same returns as ``kda_chunked``."""
     kda_math._check(q, k, v, g, beta, initial_state, segment_ids)
     b, t, h, dk = q.shape
@@ -131,7 +131,8 @@ def kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_i
         start = (_vary(s0, seq_axes), first * 0)  # (zeros_like would drop the vma)
         (final, _), s_ins = jax.lax.scan(fold, start, (ms, bs, firsts, lasts))
         o, _ = kda_math.kda_chunked(q, k, v, g, beta, scale, initial_state=s_ins[me],
-                                    chunk_size=chunk_size, segment_ids=seg)
+                                    chunk_size=chunk_size, segment_ids=seg,
+                                    gate_lower_bound=gate_lower_bound)
         final = jax.lax.psum(jnp.where(me == n_shards - 1, final, 0.0), axis)  # one copy
         return o, final
 
