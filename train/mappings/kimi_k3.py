@@ -16,8 +16,9 @@ The vision tower and projector (``kimi_k3.md`` 2, 5) sit at the checkpoint root,
 ``vision_tower.encoder.final_layernorm``, ``mm_projector.{proj.0, proj.2, post_norm}``; they load
 into a config with a ``vision_config`` (``k3-2.8t``) and are skipped and reported for a text-only
 one. Biases are read when the config has them (``attn_bias``, ``linear_bias``,
-``patch_embed_proj_bias``; vLLM's defaults are on -- **unverified for the K3 checkpoint**: a
-missing bias is reported by name, then turn the flag off).
+``patch_embed_proj_bias``): K3's published ``vision_config`` has none (``k3-2.8t`` sets all three
+off; checked in ``docs/vision.md``), vLLM's fallback defaults are on; a bias the config expects
+but the checkpoint lacks is reported by name.
 """
 
 from __future__ import annotations
