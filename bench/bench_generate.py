@@ -89,7 +89,7 @@ def grid(quick: bool) -> dict:
                 "reps": 5, "engine_new": 16}
     return {"batches": [1, 2, 4, 8, 16, 32, 64],
             "contexts": [1024, 2048, 4096, 8192, 16384, 32768],
-            "prefill": [256, 1024, 4096], "reps": 7, "engine_new": 64}
+            "prefill": [256, 1024, 4096], "reps": 25, "engine_new": 64}
 
 
 def main() -> int:
