@@ -261,3 +261,20 @@ def test_png_line_plot(tmp_path):
     ys, xs = np.nonzero(red)
     assert xs.min() <= 6 and xs.max() >= 53  # spans the plot width
     assert ys[xs.argmin()] > ys[xs.argmax()]  # rising line (image y grows downwards)
+
+
+def test_demo_environments_build_and_score_their_references():
+    """The demo's families build with their rewrites, give short questions, and score their own
+    reference answers 1 (so SFT demonstrations and the verifier agree)."""
+    from kdsa.train.rl.demo import demo_configs
+
+    _, _, rc = demo_configs()
+    assert len(rc.envs) >= 3
+    for spec in rc.envs:
+        env = make_env(spec.name, seed=0, **spec.options)
+        for i in range(8):
+            task = env.task(i, "heldout")
+            assert len(task.messages[-1].content) < 40, task.messages[-1].content
+            ref = env.demonstration(task)[-1].content
+            out = env.respond(task, AssistantOutput(content=ref), [])
+            assert out.reward == 1.0, (spec.name, task.messages[-1].content, ref)

@@ -19,9 +19,11 @@ from kdsa.train.config import TrainConfig
 from kdsa.train.rl.config import RLConfig
 
 DEMO_ENVS = (
-    {"name": "rg:basic_arithmetic", "options": {
-        "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-        "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}},
+    # 28 bit strings of length 2-4 -> -1 / 0 / 1 swaps (a lookup table the tiny model can learn;
+    # one-digit basic_arithmetic, 242 questions / 31 answers, stayed at 0: docs/rl.md)
+    {"name": "rg:binary_alternation", "options": {
+        "min_n": 2, "max_n": 4, "p_solvable": 0.5,
+        "rewrite": ["(?s)^.*alternating: ([01]+)\\s*$", "Swaps to alternate \\1?"]}},
     {"name": "rg:count_bits", "options": {
         "max_n": 15,
         "rewrite": ["^How many 1 bits are there in the binary representation of the number "
