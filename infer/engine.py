@@ -94,6 +94,9 @@ class Completion:
     reasoning_tokens: int
     forced_close: bool
     metrics: RequestMetrics
+    # runner.record_routing: experts used per token the model ran (prompt, then every sampled
+    # token fed back) [n, L, k] int32 (RL routing replay); None otherwise
+    routing: np.ndarray | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -144,6 +147,7 @@ class _Active:
         self.finish_reason: str | None = None
         self.features = None  # [image tokens, D] once encoded
         self.feature_index = None  # [prompt] feature row per placeholder position, -1 elsewhere
+        self.routing: list[np.ndarray] = []  # runner.record_routing: [n, L, k] per step
 
 
 class Engine:
@@ -160,6 +164,7 @@ class Engine:
         self.prefill_budget = prefill_tokens_per_step or 4 * runner.prefill_chunk
         self._rng = np.random.default_rng(seed)
         self._sample = sample_jit
+        self._record_routing = getattr(runner, "record_routing", False)  # ModelRunner option
         if runner.mesh is not None:  # replicated results: every host reads the same tokens
             import jax
             from jax.sharding import NamedSharding, PartitionSpec
@@ -289,6 +294,8 @@ class Engine:
                 chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
                 logits = self.runner.prefill(i, chunk, a.prefilled,
                                              **self._chunk_images(a, len(chunk)))
+                if self._record_routing:
+                    a.routing.append(self.runner.last_routing)
                 a.prefilled += len(chunk)
                 budget -= len(chunk)
                 did = True
@@ -327,6 +334,9 @@ class Engine:
             tokens[i], pos[i], active[i] = a.tokens[-1], len(a.req.prompt) + len(a.tokens) - 1, 1
         t0 = time.perf_counter()
         logits = self.runner.decode(tokens, pos, active)
+        if self._record_routing:
+            for i in rows:
+                self.slots[i].routing.append(self.runner.last_routing[i:i + 1])
         self._sample_and_apply([(i, i) for i in rows], logits)
         self.stats["decode_steps"] += 1
         self.stats["decode_s"] += time.perf_counter() - t0
@@ -425,7 +435,8 @@ class Engine:
         b = a.budget
         comp = Completion(a.req.request_id, len(a.req.prompt), a.tokens, a.logprobs, a.top,
                           a.text, output, reason, b.reasoning_tokens if b else 0,
-                          bool(b and b.forced_close), a.metrics)
+                          bool(b and b.forced_close), a.metrics,
+                          np.concatenate(a.routing) if a.routing else None)
         if i is not None:
             self.slots[i] = None
         self.stats["finished"] += 1

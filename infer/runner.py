@@ -16,6 +16,10 @@
 Shapes are static, so prefill compiles once per bucket and decode once. The cache is donated to
 each step.
 
+``record_routing`` (RL routing replay): both steps also return the experts every layer used for
+the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L, k]`` int32 for a prefill
+chunk's real tokens, ``[S, L, k]`` for a decode step; -1 in dense-FFN layers).
+
 With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
 
 * weights: a model whose arrays already live on a mesh (the trainer's ``train`` layout, an RL
@@ -58,7 +62,7 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None, record_routing: bool = False):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -70,6 +74,7 @@ class ModelRunner:
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.buckets = length_buckets(min(min_bucket, self.prefill_chunk), self.prefill_chunk)
         self.mesh, self.layout, self.reshard_report = mesh, layout, None
+        self.record_routing, self.last_routing = record_routing, None
         jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
         if mesh is None:
             self.cache = model.init_cache(num_slots, max_len)
@@ -80,10 +85,14 @@ class ModelRunner:
             self.cache = jax.jit(lambda: model.init_cache(num_slots, max_len),
                                  out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
-            jit = functools.partial(jit, out_shardings=(NamedSharding(mesh, P()), cache_sh))
+            rep = NamedSharding(mesh, P())
+            jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
+                (rep,) if record_routing else ()))
         self.graphdef, self.state = nnx.split(model)
-        self._prefill = jit(functools.partial(_prefill_step, self.graphdef))
-        self._decode = jit(functools.partial(_decode_step, self.graphdef))
+        self._prefill = jit(functools.partial(_prefill_step, self.graphdef,
+                                              record_routing=record_routing))
+        self._decode = jit(functools.partial(_decode_step, self.graphdef,
+                                             record_routing=record_routing))
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
 
     def _place_weights(self, model) -> None:
@@ -165,7 +174,9 @@ class ModelRunner:
         args = self._args(np.int32(slot), ids, np.int32(start), np.int32(n),
                           np.bool_(start == 0), emb, mask)
         with self._rules():
-            logits, self.cache = self._prefill(self.state, self.cache, *args)
+            logits, self.cache, *routing = self._prefill(self.state, self.cache, *args)
+        if routing:
+            self.last_routing = np.asarray(routing[0])[:n]                # [n, L, k]
         return logits
 
     def encode_images(self, images) -> np.ndarray:
@@ -184,7 +195,9 @@ class ModelRunner:
         args = self._args(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
                           np.asarray(active, bool))
         with self._rules():
-            logits, self.cache = self._decode(self.state, self.cache, *args)
+            logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
+        if routing:
+            self.last_routing = np.asarray(routing[0])                    # [S, L, k]
         return logits
 
     def warmup(self) -> None:
@@ -203,7 +216,7 @@ def _encode_step(graphdef, state, images):
 
 
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
-                  mask=None):
+                  mask=None, *, record_routing=False):
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
@@ -211,15 +224,20 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
     idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
     out = model.forward(ids, positions=start + idx,
                         segment_ids=(idx < length).astype(jnp.int32), cache=row,
-                        image_embeds=embeds, image_mask=mask)
+                        image_embeds=embeds, image_mask=mask, record_routing=record_routing)
     last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
     cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
                          cache, out.cache)
+    if record_routing:                                                  # [b, L, k]
+        return last, cache, jnp.transpose(out.expert_ids[:, 0], (1, 0, 2))
     return last, cache                                                  # [1, V]
 
 
-def _decode_step(graphdef, state, cache, tokens, positions, active):
+def _decode_step(graphdef, state, cache, tokens, positions, active, *, record_routing=False):
     model = nnx.merge(graphdef, state)
     out = model.forward(tokens[:, None], positions=positions[:, None],
-                        segment_ids=active[:, None].astype(jnp.int32), cache=cache)
+                        segment_ids=active[:, None].astype(jnp.int32), cache=cache,
+                        record_routing=record_routing)
+    if record_routing:                                                  # [S, L, k]
+        return out.logits[:, 0], out.cache, jnp.transpose(out.expert_ids[:, :, 0], (1, 0, 2))
     return out.logits[:, 0], out.cache                                  # [S, V]

@@ -47,9 +47,13 @@ class DecoderLayer(nnx.Module):
             self.mlp_res = AttnResScorer(d, eps=eps)
 
     def __call__(self, res: Residual, layer_idx: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None, cache, indexer_loss: str):
+                 segment_ids: jax.Array | None, cache, indexer_loss: str,
+                 expert_ids: jax.Array | None = None, record_routing: bool = False):
         """Returns ``(residual, new_cache, aux)``; aux has ``indexer_kl`` [] and
-        ``expert_load`` [E] (zeros for dense layers and KDA layers respectively)."""
+        ``expert_load`` [E] (zeros for dense layers and KDA layers respectively),
+        ``replay_agreement`` [2] (sum, count; zeros without replay) and, with
+        ``record_routing``, ``expert_ids`` [B, T, k] (the experts used; -1 for a dense FFN).
+        ``expert_ids`` [B, T, k]: routing replay (``MoE``); ignored by a dense FFN."""
         cfg = self.config
         attn_res = cfg.attn_res_block_size is not None
         if attn_res:
@@ -71,16 +75,25 @@ class DecoderLayer(nnx.Module):
         ffn_in = self.post_attention_layernorm(h)
         if self.ffn_kind == "moe":
             token_mask = None if segment_ids is None else segment_ids != 0
-            ffn_out, stats = self.block_sparse_moe(ffn_in, token_mask=token_mask)
+            ffn_out, stats = self.block_sparse_moe(ffn_in, token_mask=token_mask,
+                                                   expert_ids=expert_ids)
             load = stats["expert_load"].astype(jnp.float32)
             dropped = stats.get("moe_dropped", jnp.zeros((), jnp.int32))  # expert parallel
+            used = stats["expert_ids"]
         else:
             ffn_out = self.mlp(ffn_in)
             load = jnp.zeros((max(cfg.num_experts, 1),), jnp.float32)
             dropped = jnp.zeros((), jnp.int32)
+            stats = {}
+            used = jnp.full(ffn_in.shape[:2] + (max(cfg.num_experts_per_token, 1),), -1,
+                            jnp.int32)
         res = res.replace(hidden=constrain(stream + ffn_out.astype(stream.dtype), ACT),
                           blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
-        return res, cache, {"indexer_kl": kl, "expert_load": load, "moe_dropped": dropped}
+        aux = {"indexer_kl": kl, "expert_load": load, "moe_dropped": dropped,
+               "replay_agreement": stats.get("replay_agreement", jnp.zeros((2,), jnp.float32))}
+        if record_routing:
+            aux["expert_ids"] = used
+        return res, cache, aux
 
 
 class LayerGroup(nnx.Module):
@@ -91,17 +104,20 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, m, f, rngs=rngs) for m, f in kinds])
 
     def __call__(self, res: Residual, first_layer: jax.Array, *, positions, segment_ids, caches,
-                 indexer_loss: str):
-        new_caches, kls, loads, drops = [], [], [], []
+                 indexer_loss: str, expert_ids: jax.Array | None = None,
+                 record_routing: bool = False):
+        """``expert_ids`` [P, B, T, k] or None; aux entries stacked over the P layers."""
+        new_caches, auxs = [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
             res, cache, aux = layer(res, first_layer + i, positions=positions,
                                     segment_ids=segment_ids, cache=cache,
-                                    indexer_loss=indexer_loss)
+                                    indexer_loss=indexer_loss,
+                                    expert_ids=None if expert_ids is None else expert_ids[i],
+                                    record_routing=record_routing)
             new_caches.append(cache)
-            kls.append(aux["indexer_kl"])
-            loads.append(aux["expert_load"])
-            drops.append(aux["moe_dropped"])
-        aux = {"indexer_kl": jnp.stack(kls), "expert_load": jnp.stack(loads),  # [P], [P, E]
-               "moe_dropped": jnp.stack(drops)}  # [P]
+            auxs.append(aux)
+        # indexer_kl [P], expert_load [P, E], moe_dropped [P], replay_agreement [P, 2],
+        # expert_ids [P, B, T, k]
+        aux = {k: jnp.stack([a[k] for a in auxs]) for k in auxs[0]}
         return res, (None if caches is None else tuple(new_caches)), aux

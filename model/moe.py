@@ -77,7 +77,8 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: Model
 
     ``expert_ids [N, k]`` (MoE routing replay in RL: the experts the rollout engine chose)
     replace the top-k choice; the weights are still gathered from the current ``scores`` at
-    those ids (renormalised and scaled the same way), so gradients reach the router.
+    those ids (renormalised and scaled the same way), so gradients reach the router. A row
+    whose first id is negative (no record for that token) keeps the router's own choice.
     """
     n, d = x.shape
     e = config.num_experts
@@ -90,21 +91,34 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: Model
         scores = jax.nn.sigmoid(logits)  # [N, E]
     else:
         scores = jax.nn.softmax(logits, axis=-1)  # [N, E]
-    choice = jax.lax.stop_gradient(scores + bias.astype(jnp.float32)[None, :])  # [N, E]
-    if config.use_grouped_topk and config.num_expert_group > 1:
-        choice = _limit_to_top_groups(choice, config.num_expert_group, config.topk_group)
-    if expert_ids is None:
-        _, topk_idx = jax.lax.top_k(choice, config.num_experts_per_token)  # [N, k]
-    elif expert_ids.shape != (n, config.num_experts_per_token):
+    if expert_ids is not None and expert_ids.shape != (n, config.num_experts_per_token):
         raise ValueError(f"expert_ids must be [N={n}, k={config.num_experts_per_token}], got "
                          f"{expert_ids.shape}")
-    else:
-        topk_idx = expert_ids
+    topk_idx = router_topk(scores, bias, config)  # [N, k]
+    if expert_ids is not None:
+        expert_ids = expert_ids.astype(jnp.int32)
+        topk_idx = jnp.where(expert_ids[:, :1] >= 0, expert_ids, topk_idx)
     topk_weight = jnp.take_along_axis(scores, topk_idx, axis=-1)  # [N, k]
     if config.moe_renormalize:
         topk_weight = topk_weight / (jnp.sum(topk_weight, axis=-1, keepdims=True) + 1e-20)
     topk_weight = topk_weight * config.routed_scaling_factor
     return topk_idx.astype(jnp.int32), topk_weight, scores
+
+
+def router_topk(scores: jax.Array, bias: jax.Array, config: ModelConfig) -> jax.Array:
+    """The router's own choice ``[N, k]``: top-k of the biased ``scores [N, E]`` (no gradient),
+    within the best groups when group-limited (see :func:`route`)."""
+    choice = jax.lax.stop_gradient(scores + bias.astype(jnp.float32)[None, :])  # [N, E]
+    if config.use_grouped_topk and config.num_expert_group > 1:
+        choice = _limit_to_top_groups(choice, config.num_expert_group, config.topk_group)
+    return jax.lax.top_k(choice, config.num_experts_per_token)[1]
+
+
+def replay_agreement(replayed: jax.Array, own: jax.Array) -> jax.Array:
+    """Per token, the share of the replayed experts ``[N, k]`` that the router's own top-k
+    ``[N, k]`` also picks, in [0, 1] (1: replay changes nothing)."""
+    hit = jnp.any(replayed[:, :, None] == own[:, None, :], axis=-1)  # [N, k]
+    return jnp.mean(hit.astype(jnp.float32), axis=-1)
 
 
 def _limit_to_top_groups(choice: jax.Array, num_groups: int, topk_group: int) -> jax.Array:
@@ -428,7 +442,7 @@ class MoE(nnx.Module):
                 raise ValueError(f"expert_ids must be [B={b}, T={t}, k="
                                  f"{c.num_experts_per_token}], got {expert_ids.shape}")
             expert_ids = expert_ids.reshape(b * t, -1).astype(jnp.int32)
-        topk_idx, topk_weight, _ = self.gate(xf, expert_ids)  # [N, k], [N, k]
+        topk_idx, topk_weight, scores = self.gate(xf, expert_ids)  # [N, k], [N, k], [N, E]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
         r = self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn)  # [N, De]
         r, ep_metrics = r if isinstance(r, tuple) else (r, {})  # expert parallel: moe_dropped
@@ -440,5 +454,12 @@ class MoE(nnx.Module):
             r = r + self.shared_experts(xf)
         mask = None if token_mask is None else token_mask.reshape(b * t)
         load = expert_load(topk_idx, c.num_experts, mask)  # [E]
-        metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load), **ep_metrics}
+        metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load), **ep_metrics,
+                   "expert_ids": topk_idx.reshape(b, t, -1)}  # [B, T, k] the experts used
+        if expert_ids is not None:  # routing replay: how often the router agrees with the record
+            own = router_topk(scores, self.gate.e_score_correction_bias[...], c)
+            agree = replay_agreement(topk_idx, own)  # [N]
+            w = (jnp.ones_like(agree) if mask is None else mask.astype(jnp.float32)) * (
+                expert_ids[:, 0] >= 0)
+            metrics["replay_agreement"] = jnp.stack([jnp.sum(agree * w), jnp.sum(w)])  # [2]
         return r.astype(cdt).reshape(b, t, d), metrics

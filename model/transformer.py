@@ -76,6 +76,8 @@ class ModelOutput:
     indexer_kl: jax.Array  # [L] float32 (0 for KDA layers)
     expert_load: jax.Array  # [L, E] float32 (0 for dense-FFN layers)
     moe_dropped: jax.Array | None = None  # [L] int32: expert-parallel assignments over capacity
+    expert_ids: jax.Array | None = None  # [L, B, T, k] int32 with record_routing (-1: dense FFN)
+    replay_agreement: jax.Array | None = None  # [2] float32: sum, count over replayed tokens
 
 
 class Transformer(nnx.Module):
@@ -111,7 +113,8 @@ class Transformer(nnx.Module):
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, cache: tuple | None = None,
                 indexer_loss: str = "none", image_embeds: jax.Array | None = None,
-                image_mask: jax.Array | None = None) -> ModelOutput:
+                image_mask: jax.Array | None = None, expert_ids: jax.Array | None = None,
+                record_routing: bool = False) -> ModelOutput:
         """Full forward (cache None), prefill or decode (cache from ``init_cache``).
 
         ``positions`` [B, T] int32 (default: 0..T-1, restarting per segment); with a cache they
@@ -119,6 +122,11 @@ class Transformer(nnx.Module):
         documents (no cache) or padding marks (0 = pad, right padding). ``image_embeds``
         [B, T, D] replace the token embeddings where ``image_mask`` [B, T] is set (image
         placeholders, ``model/vision/assemble.py : image_inputs``).
+
+        MoE routing replay (RL): ``expert_ids`` [L, B, T, k] int32 are the experts each MoE
+        layer uses instead of its router's top-k (rows starting with -1, and dense layers'
+        rows, are ignored); ``out.replay_agreement`` says how often the router agreed.
+        ``record_routing``: ``out.expert_ids`` [L, B, T, k] are the experts every layer used.
         """
         cfg = self.config
         if input_ids.ndim != 2:
@@ -132,16 +140,28 @@ class Transformer(nnx.Module):
             h = jnp.where(image_mask[..., None], image_embeds.astype(h.dtype), h)
         res = initial_residual(constrain(h, ACT), cfg.num_attn_res_blocks)
         res = res.replace(blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
-        new_caches, kls, loads, drops = [], [], [], []
+        b, t = input_ids.shape
+        if expert_ids is not None and (expert_ids.ndim != 4 or expert_ids.shape[:3] != (
+                cfg.num_hidden_layers, b, t)):
+            raise ValueError(f"expert_ids must be [L={cfg.num_hidden_layers}, B={b}, T={t}, k], "
+                             f"got {expert_ids.shape}")
+        new_caches, kls, loads, drops, agree, used = [], [], [], [], [], []
         for seg_i, (start, period, repeats) in enumerate(self.segment_layout):
             seg_cache = None if cache is None else cache[seg_i]
+            seg_ids = None if expert_ids is None else expert_ids[
+                start:start + period * repeats].reshape((repeats, period) + expert_ids.shape[1:])
             res, seg_cache, aux = self._run_segment(
                 self.segments[seg_i], res, start, period, repeats, positions=positions,
-                segment_ids=segment_ids, caches=seg_cache, indexer_loss=indexer_loss)
+                segment_ids=segment_ids, caches=seg_cache, indexer_loss=indexer_loss,
+                expert_ids=seg_ids, record_routing=record_routing)
             new_caches.append(seg_cache)
             kls.append(aux["indexer_kl"].reshape(period * repeats))
             loads.append(aux["expert_load"].reshape(period * repeats, -1))
             drops.append(aux["moe_dropped"].reshape(period * repeats))
+            agree.append(aux["replay_agreement"].reshape(-1, 2))
+            if record_routing:
+                used.append(aux["expert_ids"].reshape((period * repeats,) +
+                                                      aux["expert_ids"].shape[2:]))
         h = res.hidden
         if cfg.attn_res_block_size is not None:
             h = self.output_attn_res(res.hidden, res.blocks, res.n_blocks)
@@ -151,28 +171,32 @@ class Transformer(nnx.Module):
         return ModelOutput(logits=logits.astype(jnp.float32),
                            cache=None if cache is None else tuple(new_caches),
                            indexer_kl=jnp.concatenate(kls), expert_load=jnp.concatenate(loads),
-                           moe_dropped=jnp.concatenate(drops))
+                           moe_dropped=jnp.concatenate(drops),
+                           expert_ids=jnp.concatenate(used) if record_routing else None,
+                           replay_agreement=jnp.sum(jnp.concatenate(agree), axis=0))
 
     def _run_segment(self, stack: LayerGroup, res: Residual, start: int, period: int,
-                     repeats: int, *, positions, segment_ids, caches, indexer_loss):
+                     repeats: int, *, positions, segment_ids, caches, indexer_loss,
+                     expert_ids=None, record_routing=False):
         graphdef, state = nnx.split(stack)
         firsts = start + period * jnp.arange(repeats, dtype=jnp.int32)
 
         def body(carry, xs):
-            st, first, cache = xs
+            st, first, cache, ids = xs
             group = nnx.merge(graphdef, st)
             carry, cache, aux = group(carry, first, positions=positions, segment_ids=segment_ids,
-                                      caches=cache, indexer_loss=indexer_loss)
+                                      caches=cache, indexer_loss=indexer_loss, expert_ids=ids,
+                                      record_routing=record_routing)
             return carry, (cache, aux)
 
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat_policy],
                                   prevent_cse=False)
         if self.config.scan_layers:
-            return _unpack(*jax.lax.scan(body, res, (state, firsts, caches)))
+            return _unpack(*jax.lax.scan(body, res, (state, firsts, caches, expert_ids)))
         outs = []
         for j in range(repeats):
-            xs = jax.tree.map(lambda a: a[j], (state, firsts, caches))
+            xs = jax.tree.map(lambda a: a[j], (state, firsts, caches, expert_ids))
             res, out = body(res, xs)
             outs.append(out)
         return _unpack(res, jax.tree.map(lambda *a: jnp.stack(a), *outs))

@@ -66,3 +66,113 @@ def test_bad_expert_ids_shape(layer):
     m, x, ids = layer
     with pytest.raises(ValueError, match=r"expert_ids must be \[B=2, T=5, k=2\]"):
         m(x, expert_ids=jnp.asarray(ids[:, :3]))
+
+
+# ---- routing replay through the stack: engine record -> batch -> RL step -> loop ----
+
+from kdsa.cli.config_args import apply_overrides  # noqa: E402
+from kdsa.infer.engine import Engine, Request  # noqa: E402
+from kdsa.infer.runner import ModelRunner  # noqa: E402
+from kdsa.infer.sampling import SamplingParams  # noqa: E402
+from kdsa.infer.tokenizer import ByteTokenizer  # noqa: E402
+from kdsa.model.transformer import Transformer  # noqa: E402
+from kdsa.train.config import TrainConfig  # noqa: E402
+from kdsa.train.rl.config import RLConfig  # noqa: E402
+
+FAST = {"xla_backend_optimization_level": 0}
+SMALL = apply_overrides(CFG, ["num_hidden_layers=3", "linear_attn_config.kda_layers=[1, 2]",
+                              "linear_attn_config.full_attn_layers=[3]"])  # dense, moe, moe
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    return Transformer(SMALL, rngs=nnx.Rngs(0))
+
+
+def test_engine_records_the_routing_of_the_full_forward(small_model):
+    """Chunked prefill + decode record, per token the model ran, the experts an uncached full
+    forward over the same tokens picks (-1 in the dense layer)."""
+    runner = ModelRunner(small_model, num_slots=2, max_len=64, prefill_chunk=8, min_bucket=8,
+                         record_routing=True)
+    eng = Engine(runner, ByteTokenizer(SMALL.vocab_size), max_top_logprobs=0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 13, 9)]  # 13: 2 chunks
+    outs = eng.generate([Request(p, SamplingParams(temperature=0.0, max_tokens=4,
+                                                   ignore_eos=True)) for p in prompts])
+    for p, c in zip(prompts, outs):
+        seq = p + c.token_ids[:-1]  # the last sampled token was never run
+        assert c.routing.shape == (len(seq), SMALL.num_hidden_layers, SMALL.num_experts_per_token)
+        want = small_model.forward(jnp.asarray([seq]), record_routing=True).expert_ids
+        want = np.transpose(np.asarray(want)[:, 0], (1, 0, 2))  # [T, L, k]
+        assert (want[:, 0] == -1).all() and (want[:, 1:] >= 0).all()
+        np.testing.assert_array_equal(c.routing, want)
+
+
+def test_rl_step_trains_with_the_replayed_experts(small_model):
+    """Replaying the training router's own choice changes nothing (agreement 1); other experts
+    change the loss and lower the agreement; -1 rows leave the router's choice."""
+    from kdsa.train.rl.step import rl_step_with_options
+    from kdsa.train.trainer import prepare
+
+    tc = TrainConfig(steps=1, learning_rate=1e-2, schedule="constant", warmup_steps=0, seed=0)
+    rc = RLConfig(envs=("rg:basic_arithmetic",))
+    abstract, graphdef, tx, build = prepare(SMALL, tc)
+    state = build()
+    b, t = 8, 12
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 256, (b, t + 1)).astype(np.int32)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
+             "mask": np.ones((b, t), np.float32), "sampler_logp": np.zeros((b, t), np.float32),
+             "advantages": rng.normal(size=b).astype(np.float32)}
+    model = nnx.merge(graphdef, state.params, state.rest)
+    own = np.transpose(np.asarray(model.forward(jnp.asarray(batch["inputs"]),
+                                                record_routing=True).expert_ids), (1, 2, 0, 3))
+    step = rl_step_with_options(tuple(FAST.items()))
+    kw = dict(tc=tc, tx=tx, loss_cfg=rc.loss_config(), layout=abstract.segment_layout)
+    s0, m0 = step(graphdef, state, batch, 0.0, None, **kw)
+    s1, m1 = step(graphdef, state, batch | {"expert_ids": own}, 0.0, None, **kw)
+    assert "routing_replay_agreement" not in m0 and float(m1["routing_replay_agreement"]) == 1.0
+    np.testing.assert_allclose(float(m1["pg_loss"]), float(m0["pg_loss"]), rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
+                 s0.params, s1.params)
+    other = np.where(own >= 0, (own + 1) % SMALL.num_experts, -1)
+    _, m2 = step(graphdef, state, batch | {"expert_ids": other}, 0.0, None, **kw)
+    assert float(m2["routing_replay_agreement"]) < 0.9
+    assert abs(float(m2["ce"]) - float(m0["ce"])) > 1e-4
+    none = np.full_like(own, -1)  # no record anywhere: the router's own choice
+    _, m3 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, None, **kw)
+    np.testing.assert_allclose(float(m3["ce"]), float(m0["ce"]), rtol=1e-6)
+
+
+def test_rl_loop_with_routing_replay(tmp_path):
+    """``rl.routing_replay``: one SFT and two RL steps run (one compiled update for both), the
+    update replays the rollout's experts, and the training router agrees with them (same
+    weights; the metric is logged)."""
+    from kdsa.infer.chat import Message
+    from kdsa.train.rl.envs import Environment, Outcome, Task, register_env
+    from kdsa.train.rl.loop import run_rl
+
+    @register_env("test_replay_echo")
+    class Echo(Environment):
+        def task(self, index, split="train"):
+            return Task(self.domain, index, (Message("user", "a"),))
+
+        def respond(self, task, output, history):
+            return Outcome(float(output.content[:1] == "a"))
+
+        def demonstration(self, task):
+            return [Message("assistant", "a")]
+
+    zero = {"low": 0, "high": 0, "max": 0}
+    rc = RLConfig(envs=("test_replay_echo",), steps=2, prompts_per_step=2, group_size=4,
+                  seq_len=48, num_slots=8, reasoning_caps=zero,
+                  token_budgets={"low": 3, "high": 3, "max": 3}, max_sampling_rounds=1,
+                  dynamic_sampling=False, sft_steps=1, routing_replay=True)
+    tc = TrainConfig(steps=3, learning_rate=1e-3, schedule="constant", warmup_steps=0, seed=0,
+                     checkpoint_every=100)
+    out = run_rl(SMALL, tc, rc, tmp_path, progress=False, evaluate_heldout=False,
+                 compiler_options=FAST)
+    assert out.final_step == 3
+    for s in (1, 2):
+        m = out.metrics[s]
+        assert m["updated"] == 1.0 and m["routing_replay_agreement"] >= 0.99, m

@@ -88,6 +88,8 @@ class RLConfig:
     normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO); kimi: never
     kl_coef: float = 0.0  # KL to the reference policy (the weights after SFT); 0: off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (rl_losses.kl_per_token)
+    # ---- MoE routing replay: train each token with the experts the rollout engine used ----
+    routing_replay: bool = False
     # ---- SFT warm-up (demonstrations of the same environments) ----
     sft_steps: int = 0  # rows per SFT step = rollouts_per_step (one compiled step for both)
     # ---- held-out evaluation ----
@@ -142,6 +144,9 @@ class RLConfig:
                              f"{self.aggregation!r}")
         if not isinstance(self.kl_coef, (int, float)) or self.kl_coef < 0:
             raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef!r}")
+        if not isinstance(self.routing_replay, bool):
+            raise ValueError(f"rl.routing_replay must be true or false, got "
+                             f"{self.routing_replay!r}")
         if self.chat_format not in ("k2", "xtml"):
             raise ValueError(f"rl.chat_format must be 'k2' or 'xtml', got {self.chat_format!r}")
         self.loss_config()  # validates the loss fields

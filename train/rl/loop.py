@@ -17,7 +17,11 @@ metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
 at the rollout temperature) is measured after the warm-up and at the end. Checkpoints
 (``train/checkpointing.py``) every ``checkpoint_every`` steps, at the end and on SIGTERM hold
 the train state and, in the metadata, the task counter, the held-out reward before RL and the
-configs; ``resume`` continues from the newest readable one. Multi-host (the same command on
+configs; ``resume`` continues from the newest readable one. ``rl.routing_replay``: the engine
+records the experts every MoE layer used for every token it ran, and the update trains each
+token with those experts (``Transformer.forward(expert_ids=...)``; the gate weights still come
+from the current router); ``routing_replay_agreement`` logs how often the training router
+would have chosen the same experts. Multi-host (the same command on
 every process, e.g. under ``kdsa launch-local``): every process runs the whole job on its own
 local devices with the same seeds (rollouts and updates replicated, identical on CPU); process 0
 alone writes metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the
@@ -115,7 +119,8 @@ class Sampler:
         self.fmt = get_format(rc.chat_format, self.tok)
         self.runner = ModelRunner(model, num_slots=rc.num_slots, max_len=rc.seq_len + 1,
                                   prefill_chunk=rc.seq_len + 1, min_bucket=rc.seq_len + 1,
-                                  mesh=self.mesh, layout="generate")
+                                  mesh=self.mesh, layout="generate",
+                                  record_routing=rc.routing_replay)
         self.engine = Engine(self.runner, self.tok, chat_format=self.fmt,
                              budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=0),
                              max_top_logprobs=0, seed=seed)
@@ -213,6 +218,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                         start_index=counter)
                 counter += rows
                 batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
+                if rc.routing_replay:  # same batch structure as RL steps: one compile
+                    batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
                 state, m = step_fn(graphdef, state, batch, 1.0,
                                    None if ref_ckpt is None else state.params, tc=tc, tx=tx,
                                    loss_cfg=loss_cfg, layout=layout)
@@ -232,7 +239,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                     log(f"\nheld-out reward before RL: {before:.3f} ({_fmt_domains(before_d)})")
                     t0 = time.perf_counter()
                 m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
-                                           step, counter, rows, pending)
+                                           step, counter, rows, pending,
+                                           _routing_dims(config) if rc.routing_replay else None)
                 batch = m.pop("_batch")
                 m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
                 if m["kept_groups"] > 0:
@@ -277,8 +285,13 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     return result
 
 
+def _routing_dims(config: ModelConfig) -> tuple[int, int]:
+    """``(L, k)`` of the routing-replay arrays."""
+    return config.num_hidden_layers, max(config.num_experts_per_token, 1)
+
+
 def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter, rows,
-                  pending):
+                  pending, routing_dims=None):
     """Sync, rollouts (with dynamic-sampling rounds) and the batch; returns metrics.
 
     ``pending``: groups with episodes cut by the step cap (partial rollouts) in earlier steps;
@@ -327,7 +340,7 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
              kept_groups=len(kept), sampled_groups=len(finished) // rc.group_size)
     if cap is not None:
         m.update(pending_groups=len(carried), stale_dropped_groups=dropped)
-    m["_batch"] = ro.training_batch(kept, rows, rc.seq_len, rc.group_size, rc)
+    m["_batch"] = ro.training_batch(kept, rows, rc.seq_len, rc.group_size, rc, routing_dims)
     return m, counter
 
 

@@ -53,6 +53,9 @@ class Episode:
     turn_tokens: list[int] = dataclasses.field(default_factory=list)  # a cut turn's tokens
     paused: bool = False  # cut by the step cap (partial rollouts), continued by a later play()
     born: int = 0  # RL step whose play() started it
+    # routing replay: experts the engine used for tokens[:len(routing)] [n, L, k] (the latest
+    # turn's request re-ran the whole row, so its record covers every earlier token)
+    routing: "np.ndarray | None" = None
 
 
 def render_prompt(fmt, task: Task, effort: str) -> list[int]:
@@ -160,6 +163,8 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                 e.sampler_logp.append(0.0 if i in forced else float(lp))
             e.generated += len(c.token_ids)
             used[id(e)] += len(c.token_ids)
+            if c.routing is not None:
+                e.routing = c.routing
             e.reasoning_tokens += c.reasoning_tokens
             if capped and c.finish_reason == "length":  # step cap hit: continue later
                 e.turn_tokens += [int(t) for t in c.token_ids]
@@ -267,15 +272,22 @@ def varied_groups(eps: list[Episode], group_size: int) -> list[list[Episode]]:
 
 
 def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_size: int,
-                   rc: RLConfig) -> dict[str, np.ndarray]:
+                   rc: RLConfig, routing_dims: tuple[int, int] | None = None
+                   ) -> dict[str, np.ndarray]:
     """Fixed-shape arrays ``[rows, seq_len]`` (next-token layout) from whole groups; rows past
     the groups are padding (mask 0, advantage 0). Advantages are group-relative (GRPO
-    ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi)."""
+    ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi).
+
+    ``routing_dims = (L, k)`` (routing replay): also ``expert_ids [rows, seq_len, L, k]``, the
+    experts the engine used for each input token, -1 where there is no record (the router
+    then chooses)."""
     b = {"inputs": np.zeros((rows, seq_len), np.int32),
          "targets": np.zeros((rows, seq_len), np.int32),
          "mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
          "advantages": np.zeros((rows,), np.float32)}
+    if routing_dims is not None:
+        b["expert_ids"] = no_routing(rows, seq_len, routing_dims)
     r, row_images = 0, []
     for grp in groups:
         if r + len(grp) > rows:
@@ -291,9 +303,17 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
             b["mask"][r, :n] = e.mask[1:n + 1]
             b["sampler_logp"][r, :n] = e.sampler_logp[1:n + 1]
             b["advantages"][r] = a
+            if routing_dims is not None and e.routing is not None:
+                k = min(n, len(e.routing))
+                b["expert_ids"][r, :k] = e.routing[:k]
             row_images.append(message_images(e.task.messages))
             r += 1
     return b | row_image_arrays(row_images, rows)  # image prompts: image_* arrays per row
+
+
+def no_routing(rows: int, seq_len: int, routing_dims: tuple[int, int]) -> np.ndarray:
+    """``expert_ids [rows, seq_len, L, k]`` all -1: every token routed by the router."""
+    return np.full((rows, seq_len) + tuple(routing_dims), -1, np.int32)
 
 
 def sample_tasks(envs: dict[str, Environment], weights: dict[str, float], n: int, *,

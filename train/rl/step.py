@@ -42,7 +42,8 @@ from kdsa.train.rl_losses import RLLossConfig, policy_loss
 from kdsa.train.step import TrainState, _micro_batches, _schedule_of, update_routing_biases
 
 # batch: inputs, targets [B, T] int32; mask, sampler_logp [B, T] float32; advantages [B] f32;
-# image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md)
+# image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md);
+# routing replay: expert_ids [B, T, L, k] int32 (-1: the router chooses)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -73,7 +74,10 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
 
     def objective(params, mb):
         model = nnx.merge(graphdef, params, state.rest)
-        out = model.forward(mb["inputs"], **image_kwargs(model, mb))  # image_*: image prompts
+        replay = {} if "expert_ids" not in mb else {  # routing replay: [B, T, L, k] -> [L, ...]
+            "expert_ids": jnp.transpose(mb["expert_ids"], (2, 0, 1, 3))}
+        out = model.forward(mb["inputs"], **image_kwargs(model, mb),  # image_*: image prompts
+                            **replay)
         logp = token_logprobs(out.logits, mb["targets"])  # [b, T]
         mk = mb["mask"].astype(jnp.float32)
         ce_num = jnp.sum(-logp * mk)
@@ -91,7 +95,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
                  "mis_abs": jnp.sum(jnp.abs(d)),
                  "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
                  "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk),
-                 "kl_num": pm.get("kl_numerator", jnp.float32(0.0))}
+                 "kl_num": pm.get("kl_numerator", jnp.float32(0.0)),
+                 "agree": out.replay_agreement}  # [2] sum, count (zeros without replay)
         loss = w * ce_num / ce_den + (1.0 - w) * pg_num / pg_den
         return loss, (stats, out.expert_load)
 
@@ -103,7 +108,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, (stats, loads) = jax.lax.scan(body, zeros, mbs)
-    stats = jax.tree.map(jnp.sum, stats)
+    stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over micro-batches
 
     lr = _schedule_of(tc)(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -123,6 +128,9 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
         "expert_load_max_over_mean": jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load),
                                                        0.0)),
     }
+    if "expert_ids" in batch:  # share of replayed experts the training router also picks
+        metrics["routing_replay_agreement"] = stats["agree"][0] / jnp.maximum(stats["agree"][1],
+                                                                            1.0)
     metrics["loss"] = w * metrics["ce"] + (1.0 - w) * metrics["pg_loss"]
     return TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
                       rng=rng), metrics
