@@ -21,11 +21,12 @@ configs; ``resume`` continues from the newest readable one. ``rl.routing_replay`
 records the experts every MoE layer used for every token it ran, and the update trains each
 token with those experts (``Transformer.forward(expert_ids=...)``; the gate weights still come
 from the current router); ``routing_replay_agreement`` logs how often the training router
-would have chosen the same experts. Multi-host (the same command on
-every process, e.g. under ``kdsa launch-local``): every process runs the whole job on its own
-local devices with the same seeds (rollouts and updates replicated, identical on CPU); process 0
-alone writes metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the
-reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw
+would have chosen the same experts.
+
+Multi-host (the same command on every process, e.g. under ``kdsa launch-local``): each process
+plays its share of every step's groups on its own engine and the episodes are exchanged; the
+update is data-parallel over one device per process (``multihost.py``); process 0 alone writes
+metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw
 is a function of ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
 
@@ -54,6 +55,7 @@ from kdsa.train.metrics import MetricsWriter, progress_bar
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
+from kdsa.train.rl.multihost import DataParallel, local_copy, play_split
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import rl_step_with_options
 from kdsa.train.trainer import _StopFlag, prepare, stop_reason
@@ -88,6 +90,10 @@ def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig) -> None
     if config.vocab_size < 384:
         raise ValueError(f"the byte tokenizer with chat specials needs vocab_size >= 384, got "
                          f"{config.vocab_size}")
+    n = jax.process_count()
+    if n > 1 and (rc.rollouts_per_step // tc.accum_steps) % n:
+        raise ValueError(f"{n} processes split each micro-batch of {rc.rollouts_per_step} // "
+                         f"train.accum_steps={tc.accum_steps} rows: it must be a multiple of {n}")
     if rc.generate_devices > jax.local_device_count():
         raise ValueError(f"rl.generate_devices={rc.generate_devices} but only "
                          f"{jax.local_device_count()} local devices")
@@ -127,6 +133,7 @@ class Sampler:
 
     def sync(self, graphdef, state) -> float:
         """Train state -> generate layout -> runner; returns the reshard seconds."""
+        state = local_copy(state)  # multi-host: this process's copy of the replicated state
         model_state = nnx.state(nnx.merge(graphdef, state.params, state.rest))
         moved, report = reshard_state(model_state, self.mesh, "generate")
         self.runner.state = moved
@@ -140,8 +147,11 @@ def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, di
     levels = [k for k, w in rc.effort_weights.items() if w > 0]
     tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
              for env in envs.values() for i in range(rc.heldout_tasks)]
-    eps = ro.run_episodes(sampler.engine, sampler.fmt, envs, tasks,
-                          group_size=rc.heldout_samples, rc=rc, seed=seed)
+    g = rc.heldout_samples
+    eps = ro.start_episodes(sampler.fmt, tasks, g)
+    groups, _ = play_split(lambda e, **kw: ro.play(sampler.engine, sampler.fmt, envs, e, **kw),
+                           [eps[i:i + g] for i in range(0, len(eps), g)], rc=rc, seed=seed)
+    eps = [e for grp in groups for e in grp]  # multi-host: every process's share
     score = {id(e): 0.0 if e.truncated else e.score for e in eps}
     by_domain = {d: float(np.mean([score[id(e)] for e in eps if e.task.env == d])) for d in envs}
     return float(np.mean(list(score.values()))), by_domain, eps
@@ -158,7 +168,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
-    multi = jax.process_count() > 1  # every process runs the same job; process 0 writes
+    multi = jax.process_count() > 1  # rollouts split, update data-parallel; process 0 writes
+    dp = DataParallel()
     writes = jax.process_index() == 0
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints, process_local=multi)
@@ -176,9 +187,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
             raise ValueError(f"--resume: the checkpoint in {ckpt.directory} was written for "
                              "another model config")
         meta0 = {k: meta.get(k) for k in meta0}
+        state = dp.state(state)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
-        start, state = 0, jax.device_put(build(), jax.local_devices()[0])
+        start, state = 0, dp.state(build())
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
     before_d, after_d = meta0["heldout_before_by_domain"], None
 
@@ -191,9 +203,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
             if got is None:
                 raise ValueError(f"--resume: the reference policy in {ref_ckpt.directory} is "
                                  "unreadable")
-            ref_params = got[1]
+            ref_params = dp.state(got[1])
     if sampler is None:
-        sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
+        local = local_copy(state)
+        sampler = Sampler(nnx.merge(graphdef, local.params, local.rest), config, rc, tc.seed)
     rows, T = rc.rollouts_per_step, rc.seq_len
     sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False) if rc.sft_steps else None
     writer = MetricsWriter(run_dir)
@@ -207,7 +220,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
                 "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
         if writes:
-            ckpt.save(step, state, meta, force=force)
+            ckpt.save(step, local_copy(state), meta, force=force)
 
     with _StopFlag() as flag:
         while step < total:
@@ -220,10 +233,11 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
                 if rc.routing_replay:  # same batch structure as RL steps: one compile
                     batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
-                state, m = step_fn(graphdef, state, batch, 1.0,
+                state, m = step_fn(graphdef, state, dp.batch(batch), 1.0,
                                    None if ref_ckpt is None else state.params, tc=tc, tx=tx,
                                    loss_cfg=loss_cfg, layout=layout)
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                state = dp.put_back(state)
+                m = {k: float(v) for k, v in jax.device_get(local_copy(m)).items()}
                 step += 1
                 m["step_time_s"] = time.perf_counter() - t0
                 sft_writer.write(step, m)
@@ -232,7 +246,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 if ref_ckpt is not None and ref_params is None:
                     ref_params = state.params
                     if writes:
-                        ref_ckpt.save(step, ref_params, {"step": step}, force=True)
+                        ref_ckpt.save(step, local_copy(ref_params), {"step": step}, force=True)
                 if before is None and evaluate_heldout:
                     sampler.sync(graphdef, state)
                     before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
@@ -243,10 +257,12 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                            _routing_dims(config) if rc.routing_replay else None)
                 batch = m.pop("_batch")
                 m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
+                m["update_devices"] = dp.size  # data-parallel over one device per process
                 if m["kept_groups"] > 0:
-                    state, tm = step_fn(graphdef, state, batch, 0.0, ref_params, tc=tc, tx=tx,
-                                        loss_cfg=loss_cfg, layout=layout)
-                    m.update({k: float(v) for k, v in jax.device_get(tm).items()})
+                    state, tm = step_fn(graphdef, state, dp.batch(batch), 0.0, ref_params,
+                                        tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
+                    state = dp.put_back(state)
+                    m.update({k: float(v) for k, v in jax.device_get(local_copy(tm)).items()})
                 step += 1
                 rl_i = step - rc.sft_steps
                 m["step_time_s"] = time.perf_counter() - t0
@@ -301,7 +317,7 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
     reshard_s = sampler.sync(graphdef, state)
     t0 = time.perf_counter()
     cap = rc.partial_rollout_tokens or None
-    kept, finished, carried, dropped, gen = [], [], [], 0, 0
+    kept, finished, carried, dropped, gen, here = [], [], [], 0, 0, 0
     for rnd in range(rc.max_sampling_rounds):
         rng = np.random.default_rng([tc.seed, 2, step, rnd])
         tasks = ro.sample_tasks(envs, weights, rc.prompts_per_step, rc=rc, rng=rng,
@@ -313,11 +329,12 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
         groups = [new[g:g + rc.group_size] for g in range(0, len(new), rc.group_size)]
         if rnd == 0:
             groups, pending[:] = pending + groups, []
-        eps = [e for grp in groups for e in grp]
-        before = sum(e.generated for e in eps)
-        ro.play(sampler.engine, sampler.fmt, envs, eps, rc=rc, step_cap=cap,
-                seed=tc.seed * 100003 + step * 101 + rnd)
-        gen += sum(e.generated for e in eps) - before
+        before = sum(e.generated for grp in groups for e in grp)
+        groups, played = play_split(  # multi-host: each process its share, then all of them
+            lambda e, **kw: ro.play(sampler.engine, sampler.fmt, envs, e, **kw), groups, rc=rc,
+            step_cap=cap, seed=tc.seed * 100003 + step * 101 + rnd)
+        here += played
+        gen += sum(e.generated for grp in groups for e in grp) - before
         done = [grp for grp in groups if all(e.done for e in grp)]
         for grp in groups:
             if not all(e.done for e in grp):
@@ -337,7 +354,8 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
     m = ro.domain_metrics(finished)
     m.update(reshard_s=reshard_s, rollout_s=rollout_s, rollout_tokens=gen,
              rollout_tokens_per_s=gen / rollout_s if rollout_s > 0 else 0.0,
-             kept_groups=len(kept), sampled_groups=len(finished) // rc.group_size)
+             kept_groups=len(kept), sampled_groups=len(finished) // rc.group_size,
+             rollout_episodes_here=here)  # played by this process (multi-host: its share)
     if cap is not None:
         m.update(pending_groups=len(carried), stale_dropped_groups=dropped)
     m["_batch"] = ro.training_batch(kept, rows, rc.seq_len, rc.group_size, rc, routing_dims)

@@ -56,6 +56,7 @@ class Episode:
     # routing replay: experts the engine used for tokens[:len(routing)] [n, L, k] (the latest
     # turn's request re-ran the whole row, so its record covers every earlier token)
     routing: "np.ndarray | None" = None
+    index: int | None = None  # position in the step's whole episode list (its sampling seed)
 
 
 def render_prompt(fmt, task: Task, effort: str) -> list[int]:
@@ -112,7 +113,8 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
     """Advance every unfinished episode until it is done or, with ``step_cap`` (partial
     rollouts), has generated ``step_cap`` tokens in this call: then it is ``paused`` mid-turn
     and a later call continues it (its tokens and sampler log-probs kept). ``temperature``
-    overrides ``rc.temperature`` (0: greedy). Returns ``eps``."""
+    overrides ``rc.temperature`` (0: greedy). An episode's sampling seed comes from ``seed``, its
+    ``index`` (default: its position in ``eps``) and its turn. Returns ``eps``."""
     order = {id(e): i for i, e in enumerate(eps)}
     used = {id(e): 0 for e in eps}  # tokens generated in this call
     for e in eps:
@@ -142,7 +144,8 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                 e.paused = True
                 continue
             sp = SamplingParams(temperature=temp, max_tokens=n,
-                                seed=(seed * 7919 + order[id(e)] * 131 + e.turns) % (2**31 - 1))
+                                seed=(seed * 7919 + (order[id(e)] if e.index is None else
+                                                     e.index) * 131 + e.turns) % (2**31 - 1))
             reqs.append((e, n < room, pre, Request(
                 list(e.tokens), sp, reasoning_cap=cap, in_reasoning=in_reasoning,
                 parser=parser, images=message_images(e.task.messages))))
