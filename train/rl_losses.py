@@ -50,6 +50,7 @@ class RLLossConfig:
     tau: float = 0.1  # Kimi objective temperature
     tis: str = "none"  # "none" | "token" | "sequence"
     tis_cap: float = 2.0
+    entropy_coef: float = 0.0  # RL steps: loss -= coef * mean token entropy (train/rl/step.py)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -62,6 +63,8 @@ class RLLossConfig:
             raise ValueError(f"tis must be 'none', 'token' or 'sequence', got {self.tis!r}")
         if self.eps_low < 0 or self.eps_high < 0 or self.tau <= 0 or self.tis_cap <= 0:
             raise ValueError("eps_low, eps_high must be >= 0 and tau, tis_cap > 0")
+        if not isinstance(self.entropy_coef, (int, float)) or self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
 

@@ -88,6 +88,8 @@ class RLConfig:
     normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO); kimi: never
     kl_coef: float = 0.0  # KL to the reference policy (the weights after SFT); 0: off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (rl_losses.kl_per_token)
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * mean entropy of the loss tokens
+    scale_update_by_kept: bool = False  # update * kept groups / prompts_per_step (see step.py)
     # ---- MoE routing replay: train each token with the experts the rollout engine used ----
     routing_replay: bool = False
     # ---- SFT warm-up (demonstrations of the same environments) ----
@@ -144,6 +146,9 @@ class RLConfig:
                              f"{self.aggregation!r}")
         if not isinstance(self.kl_coef, (int, float)) or self.kl_coef < 0:
             raise ValueError(f"rl.kl_coef must be >= 0, got {self.kl_coef!r}")
+        if not isinstance(self.scale_update_by_kept, bool):
+            raise ValueError(f"rl.scale_update_by_kept must be true or false, got "
+                             f"{self.scale_update_by_kept!r}")
         if not isinstance(self.routing_replay, bool):
             raise ValueError(f"rl.routing_replay must be true or false, got "
                              f"{self.routing_replay!r}")
@@ -163,7 +168,10 @@ class RLConfig:
             return RLLossConfig(loss=self.loss, eps_low=self.eps_low, eps_high=self.eps_high,
                                 aggregation=agg, tau=self.tau, tis=self.tis,
                                 tis_cap=self.tis_cap, kl_beta=float(self.kl_coef),
-                                kl_kind=self.kl_estimator)
+                                kl_kind=self.kl_estimator,
+                                entropy_coef=float(self.entropy_coef)
+                                if isinstance(self.entropy_coef, (int, float)) else
+                                self.entropy_coef)
         except ValueError as e:
             raise ValueError(f"rl: {e}") from None
 

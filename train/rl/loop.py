@@ -259,8 +259,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
                 m["update_devices"] = dp.size  # data-parallel over one device per process
                 if m["kept_groups"] > 0:
+                    scale = (m["kept_groups"] / rc.prompts_per_step
+                             if rc.scale_update_by_kept else 1.0)
                     state, tm = step_fn(graphdef, state, dp.batch(batch), 0.0, ref_params,
-                                        tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
+                                        scale, tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
                     state = dp.put_back(state)
                     m.update({k: float(v) for k, v in jax.device_get(local_copy(tm)).items()})
                 step += 1

@@ -4,9 +4,17 @@ Both objectives read the per-token log-probabilities ``logp[b, t] = log pi(targe
 inputs[b, :t+1])`` of one forward pass, so a single compiled function serves the SFT warm-up
 and the RL steps (``sft_weight`` is an array, not a static argument)::
 
-    loss = sft_weight * CE + (1 - sft_weight) * PG
+    loss = sft_weight * CE + (1 - sft_weight) * (PG - entropy_coef * H)
     CE   = sum(mask * -logp) / sum(mask)                       (assistant tokens only)
     PG   = rl_losses.policy_loss(cfg, logp, old_logp, mask, advantages, sampler_logp)
+    H    = sum(mask * entropy) / sum(mask)     (entropy of each next-token distribution)
+
+The entropy bonus (``cfg.entropy_coef``, default 0) keeps the policy from collapsing onto one
+answer per prompt, where a group's rewards stop varying and GRPO has no gradient left; the mean
+entropy is logged as ``entropy`` either way. ``update_scale`` multiplies the optimizer's update
+(``rl.scale_update_by_kept``: the share of the step's groups that varied, so a batch with one
+varied group moves the weights an eighth as far as a full one; Adam alone would normalise it to
+a full-size step).
 
 ``old_logp = stop_gradient(logp)``: one update per rollout batch, so the trainer's policy before
 the update is the current one (ratio 1, the clipped objectives reduce to the policy gradient;
@@ -48,8 +56,16 @@ from kdsa.train.step import TrainState, _micro_batches, _schedule_of, update_rou
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """``[B, T, V]`` logits, ``[B, T]`` targets -> ``[B, T]`` float32 log-probs of the targets."""
+    return token_logprobs_and_entropy(logits, targets)[0]
+
+
+def token_logprobs_and_entropy(logits: jax.Array, targets: jax.Array
+                               ) -> tuple[jax.Array, jax.Array]:
+    """``[B, T, V]`` logits -> ``([B, T]`` log-probs of ``targets``, ``[B, T]`` entropy
+    ``-sum_v p_v log p_v`` of each next-token distribution), float32."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+    return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], ent
 
 
 def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
@@ -60,7 +76,8 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
     return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
 
 
-def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
+def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, update_scale=1.0,
+             *,
              tc: TrainConfig, tx: optax.GradientTransformation, loss_cfg: RLLossConfig,
              layout: tuple):
     if loss_cfg.kl_beta > 0 and ref_params is None:
@@ -78,9 +95,10 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
             "expert_ids": jnp.transpose(mb["expert_ids"], (2, 0, 1, 3))}
         out = model.forward(mb["inputs"], **image_kwargs(model, mb),  # image_*: image prompts
                             **replay)
-        logp = token_logprobs(out.logits, mb["targets"])  # [b, T]
+        logp, ent = token_logprobs_and_entropy(out.logits, mb["targets"])  # [b, T] each
         mk = mb["mask"].astype(jnp.float32)
         ce_num = jnp.sum(-logp * mk)
+        ent_num = jnp.sum(ent * mk)
         old = jax.lax.stop_gradient(logp)
         ref_logp = None
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
@@ -96,8 +114,10 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
                  "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
                  "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk),
                  "kl_num": pm.get("kl_numerator", jnp.float32(0.0)),
-                 "agree": out.replay_agreement}  # [2] sum, count (zeros without replay)
-        loss = w * ce_num / ce_den + (1.0 - w) * pg_num / pg_den
+                 "agree": out.replay_agreement,  # [2] sum, count (zeros without replay)
+                 "ent_num": jax.lax.stop_gradient(ent_num)}
+        loss = w * ce_num / ce_den + (1.0 - w) * (pg_num / pg_den
+                                                  - loss_cfg.entropy_coef * ent_num / ce_den)
         return loss, (stats, out.expert_load)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -112,6 +132,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
 
     lr = _schedule_of(tc)(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: u * jnp.asarray(update_scale, u.dtype), updates)
     params = optax.apply_updates(state.params, updates)
     load = jnp.sum(loads, axis=0)  # [L, E]
     rest = state.rest
@@ -124,7 +145,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, *,
         "grad_norm": optax.tree.norm(grads), "learning_rate": lr, "loss_tokens": jnp.sum(mask),
         "mismatch_k1": stats["mis_k1"] / ce_den, "mismatch_abs": stats["mis_abs"] / ce_den,
         "mismatch_k3": stats["mis_k3"] / ce_den, "tis_weight_mean": stats["tis_num"] / ce_den,
-        "kl": stats["kl_num"] / ce_den,
+        "kl": stats["kl_num"] / ce_den, "entropy": stats["ent_num"] / ce_den,
         "expert_load_max_over_mean": jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load),
                                                        0.0)),
     }
