@@ -23,6 +23,38 @@ def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "ti
     p.set_defaults(_default_preset=default_preset)
 
 
+def add_layout_args(p: argparse.ArgumentParser) -> None:
+    """``--layouts FILE.json``: the mesh of each named layout (docs/sharding.md, "Layouts")."""
+    p.add_argument("--layouts", type=Path, default=None, metavar="FILE.json",
+                   help="JSON object of mesh axis sizes per layout, e.g. {\"train\": "
+                        "{\"expert\": 2, \"fsdp\": -1}, \"generate\": \"data=2,tensor=2\"}; "
+                        "a \"mesh\" object of the same form inside the --config file works "
+                        "too. --mesh wins over this file, which wins over --config's section "
+                        "and the preset's default")
+
+
+def layout_override(args: argparse.Namespace, layout: str):
+    """The mesh sizes a command uses for ``layout``, or None for the preset's default:
+    ``--mesh`` > ``--layouts FILE`` > the ``mesh`` section of the ``--config`` file. Every
+    section given is validated (``sharding.mesh.read_layouts``), used or not."""
+    from kdsa.sharding.mesh import read_layouts
+
+    found = []
+    if getattr(args, "layouts", None) is not None:
+        found.append(read_layouts(read_json_file(args.layouts, "--layouts"),
+                                  f"--layouts {args.layouts}"))
+    if getattr(args, "config", None) is not None:
+        raw = read_json_file(args.config, "--config")
+        if isinstance(raw, dict) and "mesh" in raw:
+            found.append(read_layouts(raw["mesh"], f"--config {args.config}: mesh"))
+    if getattr(args, "mesh", None):
+        return args.mesh
+    for section in found:
+        if layout in section:
+            return section[layout]
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
     """The config named by the arguments, validated. Raises ValueError with a clear message."""
     if args.preset and args.config:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 
 def add_engine_args(p) -> None:
-    from kdsa.cli.config_args import add_config_args
+    from kdsa.cli.config_args import add_config_args, add_layout_args
 
     add_config_args(p, default_preset="tiny")
+    add_layout_args(p)
     g = p.add_argument_group("engine")
     g.add_argument("--checkpoint", default=None,
                    help="model folder for kdsa.model.checkpoint.load_model (else --preset with "
@@ -51,10 +52,14 @@ def engine_from_args(args):
 
     from kdsa.sharding.mesh import fit_layout
 
+    from kdsa.cli.config_args import layout_override
+
+    sizes = layout_override(args, args.layout)  # --mesh, --layouts or --config's mesh section
+
     def mesh_for(config, preset):
-        if not args.mesh and jax.process_count() == 1:
+        if not sizes and jax.process_count() == 1:
             return None
-        return fit_layout(config, args.layout, preset=preset, override=args.mesh,
+        return fit_layout(config, args.layout, preset=preset, override=sizes,
                           batch=args.slots)
 
     tok_path = args.tokenizer
@@ -72,7 +77,12 @@ def engine_from_args(args):
     else:
         name, config = config_from_args(args)
         mesh = mesh_for(config, name)
-        model = Transformer(config, rngs=nnx.Rngs(args.seed))
+        make = lambda: Transformer(config, rngs=nnx.Rngs(args.seed))  # noqa: E731
+        if mesh is None:
+            model = make()
+        else:  # random weights made in the layout, each device its own shards
+            from kdsa.sharding.rules import build_sharded
+            model = build_sharded(make, mesh, args.layout)
     budgets = BudgetConfig(caps={"low": args.budget_low, "high": args.budget_high,
                                  "max": args.budget_max}, grace=args.budget_grace)
     engine, fmt = build_engine(model, num_slots=args.slots, max_len=args.max_len,

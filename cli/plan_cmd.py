@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 
-from kdsa.cli.config_args import add_config_args, config_from_args
+from kdsa.cli.config_args import (add_config_args, add_layout_args, config_from_args,
+                                  layout_override)
 
 
 def register(sub) -> None:
@@ -22,6 +23,7 @@ def register(sub) -> None:
     p.add_argument("--mesh", default=None,
                    help="axis sizes, e.g. data=2,fsdp=16,expert=64 (default: the preset's "
                         "layout); -1 takes the rest of --devices")
+    add_layout_args(p)
     p.add_argument("--devices", type=int, default=None,
                    help="device count, to resolve a -1 in --mesh or the preset default")
     p.add_argument("--device-memory", default="141GiB", help="memory per device (141GiB)")
@@ -42,7 +44,7 @@ def run(args) -> int:
     from kdsa.sharding.rules import get_rules
 
     name, config = config_from_args(args)
-    sizes = layout_sizes(name, args.layout, args.mesh)
+    sizes = layout_sizes(name, args.layout, layout_override(args, args.layout))
     if -1 in sizes.values():
         if args.devices is None:
             raise ValueError(f"mesh {sizes} has a -1 axis: give --devices to resolve it")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_config_args
+    from kdsa.cli.config_args import add_config_args, add_layout_args
 
     p = sub.add_parser(
         "train", help="train a model (synthetic or JSONL data), checkpointing and resuming",
@@ -37,6 +37,7 @@ def register(sub) -> None:
                         "(axes data, fsdp, expert, tensor, sequence; one may be -1 = the rest; "
                         "over every process's devices). Default: the preset's train layout "
                         "fitted to the devices and the micro-batch (docs/sharding.md)")
+    add_layout_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -54,10 +55,11 @@ def train_config_from_args(args):
 def run(args) -> int:
     import jax
 
-    from kdsa.cli.config_args import config_from_args
+    from kdsa.cli.config_args import config_from_args, layout_override
     from kdsa.train.trainer import SIGTERM_EXIT_CODE, check_configs, run_training
 
     name, config = config_from_args(args)
+    mesh_sizes = layout_override(args, "train")  # a bad layouts file fails before compiling
     tc = train_config_from_args(args)
     check_configs(config, tc)  # every config error before anything compiles
     if args.data is not None and not args.data.is_file():
@@ -69,7 +71,7 @@ def run(args) -> int:
             data = chat_sft_data(config, tc, data)
     from kdsa.sharding.mesh import fit_layout
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    mesh = fit_layout(config, "train", preset=name, override=args.mesh,
+    mesh = fit_layout(config, "train", preset=name, override=mesh_sizes,
                       batch=tc.micro_batch_size, seq=tc.seq_len, log=log)
     axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
     log(f"kdsa train: {name}, {tc.steps} steps, batch {tc.batch_size} x {tc.seq_len} "

@@ -108,6 +108,37 @@ def layout_sizes(preset: str | None, layout: str,
     return parse_mesh_spec(DEFAULT_LAYOUTS.get(preset or "", fallback)[layout])
 
 
+def read_layouts(raw, where: str) -> dict[str, dict[str, int]]:
+    """A layouts section ``{"train": {"expert": 2, "fsdp": -1}, "generate": "data=2,tensor=2"}``
+    (any subset of :data:`LAYOUTS`; sizes as a mapping or an ``AXIS=N,...`` string) ->
+    ``{layout: sizes}``, validated: unknown layouts or axes, non-integer sizes and more than one
+    ``-1`` are errors naming ``where`` and the key."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: the layouts must be a JSON object {{\"train\": {{...}}, "
+                         f"\"generate\": {{...}}}}, got {type(raw).__name__}")
+    out = {}
+    for layout, spec in raw.items():
+        if layout not in LAYOUTS:
+            raise ValueError(f"{where}: unknown layout {layout!r}; layouts are {LAYOUTS}")
+        if isinstance(spec, Mapping):
+            bad = [f"{k}={v!r}" for k, v in spec.items()
+                   if not isinstance(v, int) or isinstance(v, bool)]
+            if bad:
+                raise ValueError(f"{where}: {layout}.{bad[0]} is not an integer")
+        elif not isinstance(spec, str):
+            raise ValueError(f"{where}: {layout} must be an object of axis sizes or an "
+                             f"'AXIS=N,...' string, got {spec!r}")
+        try:
+            sizes = parse_mesh_spec(spec)
+        except ValueError as e:
+            raise ValueError(f"{where}: {layout}: {e}") from None
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ValueError(f"{where}: {layout}: only one mesh axis may be -1, got "
+                             f"{[a for a, v in sizes.items() if v == -1]}")
+        out[layout] = sizes
+    return out
+
+
 def device_array(sizes: Mapping[str, int] | str | None, devices: Sequence,
                  dcn: Mapping[str, int] | str | None = None) -> np.ndarray:
     """Devices arranged ``[data, fsdp, expert, tensor, sequence]``.

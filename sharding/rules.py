@@ -133,6 +133,21 @@ def shard_model(model: nnx.Module, mesh: Mesh, layout: str) -> nnx.Module:
     return model
 
 
+def build_sharded(make, mesh: Mesh, layout: str) -> nnx.Module:
+    """``make()`` (builds an NNX module, e.g. a randomly initialised ``Transformer``) run as one
+    compiled program whose outputs are the variables in the layout's shardings: each device
+    computes only its own shards (each process only its devices') and no host ever holds the
+    whole model, unlike building on the host and then :func:`shard_model`. Needs
+    ``jax_threefry_partitionable`` (JAX 0.12 default): the values equal the host-built ones."""
+    if not jax.config.jax_threefry_partitionable:
+        raise ValueError("build_sharded needs jax_threefry_partitionable=True (random values "
+                         "independent of the sharding)")
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    shardings = state_shardings(abstract, mesh, layout)
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
 def replicated_report(state: nnx.State, mesh: Mesh, layout: str,
                       min_bytes: int = 1 << 20) -> list[str]:
     """Names of parameters of at least ``min_bytes`` that the layout leaves fully replicated."""

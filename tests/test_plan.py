@@ -113,3 +113,41 @@ def test_plan_cli_exit_codes(capsys):
     assert "num_experts=8 is not divisible by mesh axes expert=3" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--layout", "generate"]) == 2
     assert "give --devices" in capsys.readouterr().err
+
+
+def test_layouts_from_a_file_and_the_config(tmp_path, capsys):
+    """``--layouts FILE`` and a ``mesh`` section of the ``--config`` file set a layout's mesh:
+    ``--mesh`` > ``--layouts`` > ``--config`` > the preset default; bad sections are errors
+    naming the file and key (exit 2) before anything runs."""
+    import json
+
+    from kdsa.model.config import get_preset
+
+    def plan_mesh(*extra):
+        assert main(["plan", "--json", "--batch", "8", "--seq", "64", *extra]) == 0
+        return {k: v for k, v in json.loads(capsys.readouterr().out)["mesh"].items() if v > 1}
+
+    layouts = tmp_path / "layouts.json"
+    layouts.write_text(json.dumps({"train": {"fsdp": 2, "expert": 2},
+                                   "generate": "data=2,tensor=2"}))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(get_preset("tiny").to_hf_config() | {
+        "mesh": {"train": "expert=4", "generate": {"data": 4}}}))
+    assert plan_mesh("--preset", "tiny", "--layouts", str(layouts)) == {"fsdp": 2, "expert": 2}
+    assert plan_mesh("--preset", "tiny", "--layouts", str(layouts), "--layout", "generate") == \
+        {"data": 2, "tensor": 2}
+    assert plan_mesh("--config", str(cfg)) == {"expert": 4}
+    assert plan_mesh("--config", str(cfg), "--layout", "generate") == {"data": 4}
+    assert plan_mesh("--config", str(cfg), "--layouts", str(layouts)) == {"fsdp": 2, "expert": 2}
+    assert plan_mesh("--config", str(cfg), "--layouts", str(layouts), "--mesh", "tensor=2") == \
+        {"tensor": 2}
+    for bad, msg in [({"trian": {"fsdp": 2}}, "unknown layout 'trian'"),
+                     ({"train": {"fsdp": 2.5}}, "train.fsdp=2.5 is not an integer"),
+                     ({"train": {"fsd": 2}}, "unknown mesh axis 'fsd'"),
+                     ({"train": {"fsdp": -1, "expert": -1}}, "only one mesh axis may be -1"),
+                     ({"generate": [2]}, "generate must be an object of axis sizes"),
+                     ([1], "the layouts must be a JSON object")]:
+        layouts.write_text(json.dumps(bad))
+        assert main(["plan", "--preset", "tiny", "--layouts", str(layouts)]) == 2
+        err = capsys.readouterr().err
+        assert f"--layouts {layouts}" in err and msg in err, err

@@ -385,3 +385,22 @@ def test_train_generate_train_resharding_is_exact_and_bounded(mini_model):
     assert r2.peak_device_bytes < r2.source_device_bytes + r2.target_device_bytes  # donation
     with pytest.raises(ValueError, match="not a Sharding"):
         reshard([jnp.ones(3)], [None])
+
+
+def test_build_sharded_equals_host_build_then_place():
+    """``rules.build_sharded`` (random weights made in the layout, each device its own shards;
+    ``kdsa generate`` without ``--checkpoint``) equals building on the host and placing with
+    ``shard_model``: the same shardings, the same values (one ulp where XLA fuses ``exp``)."""
+    from kdsa.sharding.rules import build_sharded
+
+    mesh = make_mesh("data=2,expert=2,tensor=2")
+    made = nnx.state(build_sharded(lambda: Transformer(TINY, rngs=nnx.Rngs(3)), mesh,
+                                   "generate"))
+    placed = nnx.state(shard_model(Transformer(TINY, rngs=nnx.Rngs(3)), mesh, "generate"))
+    for (path, a), (_, b) in zip(nnx.to_flat_state(made), nnx.to_flat_state(placed)):
+        a, b = a[...], b[...]
+        assert a.sharding == b.sharding, path
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=0, err_msg=str(path))
+    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(made))
