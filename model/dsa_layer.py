@@ -36,8 +36,7 @@ from flax import nnx, struct
 
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa import (dense_attention, indexer_kl_dense, indexer_kl_sparse, indexer_topk,
-                            sparse_mla_attention)
+from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention
 from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
 from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
 from kdsa.sharding import context_parallel as cp
@@ -254,10 +253,10 @@ class GatedDSA(nnx.Module):
             k_pe_h = jnp.broadcast_to(k_pe[:, :, None, :], (b, t, n, k_pe.shape[-1]))
             q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, T, N, nope + rope]
             k = jnp.concatenate([k_nope, k_pe_h.astype(k_nope.dtype)], axis=-1)
-            o, _ = dense_attention(q, k, v, scale, **vis)
+            o, _ = cp.dense_attention(q, k, v, scale, **vis)  # (seq-parallel)
             if self.indexer is not None:  # dense warm-up loss
                 iq, ik, iw = self.indexer(*_detached(x, q_latent), positions)
-                kl_t = indexer_kl_dense(q, k, scale, iq, ik, iw, **vis)
+                kl_t = cp.indexer_kl_dense(q, k, scale, iq, ik, iw, **vis)
         else:  # top-k sparse, absorbed form
             detach = indexer_loss == "sparse"
             iq, ik, iw = self.indexer(*(_detached(x, q_latent) if detach else (x, q_latent)),
@@ -269,7 +268,8 @@ class GatedDSA(nnx.Module):
                                                chunk_size=chunk, impl=c.attention_impl)
             o = self._unabsorb(o_lat)
             if detach:
-                kl_t = indexer_kl_sparse(q_abs, kv, idx, scale, iq, ik, iw, chunk_size=chunk)
+                kl_t = cp.indexer_kl_sparse(q_abs, kv, idx, scale, iq, ik, iw,
+                                            chunk_size=chunk)
         if kl_t is None:
             return o, jnp.zeros((), f32)
         valid = (seg != 0).astype(f32)

@@ -17,7 +17,10 @@ Gated DSA (``dsa.md`` sections 1-2). Queries stay local; the keys they may selec
 latent KV and RoPE key) are all-gathered over the sequence axes, so each query ranks the
 whole causal prefix of its row (global positions), exactly as unsharded. Work is causal-
 imbalanced (the last shard's queries see the most keys); striping is not done here. The dense
-MHA path (no indexer, or the dense warm-up) and the indexer KL losses stay under GSPMD.
+MHA path (no indexer, or the dense warm-up) works the same way: keys and values gathered, heads
+stay split over ``tensor``. The indexer KL losses (dense warm-up and sparse stage) gather the
+keys over the sequence and the queries' heads over ``tensor`` (the loss sums the attention
+distribution over all heads); each shard returns its own queries' per-token losses.
 
 The KDA ``shard_map`` runs with ``check_vma=False``: ``kda_chunk_affine``'s scan starts from an
 invariant identity carry that becomes device-varying, which the type check rejects; the body
@@ -201,3 +204,86 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
                        out_specs=(P(bt, sq, hd, None), P(bt, sq, hd)),
                        check_vma=impl != "pallas")
     return fn(q, indices, *parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense MHA attention (no indexer, dense warm-up) and the indexer KL losses
+# ---------------------------------------------------------------------------------------------
+
+def dense_attention(q, k, v, sm_scale: float, *, q_pos, kv_pos, q_seg, kv_seg, chunk_size: int):
+    """``kdsa.model.dsa.dense_attention``; with ``act_seq`` split, keys, values and their
+    positions gathered, queries local, heads as the rules split them (k, v with G = N heads
+    follow the queries' heads; G < N key heads stay whole)."""
+    ctx = current()
+    ks = tuple(k) if isinstance(k, (tuple, list)) else (k,)
+    spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
+    if not _split_self_attention(spec, q.shape[1], ks[0].shape[1]):
+        return dsa_math.dense_attention(q, k, v, sm_scale, q_pos=q_pos, kv_pos=kv_pos,
+                                        q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
+    bt, sq, hd = spec[0], spec[1], spec[2]
+    kh = hd if ks[0].shape[2] == q.shape[2] else None
+    axis = _axis_name(sq)
+
+    vary = (lambda x: x) if kh is not None else (lambda x: _vary(x, _axes(hd)))  # noqa: E731
+
+    def body(q, v, q_pos, kv_pos, q_seg, kv_seg, *ks):
+        ks, v = tuple(_gather_seq(vary(x), axis) for x in ks), _gather_seq(vary(v), axis)
+        kv_pos, kv_seg = _gather_seq(kv_pos, axis), _gather_seq(kv_seg, axis)
+        return dsa_math.dense_attention(q, ks, v, sm_scale, q_pos=q_pos, kv_pos=kv_pos,
+                                        q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
+
+    r2, h4 = P(bt, sq), P(bt, sq, kh, None)
+    fn = jax.shard_map(body, mesh=ctx.mesh,
+                       in_specs=(P(bt, sq, hd, None), h4, r2, r2, r2, r2) + (h4,) * len(ks),
+                       out_specs=(P(bt, sq, hd, None), P(bt, sq, hd)))
+    return fn(q, v, q_pos, kv_pos, q_seg, kv_seg, *ks)
+
+
+def indexer_kl_dense(q, k, sm_scale: float, index_q, index_k, index_w, *, q_pos, kv_pos, q_seg,
+                     kv_seg, chunk_size: int):
+    """``kdsa.model.dsa.indexer_kl_dense`` -> ``[B, T]``; with ``act_seq`` split, keys (main
+    and indexer) gathered over the sequence, every head on each shard, queries local."""
+    ctx = current()
+    spec = _seq_spec(ctx, ("act_batch", "act_seq", None, None), q.shape)
+    if not _split_self_attention(spec, q.shape[1], k.shape[1]):
+        return dsa_math.indexer_kl_dense(q, k, sm_scale, index_q, index_k, index_w, q_pos=q_pos,
+                                         kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg,
+                                         chunk_size=chunk_size)
+    bt, sq = spec[0], spec[1]
+    axis = _axis_name(sq)
+
+    def body(q, k, iq, ik, iw, q_pos, kv_pos, q_seg, kv_seg):
+        k, ik, kv_pos, kv_seg = (_gather_seq(x, axis) for x in (k, ik, kv_pos, kv_seg))
+        return dsa_math.indexer_kl_dense(q, k, sm_scale, iq, ik, iw, q_pos=q_pos,
+                                         kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg,
+                                         chunk_size=chunk_size)
+
+    r2, r3, r4 = P(bt, sq), P(bt, sq, None), P(bt, sq, None, None)
+    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(r4, r4, r4, r3, r3, r2, r2, r2, r2),
+                       out_specs=r2)
+    return fn(q, k, index_q, index_k, index_w, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def indexer_kl_sparse(q, kv, indices, sm_scale: float, index_q, index_k, index_w, *,
+                      chunk_size: int):
+    """``kdsa.model.dsa.indexer_kl_sparse`` -> ``[B, T]``; with ``act_seq`` split, the key
+    parts and indexer keys gathered (the indices are global positions), every head on each
+    shard, queries local."""
+    ctx = current()
+    parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
+    spec = _seq_spec(ctx, ("act_batch", "act_seq", None, None), q.shape)
+    if not _split_self_attention(spec, q.shape[1], parts[0].shape[1]):
+        return dsa_math.indexer_kl_sparse(q, kv, indices, sm_scale, index_q, index_k, index_w,
+                                          chunk_size=chunk_size)
+    bt, sq = spec[0], spec[1]
+    axis = _axis_name(sq)
+
+    def body(q, idx, iq, ik, iw, *parts):
+        parts, ik = tuple(_gather_seq(x, axis) for x in parts), _gather_seq(ik, axis)
+        return dsa_math.indexer_kl_sparse(q, parts, idx, sm_scale, iq, ik, iw,
+                                          chunk_size=chunk_size)
+
+    r2, r3, r4 = P(bt, sq), P(bt, sq, None), P(bt, sq, None, None)
+    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(r4, r3, r4, r3, r3) + (r3,) * len(parts),
+                       out_specs=r2)
+    return fn(q, indices, index_q, index_k, index_w, *parts)

@@ -404,3 +404,39 @@ def test_build_sharded_equals_host_build_then_place():
                                    rtol=1e-6, atol=0, err_msg=str(path))
     assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
                for x in jax.tree.leaves(made))
+
+
+@pytest.mark.parametrize("stage", ["dense", "sparse"])
+def test_dsa_layer_indexer_stages_sequence_parallel_equal_unsharded(stage):
+    """The Gated DSA layer in the indexer's training stages on ``sequence=2,tensor=2,fsdp=2``:
+    dense warm-up (dense MHA attention + dense KL) and sparse stage (top-k + sparse KL) run their
+    sequence-parallel ``shard_map`` paths (gathers in the program) and give the unsharded
+    output, KL loss and gradients."""
+    from kdsa.model.dsa_layer import GatedDSA
+
+    layer = GatedDSA(MINI, rngs=nnx.Rngs(5))
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(6), (2, 32, MINI.hidden_size), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (2, 32))
+    seg = jnp.array([[1] * 20 + [2] * 12, [3] * 30 + [0] * 2], jnp.int32)
+
+    def loss(st, x):
+        out, _, aux = nnx.merge(graphdef, st)(x, positions=pos, segment_ids=seg, cache=None,
+                                              indexer_loss=stage)
+        return jnp.sum(jnp.sin(out)) + aux["indexer_kl"], (out, aux["indexer_kl"])
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+    ref_g, ref = _fast(grad, state, x)(state, x)
+    mesh = make_mesh("sequence=2,tensor=2,fsdp=2")
+    sharded = nnx.state(shard_model(nnx.merge(graphdef, state, copy=True), mesh, "train"))
+    with use_sharding(mesh, "train"):
+        lowered = jax.jit(grad).lower(sharded, x)
+        text = lowered.as_text()
+        g, out = lowered.compile(compiler_options=FAST)(sharded, x)
+    # shard_map bodies, forward + backward: dense attention 2, dense KL 2 | top-k 1 (no
+    # gradient through indices), sparse attention 2, sparse KL 2 (GSPMD alone: 0 | 3)
+    assert text.count("manual_computation") == (4 if stage == "dense" else 5), stage
+    assert "all_gather" in text
+    assert float(ref[1]) > 0
+    assert _max_err(out, ref) < 2e-5
+    assert _max_err(g, ref_g) < 2e-4
