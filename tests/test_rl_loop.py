@@ -5,32 +5,17 @@ takes step 3 exactly as the uninterrupted run; a greedy episode cut by the per-s
 and continued equals the one generated in one go. One shared generation side (compiled once),
 the update step at XLA opt level 0."""
 
-import string
-
 import numpy as np
 import pytest
 
-from kdsa.infer.chat import Message
-from kdsa.model.config import get_preset
+import rl_entry  # noqa: F401  registers test_first_letter (reward: a lowercase first letter)
 from kdsa.cli.config_args import apply_overrides
+from kdsa.model.config import get_preset
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl.config import RLConfig
-from kdsa.train.rl.envs import Environment, Outcome, Task, register_env
 from kdsa.train.rl.loop import run_rl
 
 FAST = {"xla_backend_optimization_level": 0}
-
-
-@register_env("test_first_letter")
-class FirstLetter(Environment):
-    """Reward 1 when the answer starts with a lowercase ASCII letter (~7% of random tokens)."""
-
-    def task(self, index, split="train"):
-        return Task(self.domain, index, (Message("user", "Say a word."),))
-
-    def respond(self, task, output, history):
-        return Outcome(float(output.content[:1] in string.ascii_lowercase))
-
 
 CONFIG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
                                               "linear_attn_config.kda_layers=[1]",
