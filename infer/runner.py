@@ -176,7 +176,7 @@ class ModelRunner:
         with self._rules():
             logits, self.cache, *routing = self._prefill(self.state, self.cache, *args)
         if routing:
-            self.last_routing = np.asarray(routing[0])[:n]                # [n, L, k]
+            self.last_routing = _host(routing[0])[:n]                     # [n, L, k]
         return logits
 
     def encode_images(self, images) -> np.ndarray:
@@ -197,7 +197,7 @@ class ModelRunner:
         with self._rules():
             logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
         if routing:
-            self.last_routing = np.asarray(routing[0])                    # [S, L, k]
+            self.last_routing = _host(routing[0])                         # [S, L, k]
         return logits
 
     def warmup(self) -> None:
@@ -207,6 +207,11 @@ class ModelRunner:
             self.prefill(0, [0] * b, 0)
         s = self.num_slots
         self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
+
+
+def _host(x) -> np.ndarray:
+    """A replicated step output on the host (a multi-process mesh: this process's copy)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 def _encode_step(graphdef, state, images):
