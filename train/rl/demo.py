@@ -3,7 +3,8 @@
 ``kdsa rl --demo`` = :func:`demo_configs` + :func:`run_demo`: a fresh random ``tiny`` model
 (KDA + Gated DSA + MoE, byte tokenizer, K2 chat format), ``sft_steps`` steps of SFT on the
 families' reference answers, the held-out reward, ``steps`` RL steps (GRPO, groups of 8, TIS,
-dynamic sampling, thinking budgets), the held-out reward again, a reward-curve PNG, the final
+dynamic sampling, thinking budgets, KL to the post-SFT policy, updates scaled by the share of
+varied groups), the held-out reward again, a reward-curve PNG, the final
 checkpoint and a few answers from the final policy. The last line printed is
 ``held-out reward: before X.XXX -> after Y.YYY``.
 """
@@ -37,10 +38,12 @@ DEMO_ENVS = (
 
 def demo_configs(steps: int | None = None, seed: int | None = None):
     """``(preset name, TrainConfig, RLConfig)`` of the demo."""
-    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 60, sft_steps=20,
+    # RL keeps near the post-SFT policy (KL 0.05) and moves in proportion to the groups whose
+    # rewards varied: without both, families collapse onto one answer (docs/rl.md, session 5)
+    rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 100, sft_steps=20,
                   prompts_per_step=8, group_size=8, seq_len=80, num_slots=64,
                   temperature=1.0, heldout_tasks=16, heldout_samples=4,
-                  max_sampling_rounds=2,
+                  max_sampling_rounds=2, kl_coef=0.05, scale_update_by_kept=True,
                   length_penalty={"low": 0.1, "high": 0.02, "max": 0.0})
     tc = TrainConfig(steps=rc.sft_steps + rc.steps, learning_rate=3e-3, schedule="constant",
                      warmup_steps=10, weight_decay=0.0, checkpoint_every=50,
