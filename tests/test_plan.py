@@ -151,3 +151,62 @@ def test_layouts_from_a_file_and_the_config(tmp_path, capsys):
         assert main(["plan", "--preset", "tiny", "--layouts", str(layouts)]) == 2
         err = capsys.readouterr().err
         assert f"--layouts {layouts}" in err and msg in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "serve"])
+def test_train_generate_serve_take_the_layouts(command, tmp_path, capsys, monkeypatch):
+    """The commands that run a model pass the chosen layout's mesh to ``fit_layout``: the
+    ``--config`` file's ``mesh`` section, ``--layouts`` over it, ``--mesh`` over both; a bad
+    section is an error naming the file and key (exit 2) before any mesh or model is made.
+    ``fit_layout`` is replaced by a recorder that stops the command: nothing compiles."""
+    import json
+
+    from kdsa.model import transformer
+    from kdsa.sharding import mesh as mesh_lib
+
+    layout = "train" if command == "train" else "generate"
+    seen = []
+
+    def record(config, layout_name, *, override=None, **kw):
+        if isinstance(override, dict):  # parsed: every axis, 1 where not given
+            override = {a: n for a, n in override.items() if n != 1}
+        seen.append((layout_name, override))
+        raise ValueError("stopped by the test")
+
+    def no_model(*a, **kw):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(mesh_lib, "fit_layout", record)
+    monkeypatch.setattr(transformer.Transformer, "__init__", no_model)
+    extra = {"train": ["--run-dir", str(tmp_path / "run"), "--steps", "20"],
+             "generate": ["--prompts", str(tmp_path / "in.jsonl"), "--out",
+                          str(tmp_path / "out.jsonl")],
+             "serve": []}[command]
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(get_preset("tiny").to_hf_config() | {
+        "mesh": {"train": {"expert": 2, "sequence": 2}, "generate": {"data": 2, "tensor": 2}}}))
+    layouts = tmp_path / "layouts.json"
+    layouts.write_text(json.dumps({layout: "fsdp=4"}))
+
+    def mesh_of(*args):
+        assert main([command, *args, *extra]) == 2
+        assert "stopped by the test" in capsys.readouterr().err
+        return seen.pop()
+
+    want = {"train": {"expert": 2, "sequence": 2}, "generate": {"data": 2, "tensor": 2}}[layout]
+    assert mesh_of("--config", str(cfg)) == (layout, want)
+    assert mesh_of("--config", str(cfg), "--layouts", str(layouts)) == (layout, {"fsdp": 4})
+    assert mesh_of("--config", str(cfg), "--layouts", str(layouts), "--mesh", "data=8") == \
+        (layout, "data=8")
+    if command == "train":  # no override: the preset's default (generate: one device, no mesh)
+        assert mesh_of("--preset", "tiny") == ("train", None)
+    for bad, msg in [({layout: {"tensr": 2}}, f"{layout}: unknown mesh axis 'tensr'"),
+                     ({layout: {"data": "2"}}, f"{layout}.data='2' is not an integer"),
+                     ({layout: {"data": -1, "fsdp": -1}},
+                      f"{layout}: only one mesh axis may be -1")]:
+        cfg.write_text(json.dumps(get_preset("tiny").to_hf_config() | {"mesh": bad}))
+        # the bad section fails even where --mesh decides the layout
+        assert main([command, "--config", str(cfg), "--mesh", "data=8", *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"--config {cfg}: mesh: {msg}" in err, err
+    assert seen == []
