@@ -252,3 +252,23 @@ def test_bad_shapes_raise():
         kda.kda_chunked(q, k, v, g, beta, gate_lower_bound=0.0)
     with pytest.raises(ValueError, match="q must be"):
         kda.kda_step(q, k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+
+
+def test_pieces_carry_state_and_documents():
+    """More than ``SEGMENT_CHUNKS`` chunks run as pieces in a scan (state and the preceding
+    document carried): packed documents crossing piece boundaries, leading padding and an
+    initial state equal the float64 loop; gradients of a 4-piece run equal the recurrent ones."""
+    assert kda.SEGMENT_CHUNKS == 8
+    q, k, v, g, beta, s0 = make(100, seed=10)
+    ids = _ids()                                            # C=4: 25 chunks -> 4 pieces of 7
+    o, s = chk(q, k, v, g, beta, initial_state=s0, chunk_size=4, segment_ids=jnp.asarray(ids))
+    o_ref, s_ref = numpy_kda(q, k, v, g, beta, s0, ids)
+    assert err(o, o_ref) <= 1e-5 and err(s, s_ref) <= 1e-5
+    q, k, v, g, beta, s0 = make(256, b=1, seed=6, gate="logsigmoid")
+    r = np.random.default_rng(7)
+    wo, ws = (jnp.asarray(r.standard_normal(x.shape), jnp.float32) for x in (v, s0))
+    pieces = jax.jit(jax.grad(lambda *a: _loss(                # C=8: 32 chunks -> 4 pieces
+        lambda *x, **kw: kda.kda_chunked(*x, chunk_size=8, **kw), *a), argnums=range(6)))
+    for name, a, c in zip("q k v g beta s0".split(), _grad_rec(q, k, v, g, beta, s0, wo, ws),
+                          pieces(q, k, v, g, beta, s0, wo, ws)):
+        assert err(a, c) <= 1e-4 * max(1.0, float(jnp.max(jnp.abs(a)))), name
