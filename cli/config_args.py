@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from kdsa.cli.paths import abs_path
+
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 from kdsa.model.config import ModelConfig, get_preset
 
@@ -15,7 +16,7 @@ def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "ti
     g.add_argument("--preset", default=None,
                    help=f"named preset: tiny, small, kimi-linear-48b, k3-2.8t "
                         f"(default {default_preset})")
-    g.add_argument("--config", type=Path, default=None,
+    g.add_argument("--config", type=abs_path, default=None,
                    help="a JSON config: Hugging Face config.json or one written by kdsa")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set num_hidden_layers=8 "
@@ -25,7 +26,7 @@ def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "ti
 
 def add_layout_args(p: argparse.ArgumentParser) -> None:
     """``--layouts FILE.json``: the mesh of each named layout (docs/sharding.md, "Layouts")."""
-    p.add_argument("--layouts", type=Path, default=None, metavar="FILE.json",
+    p.add_argument("--layouts", type=abs_path, default=None, metavar="FILE.json",
                    help="JSON object of mesh axis sizes per layout, e.g. {\"train\": "
                         "{\"expert\": 2, \"fsdp\": -1}, \"generate\": \"data=2,tensor=2\"}; "
                         "a \"mesh\" object of the same form inside the --config file works "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kdsa.cli.paths import abs_path
+
 import re
 
 
@@ -15,8 +17,10 @@ def register(sub) -> None:
                                    "and renamed when complete.")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     a = conv.add_parser("hf-to-orbax", help="HF directory -> Orbax checkpoint")
-    a.add_argument("src", help="HF directory: config.json + *.safetensors (+ index)")
-    a.add_argument("dst", help="Orbax checkpoint directory to create (replaced if it exists)")
+    a.add_argument("src", type=abs_path,
+                   help="HF directory: config.json + *.safetensors (+ index)")
+    a.add_argument("dst", type=abs_path,
+                   help="Orbax checkpoint directory to create (replaced if it exists)")
     add_config_args(a, default_preset=None)
     a.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                    help="routed-expert storage in the model (default: as in the source)")
@@ -29,8 +33,9 @@ def register(sub) -> None:
     a.add_argument("--seed", type=int, default=0, help="seed of freshly initialised tensors")
     _common(a)
     b = conv.add_parser("orbax-to-hf", help="Orbax checkpoint -> HF directory")
-    b.add_argument("src", help="kdsa Orbax checkpoint directory")
-    b.add_argument("dst", help="HF directory to create (replaced if it exists)")
+    b.add_argument("src", type=abs_path, help="kdsa Orbax checkpoint directory")
+    b.add_argument("dst", type=abs_path,
+                   help="HF directory to create (replaced if it exists)")
     b.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                    help="routed-expert tensors to write (default: as stored)")
     b.add_argument("--layout", choices=("kimi_k3", "kimi_linear", "deepseek_v32"),

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from kdsa.cli.paths import abs_path
+
 
 def add_engine_args(p) -> None:
     from kdsa.cli.config_args import add_config_args, add_layout_args
@@ -12,10 +14,10 @@ def add_engine_args(p) -> None:
     add_config_args(p, default_preset="tiny")
     add_layout_args(p)
     g = p.add_argument_group("engine")
-    g.add_argument("--checkpoint", default=None,
+    g.add_argument("--checkpoint", type=abs_path, default=None,
                    help="model folder for kdsa.model.checkpoint.load_model (else --preset with "
                         "random weights, for smoke runs)")
-    g.add_argument("--tokenizer", default=None,
+    g.add_argument("--tokenizer", type=abs_path, default=None,
                    help="tiktoken.model or tokenizer.json (or a folder holding one); default: "
                         "the checkpoint folder's, else the built-in byte-level tokenizer")
     g.add_argument("--chat-format", default="xtml", choices=("xtml", "k2"))
@@ -99,8 +101,9 @@ def register(sub) -> None:
                                    "and write one JSON line per request to --out. Every host "
                                    "runs the same command; process 0 writes.")
     add_engine_args(p)
-    p.add_argument("--prompts", required=True, help="input JSONL")
-    p.add_argument("--out", required=True, help="output JSONL (written by process 0)")
+    p.add_argument("--prompts", type=abs_path, required=True, help="input JSONL")
+    p.add_argument("--out", type=abs_path, required=True,
+                   help="output JSONL (written by process 0)")
     p.add_argument("--effort", default="max", choices=("low", "high", "max"),
                    help="thinking effort for chat requests without reasoning_effort")
     p.add_argument("--max-tokens", type=int, default=256)

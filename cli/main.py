@@ -32,6 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, JoinError) as e:  # config and input errors: one clear line, non-zero exit
         print(f"kdsa {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # disk full, read-only folder, port in use, ...: the OS's own words
+        print(f"kdsa {args.command}: error: {_os_error(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves, train/trainer.py)
+        print(f"kdsa {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _os_error(e: OSError) -> str:
+    """``[Errno 28] No space left on device: 'run/x'`` -> ``run/x: No space left on device``."""
+    what = e.strerror or str(e)
+    where = e.filename if e.filename is not None else None
+    return f"{where}: {what}" if where is not None else what
 
 
 if __name__ == "__main__":

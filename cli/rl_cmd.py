@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from kdsa.cli.paths import abs_path
+
 import sys
-from pathlib import Path
 
 
 def register(sub) -> None:
@@ -16,13 +17,14 @@ def register(sub) -> None:
                     "the generate layout each step), rewards from the environments, group "
                     "advantages, a jitted policy-loss update. Writes RUN_DIR/metrics.jsonl (one "
                     "line per RL step), RUN_DIR/sft/metrics.jsonl, Orbax checkpoints in "
-                    "RUN_DIR/checkpoints; SIGTERM saves and exits 143, --resume continues. "
+                    "RUN_DIR/checkpoints; SIGTERM or Ctrl-C saves and exits 143, --resume "
+                    "continues. "
                     "See docs/rl.md.")
     add_config_args(p, default_preset="tiny")
     p.add_argument("--demo", action="store_true",
                    help="the main demo: tiny model, SFT warm-up, RL on three reasoning-gym "
                         "families, held-out reward before/after, reward-curve PNG")
-    p.add_argument("--rl-config", type=Path, default=None,
+    p.add_argument("--rl-config", type=abs_path, default=None,
                    help="JSON object of RLConfig fields (e.g. the envs list)")
     p.add_argument("--rl-set", dest="rl_overrides", action="append", default=[],
                    metavar="KEY=VALUE",
@@ -32,7 +34,7 @@ def register(sub) -> None:
                    metavar="KEY=VALUE", help="set a TrainConfig field (optimizer, lr, ...)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (rl.steps)")
     p.add_argument("--seed", type=int, default=None, help="seed of init, tasks and sampling")
-    p.add_argument("--run-dir", type=Path, default=None,
+    p.add_argument("--run-dir", type=abs_path, default=None,
                    help="output directory (required unless --demo: runs/rl-demo)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest readable checkpoint in --run-dir")
@@ -89,7 +91,7 @@ def run(args) -> int:
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
     name, config, tc, rc = configs_from_args(args)
-    run_dir = args.run_dir or (Path("runs/rl-demo") if args.demo else None)
+    run_dir = args.run_dir or (abs_path("runs/rl-demo") if args.demo else None)
     if run_dir is None:
         raise ValueError("--run-dir is required (unless --demo)")
     check_rl_configs(config, tc, rc)  # every config error before anything compiles

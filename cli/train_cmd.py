@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from kdsa.cli.paths import abs_path
+
 import sys
-from pathlib import Path
 
 
 def register(sub) -> None:
@@ -14,14 +15,14 @@ def register(sub) -> None:
         description="Train with the jitted train step: next-token loss, AdamW or Muon, "
                     "warm-up + cosine, gradient accumulation, MoE routing-bias updates, DSA "
                     "indexer stages. Writes RUN_DIR/metrics.jsonl, a TensorBoard event file and "
-                    "Orbax checkpoints in RUN_DIR/checkpoints. SIGTERM saves and exits 143; "
+                    "Orbax checkpoints in RUN_DIR/checkpoints. SIGTERM or Ctrl-C saves and exits 143; "
                     "--resume continues from the newest readable checkpoint. "
                     "See docs/training.md.")
     add_config_args(p, default_preset="tiny")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, default=None, help="seed of init and data (train.seed)")
-    p.add_argument("--run-dir", type=Path, required=True, help="output directory")
-    p.add_argument("--data", type=Path, default=None,
+    p.add_argument("--run-dir", type=abs_path, required=True, help="output directory")
+    p.add_argument("--data", type=abs_path, default=None,
                    help="JSONL file of {\"tokens\": [...]} or {\"text\": ...} documents, or of "
                         "{\"messages\": [...]} chat examples (SFT on the last assistant turn; "
                         "image_url / image parts need a preset with a vision tower; "

@@ -13,7 +13,7 @@ process handing over its own rows, and the step runs inside ``use_sharding(mesh,
 checkpoints are written and restored sharded (Orbax, every process its shards). On CPU the
 losses equal the one-device run's to float32 rounding (``tests/test_sharded_train.py``).
 
-SIGTERM (preemption): the handler only sets a flag; the loop finishes the running step, saves a
+SIGTERM (preemption) or Ctrl-C: the handler only sets a flag; the loop finishes the running step, saves a
 checkpoint synchronously and returns with ``stopped=True`` (``kdsa train`` then exits 143).
 """
 
@@ -68,30 +68,39 @@ def _log(msg: str) -> None:
 
 
 class _StopFlag:
-    """Set by SIGTERM; the handler is installed only in the main thread."""
+    """Set by SIGTERM or a first Ctrl-C (SIGINT); the handlers are installed only in the main
+    thread. A second Ctrl-C raises ``KeyboardInterrupt`` (quit without waiting for the save)."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.set = False
-        self._old = None
+        self.signal_name: str | None = None
+        self._old: dict = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
+            self._old = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
         return self
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.set:
+            raise KeyboardInterrupt
         self.set = True
+        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            _log("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again quits without it)")
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
 
 def stop_reason(flag: _StopFlag, stop_at: int | None, step: int, total: int) -> str | None:
     """Why a loop must checkpoint and stop after ``step`` (of ``total``): ``"SIGTERM"``,
-    ``"stop_at=N"``, or None to go on."""
+    ``"SIGINT"``, ``"stop_at=N"``, or None to go on."""
     if flag.set:
-        return "SIGTERM"
+        return flag.signal_name or "SIGTERM"
     if stop_at is not None and stop_at <= step < total:
         return f"stop_at={stop_at}"
     return None
