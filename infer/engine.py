@@ -29,6 +29,16 @@ Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) m
 request is admitted the runner encodes them once (``ModelRunner.encode_images``) and every
 prefill chunk passes the features of the placeholders it holds. A failure there finishes that
 request with ``abort`` and the engine keeps serving.
+
+Failures (``docs/serving.md``, Reliability): no request stops the engine. An exception in one
+request's work (image encoding, a prefill chunk, packing its sampling row, its parser, its
+``on_event``) finishes that request with ``abort`` and ``Completion.error`` set; one in work
+shared by a batch (the decode step, the sampler) finishes every request of that step the same
+way. Their slots are freed (a new request's first prefill chunk zeroes its cache row), so later
+requests are unaffected. When ``max_consecutive_failures`` steps in a row had their model calls
+fail and none succeed, or the loop itself stops, the engine is dead: ``Engine.failure`` names
+why, every request still held is aborted with that error, and :meth:`Engine.submit` raises
+:class:`EngineDead`.
 """
 
 from __future__ import annotations
@@ -49,6 +59,18 @@ from kdsa.infer.sampling import SamplingParams, sample, sample_jit
 
 _ids = itertools.count()
 log = logging.getLogger("kdsa.engine")
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped for good (``Engine.failure`` says why); it takes no more requests."""
+
+
+class GenerationError(RuntimeError):
+    """:meth:`Engine.generate` could not complete some requests (``Completion.error``)."""
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 @dataclasses.dataclass
@@ -90,13 +112,14 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]]
     text: str  # content (with a parser) or raw text, cut at a stop string
     output: object | None  # the parser's AssistantOutput, content cut like text
-    finish_reason: str  # stop | length | abort
+    finish_reason: str  # stop | length | abort (cancelled, or failed: then ``error`` is set)
     reasoning_tokens: int
     forced_close: bool
     metrics: RequestMetrics
     # runner.record_routing: experts used per token the model ran (prompt, then every sampled
     # token fed back) [n, L, k] int32 (RL routing replay); None otherwise
     routing: np.ndarray | None = None
+    error: str | None = None  # why the request failed (finish_reason "abort"); None otherwise
 
     @property
     def tokens_per_s(self) -> float:
@@ -153,8 +176,12 @@ class _Active:
 class Engine:
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
-                 seed: int = 0, max_banned_tokens: int = 4):
+                 seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3):
         self.runner, self.tok = runner, tokenizer
+        self.max_failures = max_consecutive_failures
+        self.failure: str | None = None  # set when the engine is dead (EngineDead)
+        self._failed_steps = 0  # consecutive steps whose model calls all failed
+        self._calls = {"ok": 0, "failed": 0}  # model calls in the current step
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
         self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
@@ -204,6 +231,8 @@ class Engine:
             seed = int(self._rng.integers(0, 2**31 - 1))
         act = _Active(req, seed, self)
         with self._lock:
+            if self.failure is not None:
+                raise EngineDead(f"the engine has stopped: {self.failure}")
             self._waiting.append(act)
             self._lock.notify_all()
         return req.request_id
@@ -230,18 +259,57 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self.slots)
 
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
     # ---- the loop ----
     def step(self) -> bool:
-        """One scheduling iteration; returns False when there was nothing to do."""
-        self._apply_cancellations()
-        did = self._prefill_some()
-        if any(a is not None and a.prefilled == len(a.req.prompt) for a in self.slots):
-            self._decode()
+        """One scheduling iteration; returns False when there was nothing to do (or the engine
+        is dead). Never raises for a request's failure: those requests are aborted."""
+        if self.failure is not None:
+            return False
+        self._calls = {"ok": 0, "failed": 0}
+        try:
+            self._apply_cancellations()
+            did = self._prefill_some()
+            if any(a is not None and a.prefilled == len(a.req.prompt) for a in self.slots):
+                self._decode()
+                did = True
+        except Exception as e:  # noqa: BLE001 -- a fault outside the per-request guards
+            log.exception("engine step failed; its running requests are aborted")
+            for i, a in enumerate(self.slots):
+                if a is not None:
+                    self._fail(i, a, e)
+            self._calls["failed"] += 1
             did = True
+        if self._calls["ok"]:
+            self._failed_steps = 0
+        elif self._calls["failed"]:
+            self._failed_steps += 1
+            if self._failed_steps >= self.max_failures:
+                self.die(f"{self._failed_steps} consecutive engine steps failed")
         return did
 
-    def generate(self, requests: list[Request]) -> list[Completion]:
-        """Run ``requests`` to completion (batch API); completions in request order."""
+    def die(self, reason: str) -> None:
+        """Stop for good: every waiting and running request is aborted with ``reason``."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        log.error("engine stopped: %s", reason)
+        err = f"the engine has stopped: {reason}"
+        for a in waiting:
+            self._finish(None, a, "abort", error=err)
+        for i, a in enumerate(self.slots):
+            if a is not None:
+                self._finish(i, a, "abort", error=err)
+
+    def generate(self, requests: list[Request], *, raise_errors: bool = True) -> list[Completion]:
+        """Run ``requests`` to completion (batch API); completions in request order. A request
+        that failed (``Completion.error``) raises :class:`GenerationError` after the batch is
+        done, unless ``raise_errors=False``."""
         done: dict[str, Completion] = {}
         for r in requests:
             user_cb = r.on_event
@@ -252,18 +320,37 @@ class Engine:
                 if user_cb is not None:
                     user_cb(ev)
             r.on_event = cb
-            self.submit(r)
-        while self.has_work():
+        for k, r in enumerate(requests):
+            try:
+                self.submit(r)
+            except Exception:  # a refused request: the batch is not started
+                for q in requests[:k]:
+                    self.cancel(q.request_id)
+                while self.has_work():
+                    self.step()
+                raise
+        while self.has_work() and self.failure is None:
             self.step()
-        return [done[r.request_id] for r in requests]
+        out = [done[r.request_id] for r in requests]
+        bad = [c for c in out if c.error is not None]
+        if bad and raise_errors:
+            raise GenerationError(f"{len(bad)} of {len(out)} requests failed; "
+                                  f"{bad[0].request_id}: {bad[0].error}")
+        return out
 
     def serve_forever(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
-        """The server's engine thread: step while there is work, sleep on the queue otherwise."""
-        while not stop.is_set():
-            if not self.step():
-                with self._lock:
-                    if not self._waiting and not self._cancel:
-                        self._lock.wait(idle_wait_s)
+        """The server's engine thread: step while there is work, sleep on the queue otherwise.
+        Returns when ``stop`` is set or the engine is dead; if the loop itself ends any other
+        way, the engine is marked dead so no request waits forever."""
+        try:
+            while not stop.is_set() and self.failure is None:
+                if not self.step():
+                    with self._lock:
+                        if not self._waiting and not self._cancel:
+                            self._lock.wait(idle_wait_s)
+        finally:
+            if not stop.is_set() and self.failure is None:
+                self.die("the engine loop ended unexpectedly")
 
     # ---- scheduling ----
     def _apply_cancellations(self) -> None:
@@ -290,20 +377,34 @@ class Engine:
         for i, a in enumerate(self.slots):
             if a is not None and a.req.images and a.features is None and not self._encode(i, a):
                 did, a = True, None
-            while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
-                chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
-                logits = self.runner.prefill(i, chunk, a.prefilled,
-                                             **self._chunk_images(a, len(chunk)))
-                if self._record_routing:
-                    a.routing.append(self.runner.last_routing)
-                a.prefilled += len(chunk)
-                budget -= len(chunk)
+            if a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+                try:
+                    budget = self._prefill_slot(i, a, budget, did)
+                except Exception as e:  # noqa: BLE001 -- this request fails, not the engine
+                    log.exception("prefill of %s failed; aborted", a.req.request_id)
+                    self._calls["failed"] += 1
+                    self._fail(i, a, e)
                 did = True
-                self.stats["prefill_tokens"] += len(chunk)
-                if a.prefilled == len(a.req.prompt):
-                    self._sample_and_apply([(0, i)], logits)
-                    a = self.slots[i]
         return did
+
+    def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
+        """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
+        budget left. The last chunk samples the first token."""
+        while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+            chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
+            logits = self.runner.prefill(i, chunk, a.prefilled,
+                                         **self._chunk_images(a, len(chunk)))
+            self._calls["ok"] += 1
+            if self._record_routing:
+                a.routing.append(self.runner.last_routing)
+            a.prefilled += len(chunk)
+            budget -= len(chunk)
+            did = True
+            self.stats["prefill_tokens"] += len(chunk)
+            if a.prefilled == len(a.req.prompt):
+                self._sample_and_apply([(0, i)], logits)
+                a = self.slots[i]
+        return budget
 
     def _encode(self, i: int, a: _Active) -> bool:
         """Encode a request's images once; a failure aborts that request only."""
@@ -333,7 +434,15 @@ class Engine:
             a = self.slots[i]
             tokens[i], pos[i], active[i] = a.tokens[-1], len(a.req.prompt) + len(a.tokens) - 1, 1
         t0 = time.perf_counter()
-        logits = self.runner.decode(tokens, pos, active)
+        try:
+            logits = self.runner.decode(tokens, pos, active)
+        except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
+            log.exception("decode step failed; its %d requests are aborted", len(rows))
+            self._calls["failed"] += 1
+            for i in rows:
+                self._fail(i, self.slots[i], e)
+            return
+        self._calls["ok"] += 1
         if self._record_routing:
             for i in rows:
                 self.slots[i].routing.append(self.runner.last_routing[i:i + 1])
@@ -343,27 +452,50 @@ class Engine:
         self.stats["decode_rows"] += len(rows)
 
     def _sample_and_apply(self, pairs: list[tuple[int, int]], logits) -> None:
-        """Sample every (logits row, slot) pair and apply the tokens."""
-        n = logits.shape[0]
+        """Sample every (logits row, slot) pair and apply the tokens. A row that cannot be
+        packed, parsed or delivered fails alone; a failing sampler fails every row."""
+        n, vocab = logits.shape[0], self.runner.vocab_size
         temp, top_p, min_p = (np.ones(n, np.float32), np.ones(n, np.float32),
                               np.zeros(n, np.float32))
         top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),
                                   np.zeros(n, np.int32))
         forced = np.full(n, -1, np.int32)
         banned = np.full((n, self.max_banned), -1, np.int32)
+        ok = []
         for r, i in pairs:
             a, sp = self.slots[i], self.slots[i].req.sampling
-            temp[r], top_k[r], top_p[r], min_p[r] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
-            seeds[r], counters[r] = a.seed, len(a.tokens)
+            try:  # top_k past the vocabulary keeps every token: clamped so it fits int32
+                temp[r], top_k[r], top_p[r], min_p[r] = (sp.temperature, min(sp.top_k, vocab),
+                                                         sp.top_p, sp.min_p)
+                seeds[r], counters[r] = a.seed, len(a.tokens)
+                ban = a.req.banned_token_ids
+                banned[r, :len(ban)] = ban
+            except Exception as e:  # noqa: BLE001 -- e.g. a value the arrays cannot hold
+                log.exception("sampling parameters of %s rejected; aborted", a.req.request_id)
+                self._fail(i, a, e)
+                continue
             if a.forced:
                 forced[r] = a.forced.popleft()
-            ban = a.req.banned_token_ids
-            banned[r, :len(ban)] = ban
-        out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced, banned,
-                           num_top=self.num_top)
-        tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
-        for r, i in pairs:
-            self._apply(i, int(tok[r]), float(lp[r]), top_ids[r], top_lp[r])
+            ok.append((r, i))
+        if not ok:
+            return
+        try:
+            out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
+                               banned, num_top=self.num_top)
+            tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
+        except Exception as e:  # noqa: BLE001 -- shared by the rows: they all fail
+            log.exception("sampling failed; %d requests aborted", len(ok))
+            self._calls["failed"] += 1
+            for _, i in ok:
+                self._fail(i, self.slots[i], e)
+            return
+        for r, i in ok:
+            a = self.slots[i]
+            try:
+                self._apply(i, int(tok[r]), float(lp[r]), top_ids[r], top_lp[r])
+            except Exception as e:  # noqa: BLE001 -- its parser or on_event: this one fails
+                log.exception("applying a token to %s failed; aborted", a.req.request_id)
+                self._fail(i, a, e)
 
     def _apply(self, i: int, token: int, logprob: float, top_ids, top_lp) -> None:
         a = self.slots[i]
@@ -426,24 +558,43 @@ class Engine:
         hits = [j for j in (a.text.find(s, lo) for s in stops) if j >= 0]
         return min(hits) if hits else None
 
-    def _finish(self, i: int | None, a: _Active, reason: str, emit: bool = True) -> Completion:
+    def _fail(self, i: int | None, a: _Active, e: BaseException) -> None:
+        """Abort request ``a`` (in slot ``i``) because of ``e``, unless it already finished."""
+        if a.finish_reason is not None:  # e.g. its on_event failed on the last event
+            if i is not None and self.slots[i] is a:
+                self.slots[i] = None
+            return
+        self.stats["failed"] += 1
+        self._finish(i, a, "abort", error=_describe(e))
+
+    def _finish(self, i: int | None, a: _Active, reason: str, emit: bool = True,
+                error: str | None = None) -> Completion:
+        """Free slot ``i`` and build ``a``'s completion; ``emit``: send the last event (a
+        failing ``on_event`` is only logged: the request is over either way)."""
         a.metrics.finished = time.perf_counter()
+        a.finish_reason = reason
+        if i is not None:
+            self.slots[i] = None
         output = None
         if a.req.parser is not None:
-            output = a.req.parser.finish()
-            output = dataclasses.replace(output, content=a.text)
+            try:
+                output = dataclasses.replace(a.req.parser.finish(), content=a.text)
+            except Exception as e:  # noqa: BLE001 -- a broken parser fails this request
+                log.exception("the parser of %s failed", a.req.request_id)
+                reason, error = "abort", error or _describe(e)
         b = a.budget
         comp = Completion(a.req.request_id, len(a.req.prompt), a.tokens, a.logprobs, a.top,
                           a.text, output, reason, b.reasoning_tokens if b else 0,
                           bool(b and b.forced_close), a.metrics,
-                          np.concatenate(a.routing) if a.routing else None)
-        if i is not None:
-            self.slots[i] = None
+                          np.concatenate(a.routing) if a.routing else None, error)
         self.stats["finished"] += 1
         self.stats[f"finish_{reason}"] += 1
         self._record(comp)
         if emit and a.req.on_event is not None:
-            a.req.on_event(Event(a.req.request_id, None, None, [], [], comp))
+            try:
+                a.req.on_event(Event(a.req.request_id, None, None, [], [], comp))
+            except Exception:  # noqa: BLE001
+                log.exception("on_event of %s failed on its last event", a.req.request_id)
         return comp
 
     # ---- metrics ----
@@ -469,5 +620,6 @@ class Engine:
             "mean_decode_step_s": st["decode_s"] / max(st["decode_steps"], 1),
             "mean_batch": st["decode_rows"] / max(st["decode_steps"], 1),
             "finish_reasons": {k[7:]: v for k, v in st.items() if k.startswith("finish_")},
+            "failed_requests": st["failed"], "engine_failure": self.failure,
             "uptime_s": elapsed,
         }

@@ -35,12 +35,18 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -jnp.inf
+SEED_LIMIT = 2**32  # seeds are uint32
+TOP_K_LIMIT = 2**31  # top_k is int32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """What one request asks for. ``temperature=0`` is greedy; ``top_k=0``, ``top_p=1``,
-    ``min_p=0`` switch the filters off; ``seed=None`` takes one from the engine."""
+    ``min_p=0`` switch the filters off; ``seed=None`` takes one from the engine.
+
+    Ranges are those the sampler's arrays hold: ``seed`` in ``[0, 2**32)`` (uint32), ``top_k``
+    in ``[0, 2**31)`` (int32; the engine clamps it to the vocabulary size, where it keeps
+    every token, as 0 does)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -57,14 +63,15 @@ class SamplingParams:
         bad = []
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature <= 100):
             bad.append(f"temperature={self.temperature!r} (0..100)")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            bad.append(f"top_k={self.top_k!r} (int >= 0)")
+        if not (isinstance(self.top_k, int) and 0 <= self.top_k < TOP_K_LIMIT):
+            bad.append(f"top_k={self.top_k!r} (int in [0, 2**31))")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             bad.append(f"top_p={self.top_p!r} (0 < top_p <= 1)")
         if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
             bad.append(f"min_p={self.min_p!r} (0..1)")
-        if self.seed is not None and not (isinstance(self.seed, int) and self.seed >= 0):
-            bad.append(f"seed={self.seed!r} (int >= 0)")
+        if self.seed is not None and not (isinstance(self.seed, int) and
+                                          0 <= self.seed < SEED_LIMIT):
+            bad.append(f"seed={self.seed!r} (int in [0, 2**32))")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             bad.append(f"max_tokens={self.max_tokens!r} (int >= 1)")
         if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20):
