@@ -61,15 +61,15 @@ class Message:
             raise ValueError(f"unknown role {self.role!r}; roles are {ROLES}")
         if self.parts and self.role != "user":
             raise ValueError(f"only user messages carry images, not {self.role!r}")
-
-    @property
-    def images(self) -> tuple:
-        return tuple(p for p in self.parts if not isinstance(p, str))
         if self.role != "assistant" and (self.tool_calls or self.reasoning):
             raise ValueError(f"only assistant messages carry reasoning or tool_calls, not "
                              f"{self.role!r}")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
+
+    @property
+    def images(self) -> tuple:
+        return tuple(p for p in self.parts if not isinstance(p, str))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +178,17 @@ def messages_from_openai(raw, image_loader=None) -> list[Message]:
         if role not in ROLES:
             raise ValueError(f"{where}.role must be one of {ROLES + ('developer',)}, got "
                              f"{role!r}")
+        if m.get("content") is None and role != "assistant":
+            raise ValueError(f"{where}.content is required for a {role} message (a string or "
+                             f"a list of parts), got null")
         content = _text(m.get("content"), where) if role != "user" else None
         if role == "assistant":
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if reasoning is not None and not isinstance(reasoning, str):
                 raise ValueError(f"{where}.reasoning_content must be a string")
             calls = []
+            if not isinstance(m.get("tool_calls") or [], list):
+                raise ValueError(f"{where}.tool_calls must be a list")
             for j, c in enumerate(m.get("tool_calls") or []):
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -266,7 +271,7 @@ def check_tool_choice(choice, tools: list[Tool]):
         return choice
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t.name for t in tools}:
+        if not isinstance(name, str) or name not in {t.name for t in tools}:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         return choice
     raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a function object, "

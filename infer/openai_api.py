@@ -12,6 +12,12 @@ with base64 data URLs; they are decoded (Pillow), checked against ``image_limits
 here, so a bad image is a 400 naming its part and never reaches the engine. ``ChatJob.images``
 lists them in prompt order.
 
+Numeric fields are checked against what the sampler holds (``docs/serving.md``, Reliability):
+``seed`` in ``[0, 2**32)`` with ``seed + n - 1`` too (choice ``i`` uses ``seed + i``), ``top_k``
+in ``[0, 2**31)`` (past the vocabulary size it keeps every token). ``response_format`` is
+``{"type": "text" | "json_object" | "json_schema"}`` (the last with a ``json_schema`` object);
+the format renders it into the prompt, as the model was trained to read it.
+
 ``reasoning_effort`` accepts ``low`` / ``high`` / ``max`` and maps the other common names as
 DeepSeek-V4 does (``minimal`` -> low, ``medium`` / ``xhigh`` -> high); ``none`` turns thinking
 off. Default ``max``.
@@ -26,7 +32,7 @@ import uuid
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (Message, ToolCall, check_tool_choice, messages_from_openai,
                              tools_from_openai)
-from kdsa.infer.sampling import SamplingParams
+from kdsa.infer.sampling import SEED_LIMIT, TOP_K_LIMIT, SamplingParams
 
 EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "high",
                   "xhigh": "high", "max": "max"}
@@ -112,16 +118,22 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         effort = check_effort(EFFORT_ALIASES.get(raw_effort, raw_effort) if thinking else None)
     except ValueError as e:
         raise ApiError(str(e), param="reasoning_effort") from None
-    response_format = _get(body, "response_format", dict, why="an object")
+    response_format = _response_format(body.get("response_format"))
     num = (int, float)
     temperature = _get(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
     top_p = _get(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    top_k = _get(body, "top_k", int, 0, lambda v: v >= 0, "an integer >= 0")
+    top_k = _get(body, "top_k", int, 0, lambda v: 0 <= v < TOP_K_LIMIT,
+                 "an integer in [0, 2**31)")
     min_p = _get(body, "min_p", num, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
-    seed = _get(body, "seed", int, None, lambda v: v >= 0, "an integer >= 0")
     n = _get(body, "n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]")
+    seed_range = "an integer in [0, 2**32)" + (f" with seed + {n - 1} < 2**32 (n={n})"
+                                                if n > 1 else "")
+    seed = _get(body, "seed", int, None, lambda v: 0 <= v <= SEED_LIMIT - n, seed_range)
     stream = _get(body, "stream", bool, False, why="a boolean")
     opts = _get(body, "stream_options", dict, {}, why="an object")
+    if not isinstance(opts.get("include_usage", False), bool):
+        raise ApiError(f"stream_options.include_usage must be a boolean, got "
+                       f"{opts['include_usage']!r}", param="stream_options")
     logprobs = _get(body, "logprobs", bool, False, why="a boolean")
     top_logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20,
                         "an integer in [0, 20]")
@@ -131,11 +143,13 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                                                                 for s in stop):
         raise ApiError("stop must be a string or a list of at most 4 non-empty strings",
                        param="stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(mt_name)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
             max_tokens, int) or max_tokens < 1):
-        raise ApiError(f"max_tokens must be an integer >= 1, got {max_tokens!r}",
-                       param="max_tokens")
+        raise ApiError(f"{mt_name} must be an integer >= 1, got {max_tokens!r}",
+                       param=mt_name)
     try:
         prompt = chat_format.render(messages, tools=tools, tool_choice=tool_choice,
                                     response_format=response_format, effort=effort,
@@ -160,6 +174,28 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                    bool(opts.get("include_usage")), logprobs, calls,
                    images=[im for m in messages for im in m.images],
                    tool_choice=tool_choice, answer_prefix=prefix, banned_token_ids=banned)
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _response_format(rf):
+    """``None`` or a checked ``response_format`` object (400 naming it otherwise)."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise ApiError(f"response_format must be an object, got {rf!r}",
+                       param="response_format")
+    if rf.get("type") not in RESPONSE_FORMATS:
+        raise ApiError(f"response_format.type must be one of {RESPONSE_FORMATS}, got "
+                       f"{rf.get('type')!r}", param="response_format")
+    if rf["type"] == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict) or \
+                not isinstance(js.get("name", ""), str):
+            raise ApiError("response_format json_schema needs a json_schema object "
+                           "{name: str, schema: object}", param="response_format")
+    return rf
 
 
 def tool_call_opener(chat_format) -> tuple[int]:
