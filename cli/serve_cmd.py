@@ -1,4 +1,9 @@
-"""``kdsa serve``: the OpenAI-compatible HTTP server over the batching engine."""
+"""``kdsa serve``: the OpenAI-compatible HTTP server over the batching engine.
+
+The port is checked before anything is loaded (a port in use is one error line at once, exit
+2); if the engine dies while serving, ``/health`` answers 503 and the command exits 1 so a
+supervisor restarts it (``docs/serving.md``, Reliability).
+"""
 
 from __future__ import annotations
 
@@ -36,15 +41,21 @@ def image_limits_from_args(args):
 
 def run(args) -> int:
     import logging
+    import sys
 
-    from kdsa.cli.generate_cmd import engine_from_args
-    from kdsa.infer.server import serve
+    from kdsa.cli import generate_cmd
+    from kdsa.infer.server import EngineStopped, check_port, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     limits = image_limits_from_args(args)  # bad values fail before the model loads
-    engine, fmt, name = engine_from_args(args)
+    check_port(args.host, args.port)  # a port in use: one line now, not after the warm-up
+    engine, fmt, name = generate_cmd.engine_from_args(args)
     if not args.no_warmup:
         engine.runner.warmup()
-    serve(engine, fmt, host=args.host, port=args.port, model_name=args.model_name or name,
-          default_max_tokens=args.default_max_tokens, image_limits=limits)
+    try:
+        serve(engine, fmt, host=args.host, port=args.port, model_name=args.model_name or name,
+              default_max_tokens=args.default_max_tokens, image_limits=limits)
+    except EngineStopped as e:
+        print(f"kdsa serve: error: the engine stopped ({e}); exiting", file=sys.stderr)
+        return 1
     return 0

@@ -6,27 +6,36 @@ checking and response bodies live in ``openai_api.py``; generation in the batchi
 which runs in one background thread (``Engine.serve_forever``) shared by every connection.
 Engine events reach each handler through an ``asyncio.Queue`` (``call_soon_threadsafe``). A
 client that disconnects (its stream write fails, or its transport closes while it waits) has
-its requests cancelled, which frees their slots. Every bad input is a 4xx with an OpenAI
-error body; an unexpected failure in one request is a 500 and the server keeps serving. Image
+its requests cancelled, which frees their slots. Every error response (bad input 400, unknown
+route 404, wrong method 405, body too large 413, a failure 500, a dead engine 503) has the
+OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` (middleware ``_errors``).
+A request the engine failed (``Completion.error``) is a 500 naming the error (in a stream: an
+``error`` event) and the server keeps serving; when the engine is dead (``Engine.failure``, or
+its thread has ended) ``/health`` answers 503, new requests get 503 and ``serve`` returns
+``EngineStopped`` so ``kdsa serve`` exits non-zero. Image
 parts (a model with a vision tower) are decoded and checked in ``openai_api`` (400 on a bad or
 oversized image) and go to the engine with the request.
 
 ``start_server(engine, chat_format, ...)`` runs the app on its own event-loop thread and returns
-a handle with ``port`` and ``stop()`` (tests, notebooks); ``serve(...)`` blocks (``kdsa serve``).
+a handle with ``port`` and ``stop()`` (tests, notebooks); ``serve(...)`` blocks (``kdsa serve``);
+``check_port`` tells at once whether ``serve`` could listen (before a model is loaded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import signal
+import socket
 import threading
 import time
 
 from aiohttp import web
 
 from kdsa.infer import openai_api as api
-from kdsa.infer.engine import Request
+from kdsa.infer.engine import EngineDead, Request
 
 log = logging.getLogger("kdsa.serve")
 ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
@@ -35,7 +44,7 @@ ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
 
 def build_app(engine, chat_format, *, model_name: str = "kdsa",
               default_max_tokens: int | None = None, image_limits=None) -> web.Application:
-    app = web.Application(client_max_size=16 * 2**20)
+    app = web.Application(client_max_size=16 * 2**20, middlewares=[_errors])
     app[ENGINE], app[FORMAT], app[TOKENIZER] = engine, chat_format, engine.tok
     app[CONFIG] = {"model": model_name, "default_max_tokens": default_max_tokens,
                    "created": int(time.time()), "image_limits": image_limits}
@@ -68,9 +77,52 @@ def _error(e: api.ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Every error response in the OpenAI shape: aiohttp's own (unknown route, wrong method,
+    body too large, ...) and any unexpected exception (500, logged)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        err = api.ApiError(f"{e.reason}: {request.method} {request.path}"
+                           + (f" ({e.text})" if e.status == 413 and e.text else ""),
+                           status=e.status, kind=kind, code=_HTTP_CODES.get(e.status))
+        headers = {k: v for k, v in e.headers.items() if k in ("Allow",)}
+        return web.json_response(err.body(), status=e.status, headers=headers)
+    except Exception as e:  # noqa: BLE001 -- one request's bug: a 500, the server goes on
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _error(api.ApiError(f"internal server error ({type(e).__name__}: {e})",
+                                   status=500, kind="server_error", code="internal_error"))
+
+
+def engine_failure(app) -> str | None:
+    """Why the app's engine cannot serve (dead, or its thread has ended); None when fine."""
+    eng, thread = app[ENGINE], app.get(_THREAD)
+    if eng.failure is not None:
+        return eng.failure
+    if thread is not None and not thread.is_alive() and not app[_STOP].is_set():
+        return "the engine thread has ended"
+    return None
+
+
+def _unavailable(why: str) -> api.ApiError:
+    return api.ApiError(f"the engine has stopped: {why}", status=503, kind="server_error",
+                        code="engine_unavailable")
+
+
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "model": request.app[CONFIG]["model"],
-                              "metrics": request.app[ENGINE].metrics()})
+    why = engine_failure(request.app)
+    body = {"status": "ok" if why is None else "error", "model": request.app[CONFIG]["model"],
+            "metrics": request.app[ENGINE].metrics()}
+    if why is not None:
+        body["error"] = why
+    return web.json_response(body, status=200 if why is None else 503)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -96,6 +148,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                                      image_limits=cfg.get("image_limits"))
     except api.ApiError as e:
         return _error(e)
+    why = engine_failure(app)
+    if why is not None:
+        return _error(_unavailable(why))
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     reqs = []
@@ -119,6 +174,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                               app[TOKENIZER])
     except api.ApiError as e:  # e.g. tool_choice not satisfied (check_tool_output)
         return _error(e)
+    except EngineDead as e:
+        return _error(_unavailable(engine.failure or str(e)))
     except ValueError as e:  # refused by the engine (e.g. prompt too long)
         return _error(api.ApiError(str(e)))
     except ConnectionResetError:  # the client left; nobody reads this response
@@ -130,7 +187,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _next(request, queue):
-    """The next engine event; raises ConnectionResetError when the client has gone."""
+    """The next engine event; raises ConnectionResetError when the client has gone and a 503
+    ``ApiError`` when the engine has stopped (its requests would never finish)."""
     while True:
         try:
             return await asyncio.wait_for(queue.get(), timeout=0.25)
@@ -138,6 +196,15 @@ async def _next(request, queue):
             t = request.transport
             if t is None or t.is_closing():
                 raise ConnectionResetError("client disconnected") from None
+            why = engine_failure(request.app)
+            if why is not None and queue.empty():
+                raise _unavailable(why) from None
+
+
+def _failed(c) -> api.ApiError:
+    """A request the engine failed: a 500 naming the error."""
+    return api.ApiError(f"generation failed: {c.error}", status=500, kind="server_error",
+                        code="engine_error")
 
 
 async def _collect(request, job, queue, pending, n, model, tok) -> web.Response:
@@ -147,6 +214,9 @@ async def _collect(request, job, queue, pending, n, model, tok) -> web.Response:
         if ev.completion is not None:
             done[i] = ev.completion
             pending.discard(ev.request_id)
+    for c in done:
+        if c.error is not None:
+            raise _failed(c)
     for c in done:
         if c.output is not None and c.output.errors:
             log.warning("unparsed model output in %s: %s", c.request_id, c.output.errors)
@@ -163,11 +233,31 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         await resp.write(f"data: {data}\n\n".encode())
 
+    done = [None] * n
+    try:
+        await _stream_events(request, job, queue, pending, n, model, tok, send, done)
+    except api.ApiError as e:  # the engine stopped: say so, then end the stream
+        await send(e.body())
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 -- the headers are out: an error event, not a 500
+        log.exception("streaming %s failed", job.id)
+        await send(api.ApiError(f"internal server error ({type(e).__name__}: {e})",
+                                status=500, kind="server_error", code="internal_error").body())
+    if job.include_usage and all(c is not None and c.error is None for c in done):
+        await send({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                    "model": model, "choices": [], "usage": api.usage(job, done)})
+    await send("[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def _stream_events(request, job, queue, pending, n, model, tok, send, done) -> None:
+    """The chunks of a stream until every choice is done (``done`` filled in)."""
     for i in range(n):
         await send(api.chunk(job, model_name=model, index=i, delta={"role": "assistant",
                                                                      "content": ""}))
     tool_index = [0] * n
-    done = [None] * n
     while pending:
         i, ev = await _next(request, queue)
         lp = None
@@ -185,18 +275,15 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
         if ev.completion is not None:
             done[i] = ev.completion
             pending.discard(ev.request_id)
+            if ev.completion.error is not None:  # failed: an error event, no finish chunk
+                await send(_failed(ev.completion).body())
+                continue
             try:
                 api.check_tool_output(job, ev.completion)
             except api.ApiError as e:  # the stream has started: an error event, then on
                 await send(e.body())
             await send(api.chunk(job, model_name=model, index=i, delta={},
                                  finish=api.finish_reason(ev.completion, job)))
-    if job.include_usage:
-        await send({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
-                    "model": model, "choices": [], "usage": api.usage(job, done)})
-    await send("[DONE]")
-    await resp.write_eof()
-    return resp
 
 
 class ServerHandle:
@@ -244,6 +331,74 @@ def start_server(engine, chat_format, *, host: str = "127.0.0.1", port: int = 0,
     return ServerHandle(runner, loop, t, ready["port"])
 
 
-def serve(engine, chat_format, *, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
-    """Serve in the foreground until interrupted."""
-    web.run_app(build_app(engine, chat_format, **kw), host=host, port=port, print=log.info)
+def check_port(host: str, port: int) -> None:
+    """Raise ``ValueError`` (one line) when ``host:port`` cannot be listened on, e.g. another
+    server holds it: a bind test as asyncio's own (``SO_REUSEADDR``), so ``kdsa serve`` fails
+    before loading a model rather than after its warm-up."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"port {port} on {host} is in use (another server? "
+                                     f"choose a free one with --port)") from None
+                raise ValueError(f"cannot listen on {host} port {port}: "
+                                 f"{e.strerror or e}") from None
+
+
+class EngineStopped(RuntimeError):
+    """``serve`` ended because the engine died (the message says why)."""
+
+
+def serve(engine, chat_format, *, host: str = "127.0.0.1", port: int = 8000,
+          health_poll_s: float = 0.5, **kw) -> None:
+    """Serve in the foreground until SIGINT / SIGTERM (then return) or until the engine dies
+    (then raise :class:`EngineStopped`, after ``/health`` has had a moment to answer 503)."""
+    app = build_app(engine, chat_format, **kw)
+    why = asyncio.run(_serve_until_stopped(app, host, port, health_poll_s))
+    if why is not None:
+        raise EngineStopped(why)
+
+
+async def _serve_until_stopped(app, host, port, poll_s) -> str | None:
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop, installed = asyncio.get_running_loop(), []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append((sig, prev))
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    why = None
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("serving on http://%s:%d", host, port)
+        while not stop.is_set():
+            why = engine_failure(app)
+            if why is not None:
+                log.error("the engine has stopped (%s); shutting down", why)
+                await asyncio.sleep(poll_s)  # clients polling /health see the 503
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), poll_s)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        for sig, prev in installed:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, prev)
+        await runner.cleanup()
+    return why
