@@ -115,6 +115,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    """Exit 0 when every line was served, 1 when some were written as error records (one
+    summary line on stderr); a file that cannot be read at all is a ValueError (exit 2)."""
+    import sys
+
     import jax
 
     from kdsa.infer.generate import read_requests, run_job
@@ -123,13 +127,20 @@ def run(args) -> int:
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k}
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
-                         seed=args.seed)
+                         seed=args.seed, strict=False)
     writer = jax.process_index() == 0
     summary = run_job(engine, reqs, args.out, writer=writer, progress=not args.no_progress)
     if writer:
-        print(f"model {name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt "
+        print(f"model {name}: {summary['served']} of {summary['requests']} requests, "
+              f"{summary['prompt_tokens']} prompt "
               f"tokens, {summary['generated_tokens']} generated tokens in "
               f"{summary['elapsed_s']:.1f}s ({summary['tokens_per_s']:.1f} tokens/s), mean "
               f"TTFT {summary['mean_ttft_s']:.2f}s, finish {summary['finish_reasons']} -> "
               f"{args.out}")
+    if summary["failed"]:
+        if writer:
+            print(f"kdsa generate: error: {summary['failed']} of {summary['requests']} "
+                  f"requests failed (error records in {args.out}); first: "
+                  f"{summary['errors'][0]}", file=sys.stderr)
+        return 1
     return 0

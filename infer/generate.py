@@ -10,6 +10,12 @@ order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
 ``finish_reason``, ``reasoning``, ``content``, ``tool_calls``, ``token_ids``, ``logprobs``
 (model log-probs of the generated tokens, for RL).
 
+A line that cannot be served -- not JSON, an invalid field (``seed`` outside ``[0, 2**32)``,
+``top_k`` outside ``[0, 2**31)``, ...), refused by the engine or failed in generation -- is
+the record ``{"id", "error"}`` at its place (``read_requests(..., strict=False)`` keeps it as a
+:class:`BadLine`); the other lines are served, and ``run_job`` counts the failures
+(``kdsa generate`` then exits 1).
+
 Multi-host: every process runs the same command; the engine's schedule depends only on the
 inputs and seeds (request seeds default to ``seed + line number``), and sampled tokens are
 replicated, so all processes step in lockstep; process 0 alone writes the output and shows the
@@ -18,6 +24,7 @@ progress bar.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -26,12 +33,20 @@ from pathlib import Path
 from kdsa.infer.budget import BudgetConfig, check_effort
 from kdsa.infer.chat import get_format, messages_from_openai, tools_from_openai
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
-from kdsa.infer.engine import Engine, Request
+from kdsa.infer.engine import Engine, EngineDead, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import load_tokenizer
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+
+
+@dataclasses.dataclass
+class BadLine:
+    """A line of the prompts file that is not a request: its output record is an error."""
+
+    request_id: str
+    error: str
 
 
 def load_checkpoint(path: str | Path, mesh=None, layout: str = "generate"):
@@ -60,7 +75,10 @@ def build_engine(model, *, num_slots: int, max_len: int, prefill_chunk: int = 25
 
 
 def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
-                  defaults: dict, seed: int) -> list[Request]:
+                  defaults: dict, seed: int, strict: bool = True) -> list[Request | BadLine]:
+    """One request per non-blank line. ``strict``: a bad line raises ``ValueError`` naming
+    ``path:line``; otherwise it becomes a :class:`BadLine` in its place. Request seeds default
+    to ``seed + line - 1`` (folded to 32 bits)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--prompts {path}: no such file")
@@ -68,20 +86,25 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        where = f"{path}:{n}"
+        row = None
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: each line must be a JSON object")
-        try:
-            reqs.append(_request(row, engine, fmt, effort, defaults, seed + n - 1, n, p.parent))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError("each line must be a JSON object")
+            reqs.append(_request(row, engine, fmt, effort, defaults, (seed + n - 1) % 2**32,
+                                 n, p.parent))
+        except Exception as e:  # noqa: BLE001 -- strict: raised below; else this line's record
+            msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            if strict:
+                raise ValueError(f"{path}:{n}: {msg}") from None
+            rid = row.get("id", n) if isinstance(row, dict) else n
+            reqs.append(BadLine(str(rid), f"line {n}: {msg}"))
     if not reqs:
         raise ValueError(f"--prompts {path}: no requests")
-    ids = [r.request_id for r in reqs]
+    ids = [r.request_id for r in reqs if isinstance(r, Request)]
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})[:3]
         raise ValueError(f"--prompts {path}: duplicate request ids {dup}")
@@ -98,6 +121,8 @@ def _request(row, engine, fmt, effort, defaults, seed, n, base_dir=None) -> Requ
     sp = {**defaults, "seed": seed, **{k: row[k] for k in _SAMPLING_KEYS if k in row}}
     if isinstance(sp.get("stop"), str):
         sp["stop"] = (sp["stop"],)
+    if not isinstance(sp.get("stop") or (), (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {sp['stop']!r}")
     sp["stop"] = tuple(sp.get("stop") or ())
     lvl = check_effort(row.get("reasoning_effort", effort))
     rid = str(row.get("id", n))
@@ -113,8 +138,11 @@ def _request(row, engine, fmt, effort, defaults, seed, n, base_dir=None) -> Requ
             raise ValueError("prompt must be a string")
         return Request(engine.tok.encode(row["prompt"]), SamplingParams(**sp), request_id=rid)
     if "prompt_ids" in row:
-        return Request([int(t) for t in row["prompt_ids"]], SamplingParams(**sp),
-                       request_id=rid)
+        ids = row["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in ids):
+            raise ValueError("prompt_ids must be a list of integer token ids")
+        return Request(list(ids), SamplingParams(**sp), request_id=rid)
     raise ValueError("a request needs 'messages', 'prompt' or 'prompt_ids'")
 
 
@@ -128,34 +156,63 @@ def result_row(c) -> dict:
             "token_ids": c.token_ids, "logprobs": c.logprobs}
 
 
-def run_job(engine: Engine, requests: list[Request], out_path: str | Path, *,
+def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | Path, *,
             writer: bool = True, progress: bool = True) -> dict:
-    """Generate every request; process 0 (``writer``) writes the JSONL. Returns the summary."""
+    """Generate every request; process 0 (``writer``) writes the JSONL, one record per item in
+    order: a result row, or ``{"id", "error"}`` for a :class:`BadLine`, a request the engine
+    refused or one that failed. Returns the summary (``failed``: error records, ``errors``:
+    their first few)."""
     bar = None
     if progress and writer:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), unit="req", file=sys.stderr, dynamic_ncols=True)
+    done: dict[str, object] = {}
 
     def tick(ev):
-        if ev.completion is not None and bar is not None:
-            bar.update(1)
+        if ev.completion is not None:
+            done[ev.request_id] = ev.completion
+            if bar is not None:
+                bar.update(1)
 
-    for r in requests:
-        r.on_event = tick
+    records: list = []  # a Request (its completion comes later) or an error record
     t0 = time.perf_counter()
-    completions = engine.generate(requests)
+    for r in requests:
+        if isinstance(r, BadLine):
+            records.append({"id": r.request_id, "error": r.error})
+            continue
+        r.on_event = tick
+        try:
+            engine.submit(r)
+            records.append(r)
+        except (ValueError, EngineDead) as e:  # refused (e.g. too long) or the engine died
+            records.append({"id": r.request_id, "error": str(e)})
+    while engine.has_work():
+        engine.step()
     elapsed = time.perf_counter() - t0
     if bar is not None:
+        bar.update(len(requests) - bar.n)
         bar.close()
+    rows = []
+    for r in records:
+        if not isinstance(r, Request):
+            rows.append(r)
+            continue
+        c = done.get(r.request_id)
+        if c is None or c.error is not None:
+            rows.append({"id": r.request_id, "error": c.error if c else "not generated"})
+        else:
+            rows.append(result_row(c))
     if writer:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         with open(out_path, "w") as f:
-            for c in completions:
-                f.write(json.dumps(result_row(c), ensure_ascii=False) + "\n")
-    gen = sum(len(c.token_ids) for c in completions)
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    ok = [c for c in done.values() if c.error is None]
+    errors = [f"{r['id']}: {r['error']}" for r in rows if "error" in r]
+    gen = sum(len(c.token_ids) for c in ok)
     m = engine.metrics()
-    return {"requests": len(completions), "prompt_tokens": sum(c.prompt_tokens
-                                                               for c in completions),
+    return {"requests": len(rows), "served": len(rows) - len(errors), "failed": len(errors),
+            "errors": errors[:3], "prompt_tokens": sum(c.prompt_tokens for c in ok),
             "generated_tokens": gen, "elapsed_s": elapsed,
             "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
             "mean_ttft_s": m["mean_ttft_s"], "finish_reasons": m["finish_reasons"]}
