@@ -16,7 +16,10 @@ before any parameter exists. Configs are hashable (they are static data of NNX m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import types
+import typing
 from typing import Any, Literal
 
 MixerKind = Literal["kda", "dsa"]
@@ -48,6 +51,7 @@ class LinearAttnConfig:
     gate_lower_bound: float | None = None
 
     def __post_init__(self):
+        _check_types(self, "linear_attn_config.")
         object.__setattr__(self, "kda_layers", tuple(int(i) for i in self.kda_layers))
         object.__setattr__(self, "full_attn_layers", tuple(int(i) for i in self.full_attn_layers))
         _positive(self, "linear_attn_config.", "num_heads", "head_dim", "short_conv_kernel_size")
@@ -66,6 +70,9 @@ class YarnConfig:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+
+    def __post_init__(self):
+        _check_types(self, "rope_scaling.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +109,7 @@ class VisionConfig:
     media_placeholder_token_id: int = 163605  # <|media_pad|>
 
     def __post_init__(self):
+        _check_types(self, "vision_config.")
         object.__setattr__(self, "merge_kernel_size", tuple(int(k) for k in self.merge_kernel_size))
         if self.norm_eps is None:
             eps = 2.0 ** -7 if self.norm_type == "rmsnorm" else 1e-5
@@ -142,7 +150,8 @@ class VisionConfig:
     def from_hf(cls, d: dict) -> "VisionConfig":
         d = {_VISION_ALIASES.get(k, k): v for k, v in d.items()}
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names and v is not None})
+        return _build(cls, {k: v for k, v in d.items() if k in names and v is not None},
+                      "vision_config.")
 
 
 _VISION_ALIASES = {"vt_hidden_size": "hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
@@ -218,6 +227,7 @@ class ModelConfig:
     expert_qat: bool = False  # forward through fake_quantize_mxfp4 (STE) of the float experts
 
     def __post_init__(self):
+        _check_types(self, "")
         _validate(self)
 
     # ---- derived structure ----
@@ -281,6 +291,12 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict (Kimi K3, Kimi Linear, DeepSeek-V3.x)."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"a config must be a JSON object, got {type(hf).__name__}")
+        for section in ("text_config", "vision_config", "linear_attn_config", "rope_scaling",
+                        "kdsa"):
+            if hf.get(section) is not None and not isinstance(hf[section], dict):
+                raise ValueError(f"{section} must be an object, got {hf[section]!r}")
         vision = hf.get("vision_config")
         if "text_config" in hf:  # kimi_k3 wrapper: the language model is its kimi_linear text_config
             hf = hf["text_config"]
@@ -302,10 +318,11 @@ class ModelConfig:
                                    else VisionConfig.from_hf(vision))
         rs = d.get("rope_scaling")
         if rs and rs.get("type", rs.get("rope_type")) == "yarn":
-            kw["rope_scaling"] = YarnConfig(**{k: rs[k] for k in _YARN_KEYS if k in rs})
+            kw["rope_scaling"] = _build(YarnConfig, {k: rs[k] for k in _YARN_KEYS if k in rs},
+                                        "rope_scaling.")
         kw.update({k: v for k, v in (d.get("kdsa") or {}).items() if k in _OURS})
         kw.update(overrides)
-        return cls(**kw)
+        return _build(cls, kw, "")
 
     def to_json(self) -> str:
         return json.dumps(self.to_hf_config(), indent=2)
@@ -335,7 +352,9 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 def _linear_attn_from_hf(d: dict[str, Any]) -> LinearAttnConfig:
     lac = d.get("linear_attn_config")
-    n = int(d["num_hidden_layers"])
+    n = d.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"num_hidden_layers must be a positive integer, got {n!r}")
     if not lac:  # a DeepSeek config: every layer is (sparse) MLA, KDA sizes are unused
         return LinearAttnConfig(kda_layers=(), full_attn_layers=tuple(range(1, n + 1)),
                                 num_heads=1, head_dim=1)
@@ -347,8 +366,73 @@ def _linear_attn_from_hf(d: dict[str, Any]) -> LinearAttnConfig:
         kda = [i for i in range(1, n + 1) if i not in set(full)]
     if full is None and kda is not None:
         full = [i for i in range(1, n + 1) if i not in set(kda)]
+    for name, v in (("kda_layers", kda), ("full_attn_layers", full)):
+        if not isinstance(v, (list, tuple)):
+            raise ValueError(f"linear_attn_config.{name} must be a list of layer numbers, "
+                             f"got {v!r}")
     lac["kda_layers"], lac["full_attn_layers"] = tuple(kda), tuple(full)
-    return LinearAttnConfig(**lac)
+    return _build(LinearAttnConfig, lac, "linear_attn_config.")
+
+
+def _build(cls, kw: dict, prefix: str):
+    """``cls(**kw)``, with a ValueError naming the required fields that ``kw`` lacks."""
+    missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in kw
+                     and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"the config has no value for "
+                         f"{', '.join(prefix + m for m in missing)} (missing or null)")
+    return cls(**kw)
+
+
+def _check_types(obj, prefix: str) -> None:
+    """Each field's value against its annotation (``int``, ``float`` (an int is fine), ``str``,
+    ``bool``, ``X | None``, ``tuple[int, ...]`` (a list is fine), nested configs), so a wrong
+    JSON type is a ValueError naming the field rather than a TypeError deep inside."""
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v, want = getattr(obj, f.name), hints[f.name]
+        if not _is_a(v, want):
+            raise ValueError(f"{prefix}{f.name} must be {_describe(want)}, got {v!r}")
+
+
+@functools.cache
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _is_a(v, want) -> bool:
+    args = typing.get_args(want)
+    if typing.get_origin(want) in (types.UnionType, typing.Union):
+        return any(_is_a(v, a) for a in args)
+    if want is type(None):
+        return v is None
+    if want is bool:
+        return isinstance(v, bool)
+    if want is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if want is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    if typing.get_origin(want) is tuple:
+        if not isinstance(v, (tuple, list)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]
+            return all(_is_a(x, args[0]) for x in v)
+        return len(v) == len(args) and all(_is_a(x, a) for x, a in zip(v, args))
+    if isinstance(want, type):
+        return isinstance(v, want)
+    return True  # an annotation this check does not know: left to the field's own checks
+
+
+def _describe(want) -> str:
+    if typing.get_origin(want) in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in typing.get_args(want))
+    if want is type(None):
+        return "null"
+    if typing.get_origin(want) is tuple:
+        return "a list of integers"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(want, getattr(want, "__name__", str(want)))
 
 
 def _positive(obj, prefix: str, *names: str) -> None:
