@@ -25,6 +25,9 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "constant")
 INDEXER_STAGES = ("none", "dense_warmup", "sparse")
 _INDEXER_LOSS = {"none": "none", "dense_warmup": "dense", "sparse": "sparse"}
+_FLOAT_FIELDS = ("learning_rate", "min_lr_ratio", "b1", "b2", "eps", "weight_decay",
+                 "muon_beta", "muon_consistent_rms", "clip_norm", "bias_update_rate",
+                 "indexer_loss_weight", "peak_flops")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +44,7 @@ class TrainConfig:
     optimizer: str = "adamw"  # "adamw" | "muon" (Muon on matrices, AdamW on the rest)
     learning_rate: float = 3e-4  # peak
     schedule: str = "cosine"  # linear warm-up then cosine decay to min_lr_ratio * peak
-    warmup_steps: int = 10
+    warmup_steps: int | None = None  # None: fitted to the run, min(10, steps // 10)
     decay_steps: int | None = None  # cosine length incl. warm-up; None = steps
     min_lr_ratio: float = 0.1
     b1: float = 0.9
@@ -69,8 +72,16 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be a positive integer, got {v!r}")
         for name in ("seed", "warmup_steps"):
             v = getattr(self, name)
+            if v is None and name == "warmup_steps":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"train.{name} must be a non-negative integer, got {v!r}")
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if v is None and name == "muon_consistent_rms":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+                raise ValueError(f"train.{name} must be a number, got {v!r}")
         if self.batch_size % self.accum_steps:
             raise ValueError(f"train.batch_size={self.batch_size} is not divisible by "
                              f"train.accum_steps={self.accum_steps}")
@@ -82,12 +93,13 @@ class TrainConfig:
         if not self.learning_rate > 0:
             raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
         if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
-                                             or self.decay_steps <= self.warmup_steps):
+                                             or self.decay_steps <= self.warmup):
             raise ValueError(f"train.decay_steps={self.decay_steps} must be an integer > "
-                             f"warmup_steps={self.warmup_steps}")
-        if self.decay_steps is None and self.schedule == "cosine" and self.steps <= self.warmup_steps:
+                             f"warmup_steps={self.warmup}")
+        if self.decay_steps is None and self.schedule == "cosine" and self.steps <= self.warmup:
             raise ValueError(f"train.steps={self.steps} must exceed warmup_steps="
-                             f"{self.warmup_steps} for the cosine schedule (or set decay_steps)")
+                             f"{self.warmup} for the cosine schedule (or set decay_steps, or "
+                             f"leave warmup_steps unset to fit it to the run)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("b1", "b2", "muon_beta"):
@@ -97,6 +109,12 @@ class TrainConfig:
                      "indexer_loss_weight", "peak_flops"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in effect: ``warmup_steps``, or when unset ``min(10, steps // 10)``
+        (so ``--steps 3`` trains without warm-up and 100+ steps warm up over 10)."""
+        return self.warmup_steps if self.warmup_steps is not None else min(10, self.steps // 10)
 
     @property
     def micro_batch_size(self) -> int:

@@ -38,13 +38,13 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
     """Step -> learning rate (warm-up, then cosine or constant)."""
     peak = tc.learning_rate
     if tc.schedule == "constant":
-        if tc.warmup_steps == 0:
+        if tc.warmup == 0:
             return optax.constant_schedule(peak)
         return optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, tc.warmup_steps), optax.constant_schedule(peak)],
-            [tc.warmup_steps])
+            [optax.linear_schedule(0.0, peak, tc.warmup), optax.constant_schedule(peak)],
+            [tc.warmup])
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=tc.warmup_steps,
+        init_value=0.0, peak_value=peak, warmup_steps=tc.warmup,
         decay_steps=tc.total_decay_steps, end_value=peak * tc.min_lr_ratio)
 
 
