@@ -79,20 +79,18 @@ class DecoderLayer(nnx.Module):
                                                    expert_ids=expert_ids)
             load = stats["expert_load"].astype(jnp.float32)
             dropped = stats.get("moe_dropped", jnp.zeros((), jnp.int32))  # expert parallel
-            used = stats["expert_ids"]
         else:
             ffn_out = self.mlp(ffn_in)
             load = jnp.zeros((max(cfg.num_experts, 1),), jnp.float32)
             dropped = jnp.zeros((), jnp.int32)
             stats = {}
-            used = jnp.full(ffn_in.shape[:2] + (max(cfg.num_experts_per_token, 1),), -1,
-                            jnp.int32)
         res = res.replace(hidden=constrain(stream + ffn_out.astype(stream.dtype), ACT),
                           blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
         aux = {"indexer_kl": kl, "expert_load": load, "moe_dropped": dropped,
                "replay_agreement": stats.get("replay_agreement", jnp.zeros((2,), jnp.float32))}
-        if record_routing:
-            aux["expert_ids"] = used
+        if record_routing:  # -1: a dense FFN has no experts
+            aux["expert_ids"] = stats.get("expert_ids", jnp.full(
+                ffn_in.shape[:2] + (max(cfg.num_experts_per_token, 1),), -1, jnp.int32))
         return res, cache, aux
 
 

@@ -82,11 +82,26 @@ def _read_jsonl(path: Path, eos_id: int | None):
             raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
         if not isinstance(rec, dict) or not ("tokens" in rec or "text" in rec):
             raise ValueError(f"{path}:{n}: expected an object with 'tokens' or 'text'")
-        ids = (list(rec["tokens"]) if "tokens" in rec
-               else list(str(rec["text"]).encode("utf-8")))
+        if "tokens" in rec:
+            ids = rec["tokens"]
+            if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{path}:{n}: 'tokens' must be a list of integers, got "
+                                 f"{_short(ids)}")
+            ids = list(ids)
+        else:
+            if not isinstance(rec["text"], str):
+                raise ValueError(f"{path}:{n}: 'text' must be a string, got "
+                                 f"{_short(rec['text'])}")
+            ids = list(rec["text"].encode("utf-8"))
         if eos_id is not None:
             ids.append(eos_id)
         yield np.asarray(ids, np.int64)
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def pack_documents(docs: list[np.ndarray], row_len: int, pad_id: int = 0

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from kdsa.model.config import ModelConfig
@@ -37,6 +38,7 @@ from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
 from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
 from kdsa.train.optim import make_optimizer
+from kdsa.train.run_dir import check_run_dir, state_bytes
 from kdsa.train.step import init_state, split_model, train_step_with_options
 
 SIGTERM_EXIT_CODE = 143  # 128 + SIGTERM
@@ -99,7 +101,12 @@ class _StopFlag:
 def stop_reason(flag: _StopFlag, stop_at: int | None, step: int, total: int) -> str | None:
     """Why a loop must checkpoint and stop after ``step`` (of ``total``): ``"SIGTERM"``,
     ``"SIGINT"``, ``"stop_at=N"``, or None to go on."""
-    if flag.set:
+    signalled = flag.set
+    if jax.process_count() > 1:  # a job stops after the same step on every process (its
+        # checkpoint is collective), whichever processes the signal reached by then
+        from jax.experimental import multihost_utils
+        signalled = bool(np.any(multihost_utils.process_allgather(np.int32(flag.set))))
+    if signalled:
         return flag.signal_name or "SIGTERM"
     if stop_at is not None and stop_at <= step < total:
         return f"stop_at={stop_at}"
@@ -141,11 +148,12 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     run_dir = Path(run_dir)
     data = make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed, data_path,
                      eos_id=config.eos_token_id, pad_id=config.pad_token_id)
-    ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
-                        keep=tc.keep_checkpoints)
-
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)
+    check_run_dir(run_dir, state_bytes(template) if jax.process_index() == 0 else 0,
+                  tc.keep_checkpoints)  # writable, room for the checkpoints: before compiling
+    ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
+                        keep=tc.keep_checkpoints)
     shardings = None
     if mesh is not None:
         from kdsa.sharding.train_state import sharded_template, train_state_shardings

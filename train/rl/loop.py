@@ -26,8 +26,9 @@ would have chosen the same experts.
 Multi-host (the same command on every process, e.g. under ``kdsa launch-local``): each process
 plays its share of every step's groups on its own engine and the episodes are exchanged; the
 update is data-parallel over one device per process (``multihost.py``); process 0 alone writes
-metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy, saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw
-is a function of ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
+metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy,
+saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
+``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.multihost import DataParallel, local_copy, play_split
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import rl_step_with_options
+from kdsa.train.run_dir import check_run_dir, state_bytes
 from kdsa.train.trainer import _StopFlag, prepare, stop_reason
 
 
@@ -171,9 +173,11 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     multi = jax.process_count() > 1  # rollouts split, update data-parallel; process 0 writes
     dp = DataParallel()
     writes = jax.process_index() == 0
+    abstract, graphdef, tx, build = prepare(config, tc)
+    if writes:  # writable, room for the checkpoints (and the reference): before compiling
+        check_run_dir(run_dir, state_bytes(jax.eval_shape(build)), tc.keep_checkpoints + 1)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints, process_local=multi)
-    abstract, graphdef, tx, build = prepare(config, tc)
     layout = abstract.segment_layout
     loss_cfg = rc.loss_config()
     total = rc.sft_steps + rc.steps

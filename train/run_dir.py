@@ -1,0 +1,66 @@
+"""Checks of a run directory before a job spends time computing: it can be written, and it
+has room for its checkpoints. Each failure is a one-line ``ValueError`` naming the folder,
+instead of an error deep inside an asynchronous checkpoint write minutes into the run.
+
+``check_run_dir(run_dir, checkpoint_bytes, keep)`` creates ``run_dir`` if needed, writes and
+removes a probe file (a read-only file system or a missing permission fails here), and asks
+for free space of ``(keep + 1) * checkpoint_bytes``: the kept checkpoints plus the one being
+written into its temporary folder. Space already taken by this run's own checkpoints counts
+as available, so a resumed run that will prune old steps is not refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import jax
+import numpy as np
+
+
+def state_bytes(tree) -> int:
+    """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape"))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _folder_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
+                  checkpoints: str = "checkpoints") -> None:
+    """Raise ``ValueError`` unless ``run_dir`` is writable and has room for ``keep + 1``
+    checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room)."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"run dir {run_dir} is a file, not a folder")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".kdsa-write-probe-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"run dir {run_dir} is not writable "
+                         f"({e.strerror or type(e).__name__})") from None
+    need = (keep + 1) * checkpoint_bytes
+    own = _folder_bytes(run_dir / checkpoints)
+    free = shutil.disk_usage(run_dir).free
+    if free + own < need:
+        raise ValueError(f"run dir {run_dir}: {_mb(free)} free, but {keep} kept checkpoints "
+                         f"plus the one being written need {_mb(need)} "
+                         f"({_mb(checkpoint_bytes)} each; lower train.keep_checkpoints or "
+                         f"free some space)")
