@@ -3,10 +3,16 @@
     kdsa launch-local --processes 2 --devices-per-process 4 -- forward --preset tiny
 
 Each process gets ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` / ``KDSA_PROCESS_ID`` and
-``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. ``--module``
-runs another module than the kdsa CLI (``kdsa.sharding.selfcheck``, the multi-host check).
-When one process fails the others are stopped and the command exits with that process's
-status (no hang).
+``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. The command may
+start with the program name, as torchrun users type it (``-- kdsa train ...`` and
+``-- train ...`` are the same). ``--module`` runs another module than the kdsa CLI
+(``kdsa.sharding.selfcheck``, the multi-host check). When one process fails the others are
+stopped and the command exits with that process's status (no hang).
+
+SIGTERM or Ctrl-C to the launcher (a scheduler's preemption notice) is forwarded to every
+process, and the launcher waits up to ``--stop-timeout`` seconds while they finish their step,
+write their checkpoint and exit (``kdsa train`` / ``kdsa rl``: 143); a second signal, or the
+timeout, kills them. The launcher exits with the processes' common status (else 143).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-_GRACE_S = 5  # seconds between SIGTERM and SIGKILL for the processes still running
+_GRACE_S = 5  # after a failure: seconds between SIGTERM and SIGKILL for the rest
+_PROGRAM_NAMES = ("kdsa", "kdsa.cli.main")
 
 def register(sub) -> None:
     p = sub.add_parser("launch-local", help="run a kdsa command as N local processes",
@@ -32,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--module", default="kdsa.cli.main",
                    help="Python module each process runs with the command's arguments "
                         "(default: the kdsa CLI; e.g. kdsa.sharding.selfcheck)")
+    p.add_argument("--stop-timeout", type=float, default=300.0,
+                   help="after SIGTERM / Ctrl-C: seconds the processes get to checkpoint and "
+                        "exit before they are killed (default 300)")
     p.add_argument("cmd", nargs="+", metavar="-- COMMAND",
                    help="the kdsa command and its arguments, after --")
     p.set_defaults(run=run)
@@ -53,6 +64,8 @@ def run(args) -> int:
     if args.processes < 1 or args.devices_per_process < 1:
         raise ValueError("--processes and --devices-per-process must be >= 1")
     cmd = [c for c in args.cmd if c != "--"]
+    if cmd and args.module == "kdsa.cli.main" and Path(cmd[0]).name in _PROGRAM_NAMES:
+        cmd = cmd[1:]  # `-- kdsa train ...`: the program name, as torchrun users type it
     if not cmd:
         raise ValueError("no command given after --")
     port = _free_port()
@@ -70,31 +83,93 @@ def run(args) -> int:
                                 start_new_session=True)
         threading.Thread(target=_pump, args=(proc, f"[p{pid}]"), daemon=True).start()
         procs.append(proc)
+    stop = _Forwarder(procs)
     start, status = time.monotonic(), 0
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, status = failed[0]
-                print(f"[launch-local] process {i} exited with {status}; stopping the others",
-                      file=sys.stderr)
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            if args.timeout and time.monotonic() - start > args.timeout:
-                print(f"[launch-local] timeout after {args.timeout}s; stopping all",
-                      file=sys.stderr)
-                status = 124
-                break
-            time.sleep(0.1)
+        with stop:
+            while True:
+                codes = [p.poll() for p in procs]
+                if stop.signum is not None:
+                    return _wait_stopped(procs, stop, args.stop_timeout)
+                failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+                if failed:
+                    i, status = failed[0]
+                    print(f"[launch-local] process {i} exited with {status}; stopping the "
+                          f"others", file=sys.stderr)
+                    break
+                if all(c == 0 for c in codes):
+                    return 0
+                if args.timeout and time.monotonic() - start > args.timeout:
+                    print(f"[launch-local] timeout after {args.timeout}s; stopping all",
+                          file=sys.stderr)
+                    status = 124
+                    break
+                time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=_GRACE_S)  # JAX catches SIGTERM (preemption notice): then KILL
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        _stop_all(procs, _GRACE_S)
     return status if status > 0 else 1
+
+
+class _Forwarder:
+    """While entered (main thread only): SIGTERM / SIGINT to the launcher are sent on to every
+    process group; a second one kills them."""
+
+    def __init__(self, procs):
+        self.procs, self.signum, self._old = procs, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM,
+                                                                     signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"[launch-local] second {name}: killing the processes", file=sys.stderr)
+            _signal_all(self.procs, signal.SIGKILL)
+            return
+        self.signum = signum
+        print(f"[launch-local] {name}: forwarded to {len(self.procs)} processes; waiting for "
+              f"them to checkpoint and exit ({name} again kills them)", file=sys.stderr,
+              flush=True)
+        _signal_all(self.procs, signum)
+
+
+def _signal_all(procs, signum) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_stopped(procs, stop: _Forwarder, timeout: float) -> int:
+    """After a forwarded signal: every process's exit, up to ``timeout`` seconds; the common
+    status, else 128 + the signal."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    late = [i for i, p in enumerate(procs) if p.poll() is None]
+    if late:
+        print(f"[launch-local] processes {late} still running after {timeout:.0f}s; killed",
+              file=sys.stderr)
+    _stop_all(procs, 0)
+    codes = {p.returncode for p in procs}
+    return codes.pop() if len(codes) == 1 and not late else 128 + stop.signum
+
+
+def _stop_all(procs, grace_s: float) -> None:
+    """SIGTERM to the processes still running, SIGKILL after ``grace_s`` seconds."""
+    _signal_all(procs, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=grace_s)  # JAX catches SIGTERM (preemption notice): then KILL
+        except subprocess.TimeoutExpired:
+            _signal_all([p], signal.SIGKILL)
+            p.wait()

@@ -1,0 +1,140 @@
+"""Bad input and a hostile environment give one line and a non-zero exit, before anything
+compiles: model configs with wrong JSON types or nulls, train configs with wrong types, a
+read-only or full run dir, documents of the wrong type; Ctrl-C saves like SIGTERM; short runs
+work with the default warm-up."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from kdsa.cli.main import main
+from kdsa.model.config import ModelConfig, get_preset
+from kdsa.train.config import TrainConfig
+from kdsa.train.data import PackedJsonlData
+from kdsa.train.trainer import _StopFlag, stop_reason
+
+BAD_VALUES = (None, "x", -1, 0, 1.5, [], {}, True, [1, "a"], {"a": 1})
+
+
+def _one_error_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith(f"kdsa {command}: error:")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(err), err
+    return errors[0]
+
+
+def test_every_bad_model_config_value_is_a_value_error():
+    base = get_preset("tiny-vl").to_hf_config()
+    cases = 0
+    for key, value in base.items():
+        subs = [(key, None)] + [(key, sub) for sub in (value if isinstance(value, dict) else ())]
+        for top, sub in subs:
+            for bad in BAD_VALUES:
+                hf = json.loads(json.dumps(base))
+                if sub is None:
+                    hf[top] = bad
+                else:
+                    hf[top][sub] = bad
+                try:
+                    ModelConfig.from_hf_config(hf)
+                except ValueError:
+                    cases += 1
+    assert cases > 500  # most of them are refused; none raised anything but ValueError
+
+
+def test_null_and_wrongly_typed_fields_are_named():
+    hf = get_preset("tiny").to_hf_config()
+    with pytest.raises(ValueError, match=r"no value for vocab_size \(missing or null\)"):
+        ModelConfig.from_hf_config(dict(hf, vocab_size=None))
+    with pytest.raises(ValueError, match="rms_norm_eps must be a number, got 'x'"):
+        ModelConfig.from_hf_config(dict(hf, rms_norm_eps="x"))
+    with pytest.raises(ValueError, match="rope_scaling must be an object"):
+        ModelConfig.from_hf_config(dict(hf, rope_scaling="yarn"))
+    with pytest.raises(ValueError, match="kda_layers must be a list of integers"):
+        ModelConfig.from_hf_config(dict(hf, linear_attn_config=dict(
+            hf["linear_attn_config"], kda_layers=[1, "a"])))
+
+
+def test_config_file_with_null_vocab_is_one_line(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(get_preset("tiny").to_hf_config(), vocab_size=None)))
+    assert main(["params", "--config", str(path)]) == 2
+    assert "vocab_size (missing or null)" in _one_error_line(capsys, "params")
+
+
+def test_train_config_types_are_checked():
+    for field, bad in (("learning_rate", "x"), ("b1", None), ("eps", float("nan")),
+                       ("clip_norm", [1])):
+        with pytest.raises(ValueError, match=f"train.{field} must be a number"):
+            TrainConfig(**{field: bad})
+
+
+def test_train_set_bad_learning_rate_is_one_line(tmp_path, capsys):
+    code = main(["train", "--preset", "tiny", "--steps", "3", "--run-dir",
+                 str(tmp_path / "run"), "--train-set", 'learning_rate="x"'])
+    assert code == 2
+    assert "train.learning_rate must be a number, got 'x'" in _one_error_line(capsys, "train")
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_default_warmup_fits_short_and_long_runs():
+    assert TrainConfig(steps=3).warmup == 0  # `kdsa train --steps 3` is a valid run
+    assert TrainConfig(steps=50).warmup == 5
+    assert TrainConfig(steps=1000).warmup == 10
+    assert TrainConfig(steps=3, warmup_steps=1).warmup == 1
+    with pytest.raises(ValueError, match="must exceed warmup_steps=5"):
+        TrainConfig(steps=5, warmup_steps=5)
+
+
+@contextlib.contextmanager
+def _tmpfs(path, *options):
+    """A small tmpfs at ``path`` (root only; skipped where mounting is not allowed)."""
+    path.mkdir()
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(path)],
+                         capture_output=True)
+    if got.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("options, message", [
+    (("size=50M", "ro"), "is not writable (Read-only file system)"),
+    (("size=1M",), "MiB free, but 3 kept checkpoints plus the one being written need"),
+])
+def test_read_only_or_full_run_dir_is_one_line_before_compiling(tmp_path, capsys, options,
+                                                                 message):
+    with _tmpfs(tmp_path / "fs", *options) as fs:
+        code = main(["train", "--preset", "tiny", "--steps", "3", "--no-progress",
+                     "--run-dir", str(fs / "run")])
+    assert code == 2
+    assert message in _one_error_line(capsys, "train")
+
+
+def test_documents_of_the_wrong_type_are_refused(tmp_path):
+    for line, what in (('{"text": 42}', "'text' must be a string, got 42"),
+                       ('{"tokens": "abc"}', "'tokens' must be a list of integers"),
+                       ('{"tokens": [1, true]}', "'tokens' must be a list of integers")):
+        path = tmp_path / "docs.jsonl"
+        path.write_text('{"text": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"docs.jsonl:2: {what}"):
+            PackedJsonlData(path, 1, 8, 0, vocab_size=256)
+
+
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_interrupts():
+    before = signal.getsignal(signal.SIGINT)
+    with _StopFlag() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.set and stop_reason(flag, None, 1, 10) == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    with _StopFlag() as flag:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop_reason(flag, None, 1, 10) == "SIGTERM"
+    assert signal.getsignal(signal.SIGINT) is before  # restored
