@@ -14,13 +14,17 @@ def register(sub) -> None:
                        description="Stream a checkpoint between Hugging Face safetensors "
                                    "(kimi_k3, kimi_linear, deepseek_v32 layouts) and kdsa's "
                                    "Orbax format. Output is written to a temporary directory "
-                                   "and renamed when complete.")
+                                   "and renamed when complete. An existing DST is replaced "
+                                   "only with --overwrite, and only if it is a kdsa model "
+                                   "folder or a Hugging Face checkpoint folder; DST may never "
+                                   "be SRC, contain it or lie inside it.")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     a = conv.add_parser("hf-to-orbax", help="HF directory -> Orbax checkpoint")
     a.add_argument("src", type=abs_path,
                    help="HF directory: config.json + *.safetensors (+ index)")
     a.add_argument("dst", type=abs_path,
-                   help="Orbax checkpoint directory to create (replaced if it exists)")
+                   help="Orbax checkpoint directory to create (an existing one needs "
+                        "--overwrite)")
     add_config_args(a, default_preset=None)
     a.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                    help="routed-expert storage in the model (default: as in the source)")
@@ -31,11 +35,14 @@ def register(sub) -> None:
                         "fsdp=4,expert=2 (axes: data, fsdp, expert, tensor, sequence)")
     a.add_argument("--batch-size", default="1GB", help="bytes per Orbax write batch (1GB)")
     a.add_argument("--seed", type=int, default=0, help="seed of freshly initialised tensors")
+    a.add_argument("--allow-partial", action="store_true",
+                   help="allow a config with fewer layers than the source (converts the first "
+                        "ones, with a warning); refused without it")
     _common(a)
     b = conv.add_parser("orbax-to-hf", help="Orbax checkpoint -> HF directory")
     b.add_argument("src", type=abs_path, help="kdsa Orbax checkpoint directory")
     b.add_argument("dst", type=abs_path,
-                   help="HF directory to create (replaced if it exists)")
+                   help="HF directory to create (an existing one needs --overwrite)")
     b.add_argument("--experts", choices=("mxfp4", "bf16"), default=None,
                    help="routed-expert tensors to write (default: as stored)")
     b.add_argument("--layout", choices=("kimi_k3", "kimi_linear", "deepseek_v32"),
@@ -51,6 +58,9 @@ def _common(p) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="validate names, shapes and dtypes; write nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST (only a kdsa model folder or a Hugging Face "
+                        "checkpoint folder; never SRC or a folder holding it)")
 
 
 def parse_size(text: str) -> int:
@@ -73,7 +83,8 @@ def run(args) -> int:
     if args.direction == "orbax-to-hf":
         s = convert.orbax_to_hf(args.src, args.dst, experts=args.experts, layout=args.layout,
                                 dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size),
-                                dry_run=args.dry_run, progress=not args.no_progress)
+                                dry_run=args.dry_run, progress=not args.no_progress,
+                                overwrite=args.overwrite)
         print(s.format())
         return 0
     config = None
@@ -96,6 +107,7 @@ def run(args) -> int:
     s = convert.hf_to_orbax(args.src, args.dst, config=config, experts=args.experts, mesh=mesh,
                             layout=args.layout, dry_run=args.dry_run,
                             progress=not args.no_progress, seed=args.seed,
-                            batch_bytes=parse_size(args.batch_size))
+                            batch_bytes=parse_size(args.batch_size), overwrite=args.overwrite,
+                            allow_partial=args.allow_partial)
     print(s.format())
     return 0

@@ -6,6 +6,10 @@ variable of the model, flat keys joined with dots) and whose custom metadata hol
 ``{"kdsa": {"format": 1, "config": ModelConfig.to_hf_config(), "params": {key: [shape,
 dtype]}, ...}}``. The config travels with the weights, so :func:`load_model` needs nothing else.
 
+Writing refuses a destination that is a source, contains or lies inside one, or exists
+without ``overwrite`` (then only a kdsa model folder or a Hugging Face folder is replaced):
+``kdsa.model.folders.check_destination``.
+
 Writing streams: arrays are handed over in batches of at most ``batch_bytes`` (Orbax "partial
 save", each batch written and released before the next is produced, then one ``finalize``), so
 a converter never holds the whole model. Writing is atomic: everything goes to a hidden temporary
@@ -15,13 +19,19 @@ at ``path`` is replaced only then, and an interrupted run leaves it untouched (p
 
 Reading: :func:`load_model` builds the model abstractly (``nnx.eval_shape``), gives every
 variable its target sharding (``kdsa.sharding.rules.state_shardings`` on ``mesh``, or one
-device), and restores straight into those arrays. A directory that is not an Orbax checkpoint,
-an Orbax checkpoint that kdsa did not write, one whose parameters do not match its config, or one
-whose data is damaged raises ``ValueError`` naming the path and the problem.
+device), and restores straight into those arrays. Besides a model folder it reads the model
+out of a training checkpoint (``RUN_DIR/checkpoints/N``, or ``RUN_DIR/checkpoints`` / ``RUN_DIR``
+for the newest step; ``kdsa.model.folders.locate``): the ``state`` item holds every variable as
+``params.KEY`` (trained) or ``rest.KEY``, the ``meta`` JSON item the model config. A directory
+that is none of these, an Orbax checkpoint that kdsa did not write, one whose parameters do not
+match its config, or one whose data is damaged raises ``CheckpointError`` (a ``ValueError``)
+naming the path and the problem in one line. Relative paths are made absolute first.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -33,14 +43,12 @@ import numpy as np
 from flax import nnx
 
 from kdsa.model.config import ModelConfig
+from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
+                                one_line, orbax_reason, quiet_orbax)
 
 FORMAT_VERSION = 1
 DEFAULT_BATCH_BYTES = 1 << 30
 ParamItem = tuple[str, Callable[[], jax.Array]]  # (flat key, producer)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read or written as asked."""
 
 
 def _ocp():
@@ -89,8 +97,14 @@ def _tmp_sibling(path: Path, tag: str) -> Path:
 def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[ParamItem], *,
                 metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
                 on_saved: Callable[[str, jax.Array], None] | None = None,
-                compress: bool = False) -> Path:
+                compress: bool = False, overwrite: bool = False,
+                sources: Iterable[str | os.PathLike] = ()) -> Path:
     """Stream ``(key, producer)`` items into a new checkpoint at ``path`` (atomic).
+
+    ``path`` is checked first by ``kdsa.model.destination.check_destination``: an existing
+    ``path`` is replaced only with ``overwrite`` and only if it is a kdsa model folder or a
+    Hugging Face checkpoint folder; ``sources`` (the paths the caller reads from) may not be,
+    contain or hold ``path``.
 
     Producers are called in order; arrays are written in batches of at most ``batch_bytes``
     (a larger array alone) and dropped after each batch. ``on_saved(key, array)`` is called
@@ -100,7 +114,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     it costs CPU time on every write). Returns ``path``.
     """
     ocp = _ocp()
-    path = Path(path)
+    path = check_destination(path, sources=sources, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
     abstract = flat_variables(nnx.state(abstract_model(config)))
     want = {k: [list(v.shape), str(v.dtype)] for k, v in abstract.items()}
@@ -156,7 +170,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         with ctx:
             ocp.partial.finalize(tmp)
         if primary:
-            _replace(tmp, path)
+            replace_folder(tmp, path)
         _sync("kdsa_checkpoint_renamed")
     except BaseException:
         if primary:
@@ -166,12 +180,14 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     return path
 
 
-def _replace(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first, removed after."""
+def replace_folder(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first (``NAME.kdsa-old``)
+    and removed after, so ``path`` is always either the old or the new folder. The caller has
+    checked ``path`` (``check_destination``); a symbolic link there is replaced, not followed."""
     old = None
-    if path.exists():
+    if os.path.lexists(path):
         old = _tmp_sibling(path, "old")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.rename(path, old)
     try:
         os.rename(tmp, path)
@@ -180,7 +196,14 @@ def _replace(tmp: Path, path: Path) -> None:
             os.rename(old, path)
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(p: Path) -> None:
+    if p.is_symlink():
+        p.unlink()
+    else:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _sync(name: str) -> None:
@@ -191,61 +214,138 @@ def _sync(name: str) -> None:
 
 
 def save_model(path: str | os.PathLike, config: ModelConfig, model: nnx.Module, *,
-               metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES) -> Path:
-    """Save every variable of ``model`` (built from ``config``) atomically to ``path``."""
+               metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
+               overwrite: bool = False) -> Path:
+    """Save every variable of ``model`` (built from ``config``) atomically to ``path``; an
+    existing kdsa model folder there is replaced only with ``overwrite`` (``save_params``)."""
     variables = flat_variables(nnx.state(model))
     items = ((k, (lambda v=v: v[...])) for k, v in variables.items())
-    return save_params(path, config, items, metadata=metadata, batch_bytes=batch_bytes)
+    return save_params(path, config, items, metadata=metadata, batch_bytes=batch_bytes,
+                       overwrite=overwrite)
 
 
 # ------------------------------------------------------------------------------- reading
 
-def read_info(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """``(config, kdsa metadata)`` of a checkpoint written by kdsa; clear errors otherwise."""
+def _orbax_metadata(path: Path, item: str | None = None):
+    """``(Orbax CheckpointMetadata, why its array tree is missing or "")``: Orbax logs why it
+    could not read the tree and returns None for it."""
     ocp = _ocp()
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
+    with quiet_orbax() as logged:
+        try:
+            meta = ocp.metadata(path, **({} if item is None else {"checkpointable_name": item}))
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds
+            raise CheckpointError(f"{path}: an Orbax checkpoint whose metadata cannot be read "
+                                  f"(damaged?): {orbax_reason(e)}") from None
+    why = next((": " + one_line(m.split("Error details:", 1)[1]) for m in logged
+                if "Error details:" in m), "")
+    return meta, why
+
+
+def _arrays(path: Path, meta, why: str) -> dict:
+    """The array metadata tree (``{name: ArrayMetadata}``), or the error saying why not."""
+    if not isinstance(meta.metadata, dict):
+        raise CheckpointError(f"{path}: the array metadata cannot be read (damaged or "
+                              f"truncated checkpoint?){why}")
+    return meta.metadata
+
+
+def read_info(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """``(config, kdsa metadata)`` of a checkpoint written by kdsa (a model folder, or a
+    training checkpoint: :func:`locate`); clear errors otherwise. For a training checkpoint the
+    metadata is ``{"format", "config", "params", "training": {"step", "path"}}``."""
+    path, training = locate(path)
+    if training:
+        config, info, _ = _train_info(path)
+        return config, dict(info)
+    if folder_kind(path) == HF:
+        raise CheckpointError(f"{path}: a Hugging Face checkpoint folder, not a kdsa one; "
+                              f"convert it first: kdsa convert hf-to-orbax {path} DST")
     if not any((path / f).exists() for f in ("_CHECKPOINT_METADATA", "orbax.checkpoint")):
-        raise CheckpointError(f"{path}: not an Orbax checkpoint (no _CHECKPOINT_METADATA)")
-    try:
-        meta = ocp.metadata(path)
-    except Exception as e:  # noqa: BLE001 - orbax raises many kinds
-        raise CheckpointError(f"{path}: an Orbax checkpoint whose metadata cannot be read "
-                              f"(damaged?): {type(e).__name__}: {str(e)[:300]}") from None
+        raise CheckpointError(f"{path}: not an Orbax checkpoint (no _CHECKPOINT_METADATA); "
+                              f"expected a kdsa model folder, a training checkpoint "
+                              f"RUN_DIR/checkpoints/N, RUN_DIR/checkpoints or RUN_DIR")
+    meta, why = _orbax_metadata(path)
     ours = (meta.custom_metadata or {}).get("kdsa")
     if not isinstance(ours, dict) or "config" not in ours or "params" not in ours:
         raise CheckpointError(f"{path}: an Orbax checkpoint, but not one written by kdsa (no "
-                              f"'kdsa' model metadata); write it with kdsa.model.checkpoint."
-                              f"save_model or `kdsa convert hf-to-orbax`")
+                              f"'kdsa' model metadata, and not a training checkpoint); write it "
+                              f"with kdsa.model.checkpoint.save_model or `kdsa convert "
+                              f"hf-to-orbax`")
     if ours.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: kdsa checkpoint format {ours.get('format')!r}, this "
                               f"version reads format {FORMAT_VERSION}")
-    try:
-        config = ModelConfig.from_hf_config(ours["config"])
-    except (TypeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path}: the stored model config is invalid: {e}") from None
-    stored = set(meta.metadata.get("params", {}) if isinstance(meta.metadata, dict) else ())
+    config = _config(path, ours["config"])
+    stored = set(_arrays(path, meta, why).get("params", {}))
     if stored != set(ours["params"]):
         raise CheckpointError(f"{path}: the stored arrays do not match the parameter list "
                               f"(missing {sorted(set(ours['params']) - stored)[:5]})")
     return config, ours
 
 
+def _config(path: Path, hf: dict) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf_config(hf)
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: the stored model config is invalid: {e}") from None
+
+
+def _train_info(step: Path) -> tuple[ModelConfig, dict, dict[str, str]]:
+    """``(config, metadata, {model key: state key})`` of a training checkpoint folder; the
+    model's variables are the state's ``params.KEY`` (trained) and ``rest.KEY`` (the rest)."""
+    return _train_info_cached(str(step), (step / "_CHECKPOINT_METADATA").stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _train_info_cached(step_dir: str, stamp: int) -> tuple[ModelConfig, dict, dict[str, str]]:
+    step = Path(step_dir)
+    what = f"{step}: a kdsa training checkpoint"
+    try:
+        meta = json.loads((step / "meta" / "metadata").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{what} whose meta item cannot be read (damaged?): "
+                              f"{one_line(str(e))}") from None
+    hf = meta.get("model_config") if isinstance(meta, dict) else None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{what} without a model config in its meta item (an RL "
+                              f"reference policy holds parameters only)")
+    config = _config(step, hf)
+    stored = _arrays(step, *_orbax_metadata(step, "state"))
+    names, missing = {}, []
+    for k in flat_variables(nnx.state(abstract_model(config))):
+        name = next((f"{part}.{k}" for part in ("params", "rest") if f"{part}.{k}" in stored),
+                    None)
+        if name is None:
+            missing.append(k)
+        names[k] = name
+    if missing:
+        raise CheckpointError(f"{what}, but its state lacks {len(missing)} variable(s) of the "
+                              f"model config it names, e.g. {missing[:3]}")
+    params = {k: [list(stored[n].shape), str(stored[n].dtype)] for k, n in names.items()}
+    info = {"format": FORMAT_VERSION, "config": hf, "params": params,
+            "training": {"step": meta.get("step"), "path": str(step)}}
+    return config, info, names
+
+
 def load_params(path: str | os.PathLike, targets: dict[str, jax.ShapeDtypeStruct]
                 ) -> dict[str, jax.Array]:
     """Restore the named parameters (a subset is fine) into ``targets``' shapes, dtypes and
-    shardings. Damaged data raises :class:`CheckpointError`."""
+    shardings, from a model folder or a training checkpoint (:func:`locate`). Damaged data
+    raises :class:`CheckpointError`."""
     ocp = _ocp()
+    path, training = locate(path)
     ctx = ocp.Context()
     ctx.pytree.loading.partial_load = True
+    names = _train_info(path)[2] if training else None
     try:
-        with ctx:
-            out = ocp.load(Path(path), {"params": targets})
+        with ctx, quiet_orbax():
+            if names is None:
+                return ocp.load(path, {"params": targets})["params"]
+            out = ocp.load(path, {names[k]: t for k, t in targets.items()},
+                           checkpointable_name="state")
     except Exception as e:  # noqa: BLE001 - tensorstore / orbax errors of many kinds
         raise CheckpointError(f"{path}: cannot restore {len(targets)} parameter(s) (damaged or "
-                              f"incompatible data?): {type(e).__name__}: {str(e)[:300]}") from None
-    return out["params"]
+                              f"incompatible data?): {orbax_reason(e)}") from None
+    return {k: out[names[k]] for k in targets}
 
 
 def iter_params(path: str | os.PathLike, config: ModelConfig, keys: Iterable[str] | None = None,
@@ -261,8 +361,10 @@ def iter_params(path: str | os.PathLike, config: ModelConfig, keys: Iterable[str
 
 def load_model(path: str | os.PathLike, mesh=None, *, layout: str = "train"
                ) -> tuple[ModelConfig, nnx.Module]:
-    """Restore a kdsa checkpoint: ``(config, model)`` with every variable placed by
-    ``layout``'s sharding rules on ``mesh`` (or on one device when ``mesh`` is None)."""
+    """Restore a kdsa checkpoint (a model folder, or the model inside a training checkpoint:
+    :func:`locate`): ``(config, model)`` with every variable placed by ``layout``'s sharding
+    rules on ``mesh`` (or on one device when ``mesh`` is None)."""
+    path = locate(path)[0]
     config, ours = read_info(path)
     abstract = abstract_model(config)
     graphdef, state = nnx.split(abstract)

@@ -98,7 +98,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(saved, tmp_path):
             yield item
 
     with pytest.raises(KeyboardInterrupt):
-        ckpt.save_params(dst, CONFIG, failing(), batch_bytes=1)
+        ckpt.save_params(dst, CONFIG, failing(), batch_bytes=1, overwrite=True)
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
     _, model = ckpt.load_model(dst)
     k = next(iter(values))
@@ -116,6 +116,32 @@ def test_wrong_parameters_are_refused_by_name(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="never given"):
         ckpt.save_params(tmp_path / "bad", CONFIG, items(values))
     assert not any(tmp_path.iterdir())
+
+
+def test_save_refuses_existing_destinations(saved, tmp_path):
+    """``save_params`` / ``save_model`` replace an existing kdsa folder only with
+    ``overwrite=True``, and never an unrelated folder or a file (nothing is touched)."""
+    path, values = saved
+    dst = tmp_path / "model"
+    ckpt.save_params(dst, CONFIG, items(values))
+    before = sorted(p.name for p in dst.rglob("*"))
+    _, model = ckpt.load_model(dst)
+    with pytest.raises(ValueError,
+                       match="already exists .a kdsa model folder.; pass --overwrite"):
+        ckpt.save_model(dst, CONFIG, model)
+    assert sorted(p.name for p in dst.rglob("*")) == before
+    ckpt.save_model(dst, CONFIG, model, overwrite=True)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    (tmp_path / "file.bin").write_bytes(b"keep")
+    for target in (other, tmp_path / "file.bin"):
+        with pytest.raises(ValueError, match="is not a kdsa model folder .* even with "
+                                             "--overwrite"):
+            ckpt.save_model(target, CONFIG, model, overwrite=True)
+    assert (other / "todo.txt").read_text() == "keep me"
+    assert (tmp_path / "file.bin").read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.bin", "model", "notes"]
 
 
 def test_foreign_and_damaged_directories(saved, tmp_path):
@@ -140,5 +166,30 @@ def test_foreign_and_damaged_directories(saved, tmp_path):
     assert data
     for p in data:
         p.write_bytes(p.read_bytes()[:16])
-    with pytest.raises(ckpt.CheckpointError, match="damaged"):
+    with pytest.raises(ckpt.CheckpointError, match="broken: the array metadata cannot be read "
+                                                   r"\(damaged or truncated checkpoint\?\): "
+                                                   "OUT_OF_RANGE"):
         ckpt.load_model(broken)
+
+
+def test_truncated_array_data_message(saved, tmp_path, capsys):
+    """Array data cut in half (metadata intact): one line naming the folder and TensorStore's
+    reason, without the ``<bound method ...>`` repr and spec dump Orbax's message embeds, and
+    no Orbax log spam on stderr."""
+    import shutil
+
+    path, _ = saved
+    cut = tmp_path / "cut"
+    shutil.copytree(path, cut)
+    data = [p for p in cut.rglob("*") if p.is_file() and p.parent.name == "d"
+            and p.parent.parent.name.startswith("ocdbt.process")]
+    assert data
+    for p in data:
+        p.write_bytes(p.read_bytes()[:p.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load_model(cut)
+    msg = str(e.value)
+    assert msg.startswith(f"{cut}: cannot restore") and "damaged" in msg, msg
+    assert "Requested byte range" in msg and "\n" not in msg, msg
+    assert "bound method" not in msg and "tensorstore_spec" not in msg, msg
+    assert "Traceback" not in capsys.readouterr().err

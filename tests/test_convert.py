@@ -339,8 +339,9 @@ def test_failed_conversion_keeps_previous_output(work, micro):
     dst = work / "keep"
     convert.hf_to_orbax(DATA / "deepseek_v32", dst, progress=False)
     before = sorted(p.name for p in dst.rglob("*"))
-    with pytest.raises(ValueError):
-        convert.hf_to_orbax(DATA / "deepseek_v32", dst, layout="kimi_linear", progress=False)
+    with pytest.raises(ValueError, match="does not match layout kimi_linear"):
+        convert.hf_to_orbax(DATA / "deepseek_v32", dst, layout="kimi_linear", progress=False,
+                            overwrite=True)
     assert sorted(p.name for p in dst.rglob("*")) == before
     assert ckpt.read_info(dst)[0].num_hidden_layers == 3
     assert [p.name for p in work.iterdir() if p.name.startswith("keep")] == ["keep"]

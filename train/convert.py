@@ -35,6 +35,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
+from kdsa.model.folders import check_destination
 from kdsa.train import mappings as mp
 from kdsa.train.convert_export import NP_OF, Loader, export_specs
 from kdsa.train.convert_plan import (Param, check_source, config_from_hf, plan_params,
@@ -135,10 +136,18 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
                 config: ModelConfig | None = None, experts: str | None = None, mesh=None,
                 layout: str | None = None, sharding_layout: str = "train",
                 dry_run: bool = False, progress: bool = True, seed: int = 0,
-                batch_bytes: int = ckpt.DEFAULT_BATCH_BYTES) -> Summary:
-    """Convert a Hugging Face checkpoint directory into an Orbax checkpoint at ``dst``."""
+                batch_bytes: int = ckpt.DEFAULT_BATCH_BYTES, overwrite: bool = False,
+                allow_partial: bool = False) -> Summary:
+    """Convert a Hugging Face checkpoint directory into an Orbax checkpoint at ``dst``.
+
+    ``dst`` follows ``kdsa.model.folders.check_destination`` (checked first, dry run too): an
+    existing one is replaced only with ``overwrite``. A ``config`` with fewer layers than the
+    source is refused unless ``allow_partial`` (then the first layers are converted, with a
+    warning on stderr).
+    """
     t0, rss0 = time.perf_counter(), _rss_now()
-    src = Path(src)
+    src = Path(src).absolute()
+    dst = check_destination(dst, sources=[src], overwrite=overwrite)
     hf = read_hf_config(src)
     st = SafetensorsCheckpoint(src)
     name = layout or mp.detect_layout(hf, st.names())
@@ -148,6 +157,8 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
     elif experts is not None and experts != config.expert_weight_format:
         config = config.replace(expert_weight_format=experts,
                                 moe_impl=config.moe_impl if experts == "mxfp4" else "xla")
+    _check_layers(src, config, mp.normalize_hf_config(hf, lay).get("num_hidden_layers"),
+                  allow_partial)
     params = plan_params(config, lay)
     used, ignored, dtypes = check_source(params, lay, config, st)
     summary = Summary("hf-to-orbax", name, tensors=len(used), ignored=ignored, dry_run=dry_run,
@@ -183,7 +194,8 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
         try:
             ckpt.save_params(dst, config, ((p.key, (lambda p=p: produce(p))) for p in params),
                              metadata=meta, batch_bytes=batch_bytes,
-                             on_saved=lambda k, a: bar.update(a.nbytes))
+                             on_saved=lambda k, a: bar.update(a.nbytes), overwrite=overwrite,
+                             sources=[src])
         finally:
             bar.close()
         summary.bytes_written = bar.done
@@ -193,15 +205,32 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
     return summary
 
 
+def _check_layers(src: Path, config: ModelConfig, source_layers, allow_partial: bool) -> None:
+    """Fewer layers in ``config`` than in the source would silently drop the last ones."""
+    if not isinstance(source_layers, int) or config.num_hidden_layers >= source_layers:
+        return
+    what = (f"{src}: the config has {config.num_hidden_layers} layers, the source "
+            f"{source_layers}")
+    if not allow_partial:
+        raise ValueError(f"{what}; converting would drop the last "
+                         f"{source_layers - config.num_hidden_layers} (pass --allow-partial to "
+                         f"convert only the first {config.num_hidden_layers})")
+    print(f"warning: {what}; converting only the first {config.num_hidden_layers} "
+          f"(--allow-partial)", file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------------------------------ orbax -> hf
 
 def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str | None = None,
                 layout: str | None = None, dtype: str | None = None,
                 max_shard_bytes: int = 5 * 10**9, dry_run: bool = False,
-                progress: bool = True) -> Summary:
-    """Write a kdsa Orbax checkpoint as Hugging Face safetensors shards + index + config."""
+                progress: bool = True, overwrite: bool = False) -> Summary:
+    """Write a kdsa Orbax checkpoint (a model folder, or a training checkpoint:
+    ``kdsa.model.folders.locate``) as Hugging Face safetensors shards + index + config. ``dst``
+    follows ``kdsa.model.folders.check_destination`` (``overwrite`` to replace one)."""
     t0, rss0 = time.perf_counter(), _rss_now()
-    src, dst = Path(src), Path(dst)
+    src = Path(src).absolute()
+    dst = check_destination(dst, sources=[src], overwrite=overwrite)
     config, info = ckpt.read_info(src)
     source = info.get("source") or {}
     name = layout or source.get("layout") or "kimi_k3"
@@ -231,7 +260,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
                 on_tensor=lambda s: bar.update(s.nbytes))
             (tmp / "config.json").write_text(
                 json.dumps(lay.hf_config(config, experts, dtype), indent=2) + "\n")
-            ckpt._replace(tmp, dst)
+            ckpt.replace_folder(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -1,0 +1,182 @@
+"""Checkpoint folders on disk: which folder a path names, and whether a command may replace it.
+
+**Destinations.** ``kdsa convert`` (both directions) and ``kdsa.model.checkpoint.save_params`` /
+``save_model`` write a whole folder into a temporary sibling and rename it onto the destination
+``DST`` when complete, removing what was there. :func:`check_destination` decides, before
+anything is read or written, whether that is allowed:
+
+* ``DST`` may not be a source of the command, contain one (a parent folder) or lie inside one,
+  whatever ``overwrite`` says: paths are compared after ``Path.resolve()``, so symbolic links
+  and ``..`` do not hide the overlap;
+* a ``DST`` that does not exist, or is an empty folder, is fine;
+* any other existing ``DST`` needs ``overwrite`` (``--overwrite``), and even then only a kdsa
+  model folder (an Orbax checkpoint with kdsa metadata) or a Hugging Face checkpoint folder
+  (``config.json`` plus ``*.safetensors`` or the index) is replaced: an unrelated folder, a
+  regular file or a dangling link is refused, so a mistyped path never deletes anything.
+
+**Sources.** :func:`locate` tells which Orbax folder a path names: a kdsa model folder, a
+training checkpoint ``RUN_DIR/checkpoints/N`` (Orbax items ``state`` and ``meta``, written by
+``kdsa.train.checkpointing``), or ``RUN_DIR/checkpoints`` / ``RUN_DIR`` for their newest step.
+
+**Orbax's errors.** Its read errors embed whole TensorStore specs and ``<bound method ...>``
+reprs, and it logs tracebacks while probing; :func:`orbax_reason` and :func:`quiet_orbax` turn
+that into one line.
+
+This module lives in ``model/`` (the lowest package that needs it) and imports nothing from kdsa.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+KDSA = "a kdsa model folder"
+HF = "a Hugging Face checkpoint folder"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read or written as asked."""
+
+
+class DestinationError(ValueError):
+    """A destination the command refuses to write (one line naming the path and the reason)."""
+
+
+def folder_kind(path: str | os.PathLike) -> str | None:
+    """``KDSA``, ``HF`` or None (anything else, including a missing path) for ``path``."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    meta = p / "_CHECKPOINT_METADATA"
+    if meta.is_file():
+        try:
+            custom = json.loads(meta.read_text()).get("custom_metadata") or {}
+        except (OSError, ValueError, AttributeError):
+            return None
+        return KDSA if isinstance(custom, dict) and isinstance(custom.get("kdsa"), dict) \
+            else None
+    if (p / "config.json").is_file() and ((p / "model.safetensors.index.json").is_file()
+                                          or any(p.glob("*.safetensors"))):
+        return HF
+    return None
+
+
+def _describe(p: Path) -> str:
+    if p.is_symlink() and not p.exists():
+        return "a dangling symbolic link"
+    if not p.is_dir():
+        return "a regular file" if p.is_file() else "not a folder"
+    names = sorted(c.name for c in p.iterdir())
+    entries = "1 entry" if len(names) == 1 else f"{len(names)} entries"
+    return f"a folder holding {entries}, e.g. {names[:3]}"
+
+
+def check_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.PathLike] = (),
+                      overwrite: bool = False) -> Path:
+    """``dst`` made absolute, or :class:`DestinationError` when writing it is refused (the
+    rules are in the module docstring). ``sources``: the paths the command reads."""
+    dst = Path(dst).expanduser().absolute()
+    real = dst.resolve()
+    for src in sources:
+        s = Path(src).expanduser().absolute().resolve()
+        if real == s:
+            raise DestinationError(f"{dst}: is the source of this command; write to another "
+                                   f"folder")
+        if s.is_relative_to(real):
+            raise DestinationError(f"{dst}: contains the source {src}; replacing it would "
+                                   f"delete the source")
+        if real.is_relative_to(s):
+            raise DestinationError(f"{dst}: is inside the source {src}; write outside it")
+    if not os.path.lexists(dst):
+        return dst
+    if dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir()):
+        return dst  # an empty folder: nothing to lose
+    kind = folder_kind(dst)
+    if kind is None:
+        raise DestinationError(f"{dst}: exists and is not a kdsa model folder or a Hugging Face "
+                               f"checkpoint folder ({_describe(dst)}); refusing to replace it, "
+                               f"even with --overwrite")
+    if not overwrite:
+        raise DestinationError(f"{dst}: already exists ({kind}); pass --overwrite (Python: "
+                               f"overwrite=True) to replace it")
+    return dst
+
+
+# ------------------------------------------------------------------------------- reading
+
+def _is_train_step(p: Path) -> bool:
+    """A ``train/checkpointing.py`` step folder: Orbax items ``state`` (the train state) and
+    ``meta`` (JSON)."""
+    return ((p / "_CHECKPOINT_METADATA").is_file() and (p / "state").is_dir()
+            and (p / "meta").is_dir())
+
+
+def train_steps(root: str | os.PathLike) -> list[int]:
+    """The complete training checkpoint steps in ``root`` (a ``RUN_DIR/checkpoints``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(int(c.name) for c in root.iterdir() if c.name.isdigit() and _is_train_step(c))
+
+
+def locate(path: str | os.PathLike) -> tuple[Path, bool]:
+    """``(folder, is_training_checkpoint)`` for what ``path`` names: a kdsa model folder is
+    itself; a training checkpoint ``RUN_DIR/checkpoints/N`` too; ``RUN_DIR/checkpoints`` and
+    ``RUN_DIR`` name their newest step. Relative paths are made absolute (Orbax needs it)."""
+    path = Path(path).expanduser().absolute()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if _is_train_step(path):
+        return path, True
+    if not (path / "_CHECKPOINT_METADATA").exists():
+        for root in (path, path / "checkpoints"):
+            steps = train_steps(root)
+            if steps:
+                return root / str(steps[-1]), True
+    return path, False
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """Keep Orbax's log records (absl warnings with whole TensorStore specs, asyncio's "Task
+    exception was never retrieved") off stderr during the block; yields the list of their
+    messages, so an error can quote the one line that matters."""
+    got: list[str] = []
+
+    class _Keep(logging.Filter):
+        def filter(self, record):
+            got.append(record.getMessage())
+            return False
+
+    keep = _Keep()
+    loggers = [logging.getLogger(n) for n in ("absl", "asyncio")]
+    for lg in loggers:
+        lg.addFilter(keep)
+    try:
+        yield got
+    finally:
+        for lg in loggers:
+            lg.removeFilter(keep)
+
+
+def orbax_reason(e: BaseException) -> str:
+    """The innermost cause of an Orbax / TensorStore error in one short line: no TensorStore
+    spec, no ``<bound method ...>`` repr (what Orbax's read errors embed)."""
+    seen = {id(e)}
+    while (e.__cause__ or e.__context__) is not None and id(e.__cause__ or e.__context__) \
+            not in seen:
+        e = e.__cause__ or e.__context__
+        seen.add(id(e))
+    return f"{type(e).__name__}: {one_line(str(e))}"
+
+
+def one_line(text: str) -> str:
+    """An Orbax / TensorStore message cut to its first line, without the spec dumps."""
+    text = re.split(r"\s*\[tensorstore_spec=|\s*See full TensorStore details", text)[0]
+    text = re.sub(r"<bound method [^>]*>?", "", text).strip().splitlines()
+    return (text[0] if text else "")[:240]
