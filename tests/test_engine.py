@@ -104,6 +104,32 @@ def test_context_limit_and_bad_prompts(engine, prompts):
         engine.submit(Request([]))
 
 
+def test_failed_decode_step_leaves_later_requests_exact(engine, prompts, batched):
+    """A decode step that raises (mid-generation, slots holding cache rows) aborts that step's
+    requests only; the engine goes on and the same prompts then give the same greedy tokens:
+    freed slots start clean."""
+    real, calls = engine.runner.decode, []
+
+    def flaky(*a):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected decode failure")
+        return real(*a)
+    engine.runner.decode = flaky
+    try:
+        got = engine.generate([Request(p, _greedy()) for p in prompts], raise_errors=False)
+    finally:
+        engine.runner.decode = real
+    aborted = [c for c in got if c.finish_reason == "abort"]
+    assert len(aborted) == SLOTS and all("injected decode" in c.error for c in aborted)
+    assert all(s is None for s in engine.slots) and engine.healthy
+    again = engine.generate([Request(p, _greedy()) for p in prompts])
+    assert [c.token_ids for c in again] == [c.token_ids for c in batched]
+    for c, b in zip(got, batched):
+        if c.error is None:
+            assert c.token_ids == b.token_ids
+
+
 def test_length_buckets():
     assert length_buckets(8, 16) == (8, 16)
     assert length_buckets(16, 100) == (16, 32, 64, 100)
