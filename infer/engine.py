@@ -35,10 +35,10 @@ request's work (image encoding, a prefill chunk, packing its sampling row, its p
 ``on_event``) finishes that request with ``abort`` and ``Completion.error`` set; one in work
 shared by a batch (the decode step, the sampler) finishes every request of that step the same
 way. Their slots are freed (a new request's first prefill chunk zeroes its cache row), so later
-requests are unaffected. When ``max_consecutive_failures`` steps in a row had their model calls
-fail and none succeed, or the loop itself stops, the engine is dead: ``Engine.failure`` names
-why, every request still held is aborted with that error, and :meth:`Engine.submit` raises
-:class:`EngineDead`.
+requests are unaffected. When ``max_consecutive_failures`` (default 3) calls of one kind --
+prefill, decode, the sampler, the step itself -- fail in a row with no success between, or the
+serving loop ends by itself, the engine is dead: ``Engine.failure`` names why, every request
+still held is aborted with that error, and :meth:`Engine.submit` raises :class:`EngineDead`.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ class Engine:
         self.runner, self.tok = runner, tokenizer
         self.max_failures = max_consecutive_failures
         self.failure: str | None = None  # set when the engine is dead (EngineDead)
-        self._failed_steps = 0  # consecutive steps whose model calls all failed
-        self._calls = {"ok": 0, "failed": 0}  # model calls in the current step
+        self._failures = collections.Counter()  # consecutive failures per kind of call
+        self._doomed: str | None = None  # why the engine dies at the end of this step
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
         self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
@@ -206,7 +206,8 @@ class Engine:
 
     # ---- thread-safe API ----
     def submit(self, req: Request) -> str:
-        """Queue a request (from any thread). Bad prompts raise ValueError here."""
+        """Queue a request (from any thread). Bad prompts raise ValueError here; a dead engine
+        raises :class:`EngineDead`."""
         n, limit = len(req.prompt), self.runner.max_len
         if n < 1:
             raise ValueError("the prompt is empty")
@@ -269,7 +270,6 @@ class Engine:
         is dead). Never raises for a request's failure: those requests are aborted."""
         if self.failure is not None:
             return False
-        self._calls = {"ok": 0, "failed": 0}
         try:
             self._apply_cancellations()
             did = self._prefill_some()
@@ -281,15 +281,24 @@ class Engine:
             for i, a in enumerate(self.slots):
                 if a is not None:
                     self._fail(i, a, e)
-            self._calls["failed"] += 1
+            self._note("step", e)
             did = True
-        if self._calls["ok"]:
-            self._failed_steps = 0
-        elif self._calls["failed"]:
-            self._failed_steps += 1
-            if self._failed_steps >= self.max_failures:
-                self.die(f"{self._failed_steps} consecutive engine steps failed")
+        else:
+            self._note("step")
+        if self._doomed is not None:
+            self.die(self._doomed)
         return did
+
+    def _note(self, kind: str, error: BaseException | None = None) -> None:
+        """Count a success or failure of one kind of shared work (prefill, decode, sample,
+        step); ``max_consecutive_failures`` failures of one kind in a row doom the engine."""
+        if error is None:
+            self._failures[kind] = 0
+            return
+        self._failures[kind] += 1
+        if self._failures[kind] >= self.max_failures and self._doomed is None:
+            self._doomed = (f"{self._failures[kind]} consecutive {kind} calls failed "
+                            f"(last: {_describe(error)})")
 
     def die(self, reason: str) -> None:
         """Stop for good: every waiting and running request is aborted with ``reason``."""
@@ -382,7 +391,7 @@ class Engine:
                     budget = self._prefill_slot(i, a, budget, did)
                 except Exception as e:  # noqa: BLE001 -- this request fails, not the engine
                     log.exception("prefill of %s failed; aborted", a.req.request_id)
-                    self._calls["failed"] += 1
+                    self._note("prefill", e)
                     self._fail(i, a, e)
                 did = True
         return did
@@ -394,7 +403,7 @@ class Engine:
             chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
             logits = self.runner.prefill(i, chunk, a.prefilled,
                                          **self._chunk_images(a, len(chunk)))
-            self._calls["ok"] += 1
+            self._note("prefill")
             if self._record_routing:
                 a.routing.append(self.runner.last_routing)
             a.prefilled += len(chunk)
@@ -438,11 +447,11 @@ class Engine:
             logits = self.runner.decode(tokens, pos, active)
         except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
             log.exception("decode step failed; its %d requests are aborted", len(rows))
-            self._calls["failed"] += 1
+            self._note("decode", e)
             for i in rows:
                 self._fail(i, self.slots[i], e)
             return
-        self._calls["ok"] += 1
+        self._note("decode")
         if self._record_routing:
             for i in rows:
                 self.slots[i].routing.append(self.runner.last_routing[i:i + 1])
@@ -483,9 +492,10 @@ class Engine:
             out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
                                banned, num_top=self.num_top)
             tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
+            self._note("sample")
         except Exception as e:  # noqa: BLE001 -- shared by the rows: they all fail
             log.exception("sampling failed; %d requests aborted", len(ok))
-            self._calls["failed"] += 1
+            self._note("sample", e)
             for _, i in ok:
                 self._fail(i, self.slots[i], e)
             return

@@ -335,11 +335,14 @@ def check_port(host: str, port: int) -> None:
     """Raise ``ValueError`` (one line) when ``host:port`` cannot be listened on, e.g. another
     server holds it: a bind test as asyncio's own (``SO_REUSEADDR``), so ``kdsa serve`` fails
     before loading a model rather than after its warm-up."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: must be in [0, 65535]")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ValueError(f"--host {host}: {e.strerror}") from None
+    bound, unavailable = 0, None
     for family, kind, proto, _, addr in infos:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -347,12 +350,17 @@ def check_port(host: str, port: int) -> None:
                 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 s.bind(addr)
+                bound += 1
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
                     raise ValueError(f"port {port} on {host} is in use (another server? "
                                      f"choose a free one with --port)") from None
-                raise ValueError(f"cannot listen on {host} port {port}: "
-                                 f"{e.strerror or e}") from None
+                if e.errno != errno.EADDRNOTAVAIL:
+                    raise ValueError(f"cannot listen on {host} port {port}: "
+                                     f"{e.strerror or e}") from None
+                unavailable = e  # a family not enabled here: asyncio skips it too
+    if not bound and unavailable is not None:
+        raise ValueError(f"cannot listen on {host} port {port}: {unavailable.strerror}")
 
 
 class EngineStopped(RuntimeError):
