@@ -28,10 +28,12 @@ This module lives in ``model/`` (the lowest package that needs it) and imports n
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -142,10 +144,12 @@ def locate(path: str | os.PathLike) -> tuple[Path, bool]:
 
 
 @contextlib.contextmanager
-def quiet_orbax():
+def quiet_orbax(collect: bool = False):
     """Keep Orbax's log records (absl warnings with whole TensorStore specs, asyncio's "Task
     exception was never retrieved") off stderr during the block; yields the list of their
-    messages, so an error can quote the one line that matters."""
+    messages, so an error can quote the one line that matters. ``collect``: also run the garbage
+    collector at the end with unraisable-exception reports dropped (a failed restore leaves
+    futures whose collection later prints tracebacks; ~0.2 s, so not for every small read)."""
     got: list[str] = []
 
     class _Keep(logging.Filter):
@@ -160,6 +164,12 @@ def quiet_orbax():
     try:
         yield got
     finally:
+        if collect:
+            hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+            try:
+                gc.collect()
+            finally:
+                sys.unraisablehook = hook
         for lg in loggers:
             lg.removeFilter(keep)
 

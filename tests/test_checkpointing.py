@@ -1,4 +1,7 @@
-"""Checkpoints: bit-exact resume, corrupted-latest fallback, SIGTERM mid-run then resume."""
+"""Checkpoints: bit-exact resume, corrupted-latest fallback, SIGTERM mid-run then resume; a
+corrupt newest step replaced after the fallback (and never outliving readable ones), a resume
+with another config named field by field, metrics without repeated steps, and a training
+checkpoint loaded for generation."""
 
 import dataclasses
 import json
@@ -10,10 +13,11 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from kdsa.model.config import get_preset
-from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.checkpointing import Checkpointer, flatten_state
 from kdsa.train.config import TrainConfig
 from kdsa.train.trainer import prepare, run_training
 
@@ -131,3 +135,156 @@ def test_cli_exit_code_after_sigterm(tmp_path, monkeypatch):
     rc = main(["train", "--preset", "tiny", "--run-dir", str(tmp_path), "--steps", "30",
                "--no-progress"])
     assert rc == trainer.SIGTERM_EXIT_CODE == 143
+
+
+def _garble(step_dir: Path) -> None:
+    """Overwrite the second half of every array data file of a checkpoint step with zeros."""
+    files = [p for p in (step_dir / "state").rglob("*")
+             if p.is_file() and p.parent.name == "d" and p.stat().st_size > 1000]
+    assert files
+    for p in files:
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2:] = bytes(len(raw) - len(raw) // 2)
+        p.write_bytes(bytes(raw))
+
+
+def _tiny_state(x: float) -> dict:
+    import jax.numpy as jnp
+
+    return {"w": jnp.arange(4096, dtype=jnp.float32) + x, "b": {"v": jnp.full((64, 33), x)}}
+
+
+def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path):
+    """keep=2, steps [1, 2] with 2 corrupt: after the fallback to 1, saving step 3 sets the
+    corrupt 2 aside (renamed, not deleted) instead of pruning the readable 1; saving step 2 again
+    (a re-done step that "exists") writes it anew."""
+    template = jax.eval_shape(lambda: _tiny_state(0.0))
+    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
+    for s in (1, 2):
+        ck.save(s, _tiny_state(s), {"data_index": s})
+    ck.close()
+    _garble(tmp_path / "2")
+    messages = []
+    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
+    step, _, _ = ck.restore_latest(template, log=messages.append)
+    assert step == 1 and ck.skipped == [2]
+    assert any("step 2" in m and "falling back to step 1" in m for m in messages), messages
+    assert ck.save(3, _tiny_state(3), {"data_index": 3})
+    ck.wait()
+    assert ck.all_steps() == [1, 3], ck.all_steps()       # 1 kept, the corrupt 2 out of sight
+    assert (tmp_path / "2.corrupt").is_dir()
+    assert ck.save(2, _tiny_state(20), {"data_index": 2}, force=True)  # no longer "exists"
+    ck.close()
+    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
+    assert ck.all_steps() == [2, 3]
+    messages.clear()
+    step, state, meta = ck.restore_latest(template, log=messages.append)
+    assert step == 3 and not messages and float(state["w"][0]) == 3.0
+    ck.close()
+    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
+    got = ck.manager.restore(2, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(flatten_state(template))))
+    assert float(got["state"]["w"][0]) == 20.0                # the re-done step 2, readable
+    ck.close()
+
+
+def _copy_run(run_dir: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run_dir / "checkpoints", dst / "checkpoints")
+    shutil.copy(run_dir / "metrics.jsonl", dst / "metrics.jsonl")
+    return dst
+
+
+def test_resume_after_a_corrupt_newest_saves_it_again_and_metrics_once(full_run, tmp_path):
+    """The run's newest checkpoint (6) is garbled: ``--resume`` falls back to 3, redoes 4-6 with
+    the uninterrupted run's losses, saves step 6 anew (the garbled one set aside), and
+    ``metrics.jsonl`` lists each step once (the lines of 4-6 written before were dropped)."""
+    run_dir, full = full_run
+    _copy_run(run_dir, tmp_path)
+    _garble(tmp_path / "checkpoints" / "6")
+    messages = []
+    rest = run_training(small_config(), TC, tmp_path, progress=False, resume=True,
+                        log=messages.append)
+    assert rest.resumed_from == 3 and rest.final_step == 6
+    assert [rest.losses[s] for s in (4, 5, 6)] == [full.losses[s] for s in (4, 5, 6)]
+    assert any("step 6" in m and "falling back to step 3" in m for m in messages), messages
+    assert (tmp_path / "checkpoints" / "6.corrupt").is_dir()
+    ck = Checkpointer(tmp_path / "checkpoints", every=3, keep=3)
+    assert ck.all_steps() == [3, 6]
+    messages.clear()
+    step, state, meta = ck.restore_latest(jax.eval_shape(prepare(small_config(), TC)[3]),
+                                          log=messages.append)
+    ck.close()
+    assert step == 6 and int(state.step) == 6 and meta["data_index"] == 6 and not messages
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text()
+             .splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+
+
+def test_metrics_truncated_to_the_resumed_step(tmp_path):
+    """``MetricsWriter(resume_step=k)`` keeps steps <= k (and drops a torn last line)."""
+    from kdsa.train.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8))
+                    + '{"step": 8, "lo')
+    writer = MetricsWriter(tmp_path, tensorboard=False, resume_step=5)
+    writer.write(6, {"loss": 0.5})
+    writer.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_with_another_config_names_the_fields(full_run, tmp_path):
+    """A changed model config and optimizer: one ``ValueError`` line naming each differing
+    field with both values, nothing called corrupt, no checkpoint set aside."""
+    run_dir, _ = full_run
+    _copy_run(run_dir, tmp_path)
+    base = small_config()
+    changed = base.replace(intermediate_size=base.intermediate_size + 32)
+    messages = []
+    with pytest.raises(ValueError) as e:
+        run_training(changed, TC.replace(optimizer="muon"), tmp_path, progress=False,
+                     resume=True, log=messages.append)
+    msg = str(e.value)
+    assert "\n" not in msg and "corrupt" not in msg, msg
+    assert (f"intermediate_size: checkpoint {base.intermediate_size}, now "
+            f"{base.intermediate_size + 32}") in msg, msg
+    assert "train.optimizer: checkpoint adamw, now muon" in msg, msg
+    assert "checkpoints/6 was written with another config" in msg, msg
+    assert not any("corrupt" in m for m in messages), messages
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "6"]
+
+
+def test_a_training_checkpoint_loads_for_generation(full_run, tmp_path, monkeypatch):
+    """``load_model`` reads the model out of ``RUN_DIR/checkpoints/6`` (and of
+    ``RUN_DIR/checkpoints`` and ``RUN_DIR``: the newest step) with the trained state's arrays,
+    and ``kdsa generate --checkpoint`` accepts it, given as a relative path."""
+    from flax import nnx
+
+    from kdsa.cli.main import main
+    from kdsa.model import checkpoint as mck
+
+    run_dir, _ = full_run
+    ck = Checkpointer(run_dir / "checkpoints", every=3, keep=3)
+    step, state, _ = ck.restore_latest(jax.eval_shape(prepare(small_config(), TC)[3]))
+    ck.close()
+    trained = {k: np.asarray(v) for k, v in flatten_state(state).items()}
+    for path in (run_dir / "checkpoints" / "6", run_dir / "checkpoints", run_dir):
+        config, info = mck.read_info(path)
+        assert config == small_config() and info["training"]["step"] == 6
+        _, model = mck.load_model(path)
+        got = mck.flat_variables(nnx.state(model))
+        assert got
+        for k, v in got.items():
+            want = trained.get(f"params.{k}", trained.get(f"rest.{k}"))
+            np.testing.assert_array_equal(np.asarray(v[...]), want, err_msg=k)
+    monkeypatch.chdir(tmp_path)
+    os.symlink(run_dir, tmp_path / "run")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [5, 17, 3]}) + "\n")
+    assert main(["generate", "--checkpoint", "run/checkpoints/6", "--prompts", "in.jsonl",
+                 "--out", "out.jsonl", "--temperature", "0", "--max-tokens", "3", "--slots",
+                 "1", "--max-len", "32", "--prefill-chunk", "16", "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a"] and len(rows[0]["token_ids"]) == 3

@@ -13,12 +13,30 @@ Saves are asynchronous (Orbax copies the arrays off the device, then writes in a
 thread; ``wait()`` joins). Orbax writes into a temporary directory and renames it when complete,
 so a partial save is never listed as a step; leftovers are reported. On restore the newest step
 is read and its fingerprint recomputed; if reading fails or the fingerprint differs (corrupted
-bytes), the reason is printed to stderr and the previous step is tried.
+bytes), the reason is printed to stderr (one line; Orbax's own logging is kept quiet) and the
+previous step is tried.
+
+A step skipped that way is garbage, but it still counts as a step: ``save`` would skip it as
+existing (the redone work never saved) and pruning would count it as one of the kept ones. So
+the first save after such a restore moves every skipped step out of Orbax's sight, renaming
+``N`` to ``N.corrupt`` (process 0 renames, the others wait; nothing is deleted, so a step
+misjudged as corrupt can still be recovered by hand), and then saves: the redone step replaces
+it atomically (Orbax's temporary directory and rename) and pruning counts readable steps only,
+so it never removes the newest readable checkpoint in favour of a corrupt one.
+
+A checkpoint written with another config would fail inside Orbax (the arrays do not fit the
+template) and read as corrupt. ``restore_latest(check=...)`` first reads each step's ``meta``
+item (JSON, cheap) and lets ``check`` refuse it: :func:`config_check` raises a ``ValueError``
+naming the model-config fields and the state-shaping train-config fields (:data:`STATE_FIELDS`)
+that differ, with both values.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +44,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from kdsa.model.folders import orbax_reason, quiet_orbax
+
+# TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
+STATE_FIELDS = ("optimizer", "indexer_stage")
 
 
 def _key_name(k) -> str:
@@ -69,6 +92,8 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self.every = every
         self.process_local = process_local
+        self.skipped: list[int] = []  # steps restore_latest found unreadable, set aside at save
+        self._log = _stderr
         me = jax.process_index()
         mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
               if process_local else ocp.options.MultiprocessingOptions())
@@ -88,6 +113,8 @@ class Checkpointer:
         """Start saving ``state`` at ``step`` (if due, or ``force``); returns whether it does."""
         if not force and step % self.every:
             return False
+        if self.skipped:
+            self._set_aside(self.skipped)
         if step in self.manager.all_steps():
             return False
         flat = flatten_state(state)
@@ -97,6 +124,28 @@ class Checkpointer:
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)), force=True)
 
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename the unreadable ``steps`` to ``N.corrupt`` (process 0; the others wait), so
+        Orbax neither lists nor prunes nor skips them."""
+        if self.process_local or jax.process_index() == 0:
+            for step in steps:
+                src = self.directory / str(step)
+                if not src.is_dir():
+                    continue
+                dst, k = self.directory / f"{step}.corrupt", 1
+                while os.path.lexists(dst):
+                    k += 1
+                    dst = self.directory / f"{step}.corrupt-{k}"
+                os.rename(src, dst)
+                self._log(f"checkpoint: unreadable step {step} moved to {dst} (delete it when "
+                          f"you no longer need it); saving anew")
+        if not self.process_local and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("kdsa_checkpoint_set_aside")
+        self.skipped = []
+        self.manager.reload()
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -104,12 +153,19 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-    def restore_latest(self, template, *, log=None) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, template, *, log=None,
+                       check: Callable[[Path, dict], None] | None = None
+                       ) -> tuple[int, Any, dict] | None:
         """``(step, state, meta)`` of the newest readable checkpoint, or None if there is none.
 
         ``template``: a state pytree of ``jax.ShapeDtypeStruct`` (with shardings) or arrays.
+        ``check(step_dir, meta)``: called with each step's ``meta`` item before its state is
+        read; an exception it raises (e.g. :func:`config_check`'s ``ValueError``) propagates
+        instead of counting the step as corrupt. Skipped steps are remembered in ``skipped``
+        and set aside by the next :meth:`save`.
         """
-        log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        log = log or _stderr
+        self._log = log
         for p in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
             log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing)")
         abstract = {k: _abstract(v) for k, v in flatten_state(template).items()}
@@ -117,11 +173,22 @@ class Checkpointer:
         if self.process_local:  # read as NumPy, then onto this process's first device
             local = jax.local_devices()[0]
             abstract = {k: np.zeros(v.shape, v.dtype) for k, v in abstract.items()}
+        self.skipped = []
         for step in reversed(self.all_steps()):
             try:
-                got = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-                flat, meta = dict(got["state"]), dict(got["meta"])
+                with quiet_orbax():
+                    meta = dict(self.manager.restore(step, args=ocp.args.Composite(
+                        meta=ocp.args.JsonRestore()))["meta"])
+            except Exception as e:  # noqa: BLE001 - an unreadable meta item: a corrupt step
+                self._skip(step, e, log)
+                continue
+            if check is not None:
+                check(self.directory / str(step), meta)
+            try:
+                with quiet_orbax(collect=True):
+                    got = self.manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract)))
+                flat = dict(got["state"])
                 if local is not None:
                     flat = jax.device_put(flat, local)
                 if set(flat) != set(abstract):
@@ -135,13 +202,58 @@ class Checkpointer:
                     raise ValueError(f"{len(bad)} arrays do not match their saved fingerprint "
                                      f"(first: {bad[0]})")
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
-                older = [s for s in self.all_steps() if s < step]
-                nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint"
-                log(f"checkpoint: step {step} in {self.directory} is corrupted or unreadable "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); {nxt}")
+                self._skip(step, e, log)
                 continue
             return step, unflatten_state(template, flat), meta
         return None
+
+    def _skip(self, step: int, e: BaseException, log) -> None:
+        self.skipped.append(step)
+        older = [s for s in self.all_steps() if s < step]
+        nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint"
+        log(f"checkpoint: step {step} in {self.directory} is corrupted or unreadable "
+            f"({orbax_reason(e)}); {nxt}; it is moved to {step}.corrupt at the next save")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _show(v) -> str:
+    return "absent" if v is None else v if isinstance(v, str) else json.dumps(v)
+
+
+def _differences(old, new, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += _differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [f"{prefix[:-1]}: checkpoint {_show(old)}, now {_show(new)}"]
+
+
+def config_differences(meta: dict, model_config: dict, train_config: dict) -> list[str]:
+    """``["num_hidden_layers: checkpoint 4, now 8", "train.optimizer: ...", ...]``: where a
+    checkpoint's ``meta`` differs from this run in its model config (any field, nested ones
+    dotted) or in the train-config fields that shape the state (:data:`STATE_FIELDS`)."""
+    out = _differences(meta.get("model_config") or {}, model_config)
+    old = meta.get("train_config") or {}
+    out += [f"train.{f}: checkpoint {_show(old.get(f))}, now {_show(train_config.get(f))}"
+            for f in STATE_FIELDS if f in old and old[f] != train_config.get(f)]
+    return out
+
+
+def config_check(model_config: dict, train_config: dict) -> Callable[[Path, dict], None]:
+    """A ``restore_latest(check=...)`` that refuses a checkpoint written with another config:
+    one-line ``ValueError`` naming the differing fields with both values."""
+    def check(step_dir: Path, meta: dict) -> None:
+        diff = config_differences(meta, model_config, train_config)
+        if diff:
+            more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
+            raise ValueError(f"--resume: {step_dir} was written with another config: "
+                             f"{'; '.join(diff[:6])}{more}; resume with that config, or use "
+                             f"another --run-dir")
+    return check
 
 
 def _abstract(x):

@@ -161,15 +161,14 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         template = sharded_template(template, shardings)
 
     restored = None
-    if resume and ckpt.all_steps():
-        restored = ckpt.restore_latest(template, log=log)
+    if resume and ckpt.all_steps():  # a checkpoint of another config is refused by its meta
+        from kdsa.train.checkpointing import config_check
+        restored = ckpt.restore_latest(template, log=log, check=config_check(
+            config.to_hf_config(), tc.to_dict()))
         if restored is None:
             raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     if restored is not None:
         start, state, meta = restored
-        if meta.get("model_config") != config.to_hf_config():
-            raise ValueError(f"--resume: the checkpoint in {ckpt.directory} was written for "
-                             "another model config")
         data_index = int(meta["data_index"])
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
@@ -180,7 +179,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir, resume_step=start if resume else None)  # drops steps > start
     layout = abstract.segment_layout
     losses: dict[int, float] = {}
     stopped = False

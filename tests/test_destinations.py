@@ -1,0 +1,142 @@
+"""``kdsa convert`` destinations and paths (``model/folders.py``, ``train/convert.py``).
+
+Every refusal is checked to leave the disk as it was: the source, a parent folder holding it, an
+unrelated folder, a regular file, an existing kdsa folder without ``--overwrite``. Relative paths
+go through the CLI and through the library functions (which Python users call directly). The
+source is the tiny Kimi Linear model in ``tests/data`` (a conversion takes about a second).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kdsa.cli.main import main
+from kdsa.model import checkpoint as ckpt
+from kdsa.model.folders import HF, KDSA, DestinationError, check_destination, folder_kind
+from kdsa.train import convert
+from kdsa.train.safetensors_io import SafetensorsCheckpoint
+
+DATA = Path(__file__).parent / "data"
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under ``root`` with its bytes (what a refusal must leave unchanged)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def tensors(path) -> dict:
+    c = SafetensorsCheckpoint(path)
+    return {n: c.tensor(n).tobytes() for n in c.names()}
+
+
+def convert_cli(*args) -> int:
+    return main(["convert", *[str(a) for a in args], "--no-progress"])
+
+
+def test_convert_destination_rules(tmp_path, capsys):
+    src = tmp_path / "models" / "hf"
+    shutil.copytree(DATA / "kimi_linear", src)
+    (tmp_path / "models" / "notes.txt").write_text("a sibling of the source")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("not a checkpoint")
+    regular = tmp_path / "file.bin"
+    regular.write_bytes(b"keep")
+    (tmp_path / "link").symlink_to(src)
+    before = snapshot(tmp_path)
+
+    refused = [  # (DST, flags, message)
+        (src, ["--overwrite"], "is the source of this command"),
+        (src.parent / ".." / "models" / "hf", ["--overwrite"], "is the source"),
+        (tmp_path / "link", ["--overwrite"], "is the source"),          # a symlink to SRC
+        (src.parent, ["--overwrite"], "contains the source"),           # DST = parent of SRC
+        (tmp_path, ["--overwrite"], "contains the source"),
+        (src / "orbax", [], "is inside the source"),
+        (other, ["--overwrite"], "is not a kdsa model folder or a Hugging Face checkpoint "
+                                 "folder (a folder holding 1 entry, e.g. ['thesis.tex'])"),
+        (regular, ["--overwrite"], "(a regular file); refusing to replace it, even with "
+                                   "--overwrite"),
+    ]
+    for dst, flags, message in refused:
+        assert convert_cli("hf-to-orbax", src, dst, *flags) == 2, dst
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (dst, err)
+        assert snapshot(tmp_path) == before, dst                      # nothing deleted or added
+
+    out = tmp_path / "out"
+    assert convert_cli("hf-to-orbax", src, out) == 0 and folder_kind(out) == KDSA
+    kdsa_files = snapshot(out)
+    assert convert_cli("hf-to-orbax", src, out) == 2
+    assert "out: already exists (a kdsa model folder); pass --overwrite" in \
+        capsys.readouterr().err
+    assert snapshot(out) == kdsa_files
+    assert convert_cli("hf-to-orbax", src, out, "--overwrite") == 0
+    assert ckpt.read_info(out)[0].num_hidden_layers == 3
+
+    # orbax-to-hf: the same rules
+    assert convert_cli("orbax-to-hf", out, out, "--overwrite") == 2
+    assert "is the source" in capsys.readouterr().err
+    assert convert_cli("orbax-to-hf", out, out / "hf") == 2
+    assert "is inside the source" in capsys.readouterr().err
+    hf2 = tmp_path / "hf2"
+    assert convert_cli("orbax-to-hf", out, hf2) == 0 and folder_kind(hf2) == HF
+    hf_files = snapshot(hf2)
+    assert convert_cli("orbax-to-hf", out, hf2) == 2
+    assert "hf2: already exists (a Hugging Face checkpoint folder)" in capsys.readouterr().err
+    assert snapshot(hf2) == hf_files
+    assert convert_cli("orbax-to-hf", out, hf2, "--overwrite") == 0
+    assert tensors(hf2) == tensors(src)
+    assert convert_cli("orbax-to-hf", out, regular, "--overwrite") == 2
+    assert regular.read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.bin", "hf2", "link", "models",
+                                                          "other", "out"]
+
+
+def test_check_destination_empty_folder_and_dangling_link(tmp_path):
+    """An empty folder holds nothing to lose (accepted without ``overwrite``); a dangling link
+    is refused even with it."""
+    (tmp_path / "empty").mkdir()
+    assert check_destination(tmp_path / "empty") == tmp_path / "empty"
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing")
+    with pytest.raises(DestinationError, match="a dangling symbolic link"):
+        check_destination(tmp_path / "dangling", overwrite=True)
+    assert (tmp_path / "dangling").is_symlink()
+
+
+def test_relative_paths_through_the_cli_and_the_library(tmp_path, monkeypatch):
+    """``kdsa convert`` both ways and ``hf_to_orbax`` / ``orbax_to_hf`` / ``read_info`` /
+    ``load_model`` called with paths relative to the working directory."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(DATA / "kimi_linear", tmp_path / "hf")
+    assert main(["convert", "hf-to-orbax", "hf", "rel/orbax", "--no-progress"]) == 0
+    assert main(["convert", "orbax-to-hf", "rel/orbax", "rel/hf_cli", "--no-progress"]) == 0
+    assert tensors("rel/hf_cli") == tensors("hf")
+    s = convert.hf_to_orbax("hf", "api/orbax", progress=False)
+    assert s.tensors > 0 and (tmp_path / "api" / "orbax").is_dir()
+    convert.orbax_to_hf(Path("api") / "orbax", "api/hf", progress=False)
+    assert tensors("api/hf") == tensors("hf")
+    config, info = ckpt.read_info("api/orbax")
+    assert config.num_hidden_layers == 3 and info["source"]["path"] == str(tmp_path / "hf")
+    _, model = ckpt.load_model("rel/orbax")
+    assert model.config == config
+    assert ckpt.save_model("api/again", config, model) == tmp_path / "api" / "again"
+
+
+def test_fewer_layers_than_the_source(tmp_path, capsys):
+    """A config with fewer layers than the source is refused (one line, both counts) unless
+    ``--allow-partial``, which converts the first layers with a one-line warning."""
+    src, dst = DATA / "deepseek_v32", tmp_path / "part"
+    sets = ["--set", "num_hidden_layers=2", "--set", "linear_attn_config.full_attn_layers=[1,2]"]
+    assert convert_cli("hf-to-orbax", src, dst, *sets) == 2
+    err = capsys.readouterr().err
+    assert "the config has 2 layers, the source 3; converting would drop the last 1 (pass " \
+           "--allow-partial" in err and err.count("\n") == 1, err
+    assert not dst.exists()
+    assert convert_cli("hf-to-orbax", src, dst, *sets, "--allow-partial") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "converting only the first 2" in warnings[0], warnings
+    assert ckpt.read_info(dst)[0].num_hidden_layers == 2
