@@ -209,7 +209,7 @@ def test_group_length_penalty_and_dynamic_sampling():
     b = ro.training_batch(kept, 6, 4, 2, rc)
     adv = b["advantages"]
     np.testing.assert_allclose(adv[:4], [1, -1, 1, -1], atol=1e-5)  # GRPO, 2 per group
-    assert np.all(adv[4:] == 0) and np.all(b["mask"][4:] == 0)
+    assert np.all(adv[4:] == 0) and np.all(b["loss_mask"][4:] == 0)
 
 
 def test_sft_batch_masks_assistant_tokens(fmt):
@@ -218,10 +218,10 @@ def test_sft_batch_masks_assistant_tokens(fmt):
     b = sft_batch(fmt, {env.domain: env}, tasks, 4, 80)
     tok = fmt.tok
     for r, (t, _) in enumerate(tasks):
-        got = [int(x) for x, m in zip(b["targets"][r], b["mask"][r]) if m]
+        got = [int(x) for x, m in zip(b["targets"][r], b["loss_mask"][r]) if m]
         assert got == [tok.special("</think>")] + tok.encode(
             env.demonstration(t)[0].content) + [tok.special("<|im_end|>")]
-    assert b["mask"][3].sum() == 0
+    assert b["loss_mask"][3].sum() == 0
     with pytest.raises(ValueError, match="rl.seq_len=8"):
         sft_batch(fmt, {env.domain: env}, tasks, 3, 8)
 

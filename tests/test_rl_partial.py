@@ -110,7 +110,7 @@ def test_loop_carries_partial_groups_up_to_max_staleness(setup):
             m, counter = _rl_iteration(_Sampler(), envs, {env.domain: 1.0}, None, None, rc,
                                        tc, step, counter, rc.rollouts_per_step, pending)
             out.append((m["sampled_groups"], m["pending_groups"], m["stale_dropped_groups"],
-                        float(m["_batch"]["mask"].sum())))
+                        float(m["_batch"]["loss_mask"].sum())))
         return out
 
     # staleness 1: a group started at step s may be continued at s + 1 only, then dropped

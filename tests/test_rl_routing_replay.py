@@ -122,7 +122,7 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
     rng = np.random.default_rng(1)
     toks = rng.integers(0, 256, (b, t + 1)).astype(np.int32)
     batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:],
-             "mask": np.ones((b, t), np.float32), "sampler_logp": np.zeros((b, t), np.float32),
+             "loss_mask": np.ones((b, t), np.float32), "sampler_logp": np.zeros((b, t), np.float32),
              "advantages": rng.normal(size=b).astype(np.float32)}
     model = nnx.merge(graphdef, state.params, state.rest)
     own = np.transpose(np.asarray(model.forward(jnp.asarray(batch["inputs"]),

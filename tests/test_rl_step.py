@@ -36,7 +36,7 @@ def setup():
     toks = rng.integers(0, 256, (B, T + 1)).astype(np.int32)
     mask = np.ones((B, T), np.float32)
     mask[:, :3] = 0  # a prompt part
-    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": mask,
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
              "sampler_logp": np.zeros((B, T), np.float32),
              "advantages": np.zeros((B,), np.float32)}
     return graphdef, build(), tx, abstract.segment_layout, batch
@@ -55,7 +55,7 @@ def test_entropy_metric_and_bonus(setup):
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     ent = -(p * np.log(p)).sum(-1)
-    want = (ent * batch["mask"]).sum() / batch["mask"].sum()
+    want = (ent * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
     plain = RLConfig(envs=("rg:basic_arithmetic",))
     s1, m1 = _step(setup, plain)

@@ -268,7 +268,7 @@ def test_rl_with_image_episodes(model, runner):
     assert batch["image_patches"].shape == (4, 8, 3 * 14 * 14)
     assert batch["image_segment"][:, :4].tolist() == [[1] * 4] * 4   # 28 x 28 px: 4 patches
 
-    mask = batch["mask"] > 0
+    mask = batch["loss_mask"] > 0
     assert mask.sum() >= 4
     for r, e in enumerate(eps):              # the module's compiled full forward, per row
         n = len(e.tokens) - 1

@@ -131,26 +131,33 @@ def _micro_batches(batch: Batch, m: int) -> Batch:
     return {k: split(v) for k, v in batch.items()}
 
 
-def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
-                tx: optax.GradientTransformation, layout: tuple) -> tuple[TrainState, dict]:
+def optimizer_step(graphdef, state: TrainState, batch: Batch, objective, *, tc: TrainConfig,
+                   tx: optax.GradientTransformation, layout: tuple, grad_divisor=1.0,
+                   update_scale=1.0):
+    """The step core every training loop shares (pretraining/SFT here, RL in
+    ``train/rl/step.py``): micro-batches, exact gradient accumulation, the optimizer update,
+    the routing-bias update, the RNG and the state's shardings.
+
+    ``objective(model, micro_batch) -> (loss, (stats, expert_load [L, E]))``: the loss of one
+    micro-batch, already divided by any whole-batch denominator the caller took from ``batch``
+    (or left as a sum and divided through ``grad_divisor``, applied once to the gradient sums);
+    ``stats`` is a dict of per-micro-batch sums, returned summed. ``update_scale`` multiplies
+    the optimizer's update. Returns ``(new_state, grads, stats, expert_load, learning_rate)``.
+    Under ``use_sharding`` (``docs/sharding.md``) the micro-batch rows sit on the batch axes,
+    the gradient sums and the new state in the state's layout (one compile for every step).
+    """
     m = tc.accum_steps
     ctx = current()  # sharding rules (``use_sharding``), or None on one device
     mbs = _micro_batches(batch, m)
     if ctx is not None:  # micro-batch rows over the batch axes (a no-op when m == 1)
-        mbs = {k: constrain(v, (None,) + BATCH_AXES[:v.ndim - 1]) for k, v in mbs.items()}
-    n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-    kl_scale = tc.indexer_loss_weight * jnp.maximum(n_tok, 1.0) / m
+        mbs = {k: constrain(v, (None,) + BATCH_AXES[:v.ndim - 1]
+                            + (None,) * max(0, v.ndim - 1 - len(BATCH_AXES)))
+               for k, v in mbs.items()}
 
-    def objective(params, mb):
-        model = nnx.merge(graphdef, params, state.rest)
-        out = model.forward(mb["inputs"], positions=mb.get("positions"),
-                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss,
-                            **image_inputs(model, mb["inputs"], image_batch(mb)))
-        ce_sum, _ = token_cross_entropy(out.logits, mb["targets"], mb["loss_mask"])
-        kl = jnp.sum(out.indexer_kl)
-        return ce_sum + kl_scale * kl, (ce_sum, out.indexer_kl, out.expert_load)
+    def loss_of(params, mb):
+        return objective(nnx.merge(graphdef, params, state.rest), mb)
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
     def body(acc, mb):
         (_, aux), g = grad_fn(state.params, mb)
@@ -160,36 +167,67 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
     if ctx is not None:  # the gradient sums live like the parameters (reduce-scattered)
         zeros = jax.lax.with_sharding_constraint(
             zeros, train_state_shardings(graphdef, state, ctx.mesh, ctx.layout).params)
-    g_sum, (ce_sums, kls, loads) = jax.lax.scan(body, zeros, mbs)
-    grads = jax.tree.map(lambda g: g / jnp.maximum(n_tok, 1.0), g_sum)  # denominator last
+    g_sum, (stats, loads) = jax.lax.scan(body, zeros, mbs)
+    grads = jax.tree.map(lambda g: g / grad_divisor, g_sum)  # a denominator applied last
+    stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over micro-batches
 
     lr = _schedule_of(tc)(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: u * jnp.asarray(update_scale, u.dtype), updates)
     params = optax.apply_updates(state.params, updates)
     load = jnp.sum(loads, axis=0)  # [L, E]
     rest = state.rest
     if tc.indexer_stage != "dense_warmup" and tc.bias_update_rate > 0:
         rest = update_routing_biases(rest, load, layout, tc.bias_update_rate)
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
+    new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
+                           rng=rng)
+    if ctx is not None:  # the same layout every step (no re-compile)
+        new_state = jax.lax.with_sharding_constraint(
+            new_state, train_state_shardings(graphdef, new_state, ctx.mesh, ctx.layout))
+    return new_state, grads, stats, load, lr
 
-    moe = jnp.sum(load, axis=-1) > 0  # [L] layers that routed anything
-    ratios = jax.vmap(max_load_ratio)(load)
-    kl_layers = jnp.mean(kls, axis=0)  # [L]
+
+def replicated(metrics: dict) -> dict:
+    """Metrics pinned to every device under ``use_sharding`` (each host reads them whole)."""
+    ctx = current()
+    if ctx is None:
+        return metrics
+    return jax.lax.with_sharding_constraint(metrics, NamedSharding(ctx.mesh, P()))
+
+
+def load_balance_metric(load: jax.Array) -> jax.Array:
+    """The largest expert load over the mean load, over the layers that routed anything."""
+    moe = jnp.sum(load, axis=-1) > 0  # [L]
+    return jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load), 0.0))
+
+
+def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
+                tx: optax.GradientTransformation, layout: tuple) -> tuple[TrainState, dict]:
+    n_tok = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    kl_scale = tc.indexer_loss_weight * jnp.maximum(n_tok, 1.0) / tc.accum_steps
+
+    def objective(model, mb):
+        out = model.forward(mb["inputs"], positions=mb.get("positions"),
+                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss,
+                            **image_inputs(model, mb["inputs"], image_batch(mb)))
+        ce_sum, _ = token_cross_entropy(out.logits, mb["targets"], mb["loss_mask"])
+        kl = jnp.sum(out.indexer_kl)
+        return ce_sum + kl_scale * kl, ({"ce_sum": ce_sum, "kl": out.indexer_kl},
+                                        out.expert_load)
+
+    new_state, grads, stats, load, lr = optimizer_step(
+        graphdef, state, batch, objective, tc=tc, tx=tx, layout=layout,
+        grad_divisor=jnp.maximum(n_tok, 1.0))
     metrics = {
-        "loss": jnp.sum(ce_sums) / jnp.maximum(n_tok, 1.0),
-        "indexer_kl": jnp.sum(kl_layers),
+        "loss": stats["ce_sum"] / jnp.maximum(n_tok, 1.0),
+        "indexer_kl": jnp.sum(stats["kl"]) / tc.accum_steps,  # per micro-batch mean, [L] summed
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": lr,
         "tokens": n_tok,
-        "expert_load_max_over_mean": jnp.max(jnp.where(moe, ratios, 0.0)),
+        "expert_load_max_over_mean": load_balance_metric(load),
     }
-    new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
-                           rng=rng)
-    if ctx is not None:  # the same layout every step (no re-compile); metrics on every host
-        new_state = jax.lax.with_sharding_constraint(
-            new_state, train_state_shardings(graphdef, new_state, ctx.mesh, ctx.layout))
-        metrics = jax.lax.with_sharding_constraint(metrics, NamedSharding(ctx.mesh, P()))
-    return new_state, metrics
+    return new_state, replicated(metrics)
 
 
 @functools.lru_cache(maxsize=16)

@@ -286,7 +286,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
     then chooses)."""
     b = {"inputs": np.zeros((rows, seq_len), np.int32),
          "targets": np.zeros((rows, seq_len), np.int32),
-         "mask": np.zeros((rows, seq_len), np.float32),
+         "loss_mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
          "advantages": np.zeros((rows,), np.float32)}
     if routing_dims is not None:
@@ -303,7 +303,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
             n = min(len(e.tokens) - 1, seq_len)
             b["inputs"][r, :n] = e.tokens[:n]
             b["targets"][r, :n] = e.tokens[1:n + 1]
-            b["mask"][r, :n] = e.mask[1:n + 1]
+            b["loss_mask"][r, :n] = e.mask[1:n + 1]
             b["sampler_logp"][r, :n] = e.sampler_logp[1:n + 1]
             b["advantages"][r] = a
             if routing_dims is not None and e.routing is not None:

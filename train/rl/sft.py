@@ -47,7 +47,7 @@ def sft_batch(fmt, envs: dict[str, Environment], tasks, rows: int,
     them); rows longer than ``seq_len + 1`` are an error naming the task."""
     b = {"inputs": np.zeros((rows, seq_len), np.int32),
          "targets": np.zeros((rows, seq_len), np.int32),
-         "mask": np.zeros((rows, seq_len), np.float32),
+         "loss_mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
          "advantages": np.zeros((rows,), np.float32)}
     for r, (task, effort) in enumerate(tasks[:rows]):
@@ -60,5 +60,5 @@ def sft_batch(fmt, envs: dict[str, Environment], tasks, rows: int,
                              f"rl.seq_len={seq_len} holds {seq_len + 1}")
         n = len(ids) - 1
         b["inputs"][r, :n], b["targets"][r, :n] = ids[:-1], ids[1:]
-        b["mask"][r, :n] = mask[1:]
+        b["loss_mask"][r, :n] = mask[1:]
     return b

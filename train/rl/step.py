@@ -16,9 +16,12 @@ entropy is logged as ``entropy`` either way. ``update_scale`` multiplies the opt
 varied group moves the weights an eighth as far as a full one; Adam alone would normalise it to
 a full-size step).
 
-``old_logp = stop_gradient(logp)``: one update per rollout batch, so the trainer's policy before
-the update is the current one (ratio 1, the clipped objectives reduce to the policy gradient;
-tunix ``use_rollout_logps=False``). The rollout engine's log-probs ``sampler_logp`` enter through
+``old_logp = stop_gradient(logp)`` with one update per rollout batch: the trainer's policy
+before the update is the current one (ratio 1, the clipped objectives reduce to the policy
+gradient; tunix ``use_rollout_logps=False``). With ``rl.minibatches_per_step > 1`` the loop
+takes ``old_logp`` once for the whole rollout batch (:func:`policy_logprobs`) and passes it in
+the batch, so the second and later mini-batch updates have ratios other than 1 and clipping
+acts (PPO / GRPO). The rollout engine's log-probs ``sampler_logp`` enter through
 truncated importance sampling (``cfg.tis``) and the mismatch metrics
 ``mismatch_k1 = mean(old - sampler)``, ``mismatch_k3 = mean(exp(s - o) - (s - o) - 1)``,
 ``mismatch_abs = mean|old - sampler|`` over the loss tokens (``rl_and_serving.md`` 3).
@@ -28,10 +31,11 @@ structure as ``state.params``, with the current routing biases) run a second, gr
 forward on the same rows; ``rl_losses.policy_loss`` adds ``kl_beta * kl_kind(logp, ref_logp)``
 per token; ``kl`` is its mean over the loss tokens.
 
-Accumulation is exact as in ``train/step.py``: the denominators (tokens or sequences) come from
-the whole batch first, each micro-batch contributes the gradient of its numerators divided by
-them, and the sums are the large-batch gradient. MoE expert loads and the routing-bias update
-follow ``train/step.py`` (same helpers).
+The step core is ``train/step.py``'s ``optimizer_step`` (the one the pretraining/SFT step
+runs): micro-batches, exact accumulation (the denominators, tokens or sequences, come from the
+whole batch first, each micro-batch contributes the gradient of its numerators divided by
+them), the optimizer and routing-bias updates, and under ``use_sharding(mesh, "train")`` the
+batch rows on the batch axes and the state in the train layout.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from kdsa.model.moe import max_load_ratio
 from kdsa.model.vision.assemble import image_kwargs
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl_losses import RLLossConfig, policy_loss
-from kdsa.train.step import TrainState, _micro_batches, _schedule_of, update_routing_biases
+from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, optimizer_step,
+                             replicated)
 
-# batch: inputs, targets [B, T] int32; mask, sampler_logp [B, T] float32; advantages [B] f32;
+# batch: inputs, targets [B, T] int32; loss_mask, sampler_logp [B, T] float32; advantages [B]
+# float32; optional old_logp [B, T] float32 (mini-batches, ``policy_logprobs``);
 # image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md);
 # routing replay: expert_ids [B, T, L, k] int32 (-1: the router chooses)
 
@@ -76,30 +81,33 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
     return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
 
 
+def _policy_forward(model, mb):
+    """The policy's forward on one micro-batch: routing replay and image prompts applied."""
+    replay = {} if "expert_ids" not in mb else {  # routing replay: [B, T, L, k] -> [L, ...]
+        "expert_ids": jnp.transpose(mb["expert_ids"], (2, 0, 1, 3))}
+    return model.forward(mb["inputs"], **image_kwargs(model, mb), **replay)
+
+
 def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, update_scale=1.0,
              *,
              tc: TrainConfig, tx: optax.GradientTransformation, loss_cfg: RLLossConfig,
              layout: tuple):
     if loss_cfg.kl_beta > 0 and ref_params is None:
         raise ValueError("rl.kl_coef > 0 needs the reference policy's parameters (ref_params)")
-    m = tc.accum_steps
-    mbs = _micro_batches(batch, m)
-    mask = batch["mask"].astype(jnp.float32)
+    mask = batch["loss_mask"].astype(jnp.float32)
     ce_den = jnp.maximum(jnp.sum(mask), 1.0)
     pg_den = jnp.maximum(pg_denominator(loss_cfg, mask), 1.0)
     w = jnp.asarray(sft_weight, jnp.float32)
 
-    def objective(params, mb):
-        model = nnx.merge(graphdef, params, state.rest)
-        replay = {} if "expert_ids" not in mb else {  # routing replay: [B, T, L, k] -> [L, ...]
-            "expert_ids": jnp.transpose(mb["expert_ids"], (2, 0, 1, 3))}
-        out = model.forward(mb["inputs"], **image_kwargs(model, mb),  # image_*: image prompts
-                            **replay)
+    def objective(model, mb):
+        out = _policy_forward(model, mb)
         logp, ent = token_logprobs_and_entropy(out.logits, mb["targets"])  # [b, T] each
-        mk = mb["mask"].astype(jnp.float32)
+        mk = mb["loss_mask"].astype(jnp.float32)
         ce_num = jnp.sum(-logp * mk)
         ent_num = jnp.sum(ent * mk)
-        old = jax.lax.stop_gradient(logp)
+        # the policy before this update: given (mini-batches: computed once per rollout
+        # batch, ``policy_logprobs``) or the current one (one update per batch: ratio 1)
+        old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         ref_logp = None
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
             ref = nnx.merge(graphdef, ref_params, state.rest)
@@ -120,41 +128,68 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, up
                                                   - loss_cfg.entropy_coef * ent_num / ce_den)
         return loss, (stats, out.expert_load)
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
-
-    def body(acc, mb):
-        (_, aux), g = grad_fn(state.params, mb)
-        return jax.tree.map(jnp.add, acc, g), aux
-
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (stats, loads) = jax.lax.scan(body, zeros, mbs)
-    stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over micro-batches
-
-    lr = _schedule_of(tc)(state.step)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    updates = jax.tree.map(lambda u: u * jnp.asarray(update_scale, u.dtype), updates)
-    params = optax.apply_updates(state.params, updates)
-    load = jnp.sum(loads, axis=0)  # [L, E]
-    rest = state.rest
-    if tc.bias_update_rate > 0:
-        rest = update_routing_biases(rest, load, layout, tc.bias_update_rate)
-    rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-    moe = jnp.sum(load, axis=-1) > 0
+    new_state, grads, stats, load, lr = optimizer_step(
+        graphdef, state, batch, objective, tc=tc, tx=tx, layout=layout,
+        update_scale=update_scale)
     metrics = {
         "ce": stats["ce_num"] / ce_den, "pg_loss": stats["pg_num"] / pg_den,
         "grad_norm": optax.tree.norm(grads), "learning_rate": lr, "loss_tokens": jnp.sum(mask),
         "mismatch_k1": stats["mis_k1"] / ce_den, "mismatch_abs": stats["mis_abs"] / ce_den,
         "mismatch_k3": stats["mis_k3"] / ce_den, "tis_weight_mean": stats["tis_num"] / ce_den,
         "kl": stats["kl_num"] / ce_den, "entropy": stats["ent_num"] / ce_den,
-        "expert_load_max_over_mean": jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load),
-                                                       0.0)),
+        "expert_load_max_over_mean": load_balance_metric(load),
     }
     if "expert_ids" in batch:  # share of replayed experts the training router also picks
         metrics["routing_replay_agreement"] = stats["agree"][0] / jnp.maximum(stats["agree"][1],
                                                                             1.0)
     metrics["loss"] = w * metrics["ce"] + (1.0 - w) * metrics["pg_loss"]
-    return TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
-                      rng=rng), metrics
+    return new_state, replicated(metrics)
+
+
+def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig):
+    """``[B, T]`` log-probs of the batch's targets under the state's policy, micro-batch by
+    micro-batch (no gradient): the ``old_logp`` of mini-batch updates, taken once before the
+    first one so the later ones see a ratio other than 1."""
+    mbs = _micro_batches({k: v for k, v in batch.items() if k != "old_logp"}, tc.accum_steps)
+    model = nnx.merge(graphdef, state.params, state.rest)
+
+    def one(_, mb):
+        return None, token_logprobs(_policy_forward(model, mb).logits, mb["targets"])
+
+    _, logp = jax.lax.scan(one, None, mbs)  # [M, B/M, T]
+    return logp.reshape(batch["targets"].shape)
+
+
+policy_logprobs = jax.jit(_policy_logprobs, static_argnames=("graphdef", "tc"))
+
+
+def split_rows(batch: dict, k: int) -> list[dict]:
+    """A host batch ``{name: [R, ...]}`` -> ``k`` mini-batches of ``R / k`` consecutive rows
+    (whole groups stay together when ``R / k`` is a multiple of the group size)."""
+    rows = len(next(iter(batch.values())))
+    if rows % k:
+        raise ValueError(f"{rows} rows do not split into {k} mini-batches")
+    n = rows // k
+    return [{name: v[i * n:(i + 1) * n] for name, v in batch.items()} for i in range(k)]
+
+
+def minibatch_updates(graphdef, state: TrainState, minibatches: list[dict], ref_params,
+                      update_scale, *, step_fn, tc: TrainConfig,
+                      tx: optax.GradientTransformation, loss_cfg: RLLossConfig, layout: tuple):
+    """One RL update per mini-batch of one rollout batch, in order; ``(state, [metrics])``.
+
+    With more than one mini-batch, every mini-batch's ``old_logp`` is taken from the policy
+    before the first update (:func:`policy_logprobs`), so the later updates see ratios other
+    than 1 and the clipped objectives act; one mini-batch is the plain step (ratio 1)."""
+    if len(minibatches) > 1:
+        minibatches = [dict(mb, old_logp=policy_logprobs(graphdef, state, mb, tc=tc))
+                       for mb in minibatches]
+    out = []
+    for mb in minibatches:
+        state, m = step_fn(graphdef, state, mb, 0.0, ref_params, update_scale, tc=tc, tx=tx,
+                           loss_cfg=loss_cfg, layout=layout)
+        out.append(m)
+    return state, out
 
 
 @functools.lru_cache(maxsize=4)
