@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kdsa.cli.paths import abs_path
-
 import sys
+
+from kdsa.cli.paths import abs_path
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_config_args
+    from kdsa.cli.config_args import add_config_args, add_layout_args
 
     p = sub.add_parser(
         "rl", help="RL on reasoning-gym / tool-use environments (SFT warm-up, GRPO/DAPO/GSPO/"
@@ -39,6 +39,14 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest readable checkpoint in --run-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--mesh", default=None, metavar="AXES",
+                   help="mesh axis sizes of the update's train layout, e.g. "
+                        "fsdp=2,expert=2,tensor=2 (axes data, fsdp, expert, tensor, sequence; "
+                        "one may be -1; over every process's devices); rollouts run on each "
+                        "process's generate mesh and the weights are resharded every step. "
+                        "Default: one device, or in a multi-process job the preset's train "
+                        "layout fitted to the devices (docs/rl.md)")
+    add_layout_args(p)
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep compiled programs in ~/.cache/kdsa/jax ($KDSA_CACHE)")
     p.set_defaults(run=run)
@@ -91,10 +99,11 @@ def run(args) -> int:
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
     name, config, tc, rc = configs_from_args(args)
-    run_dir = args.run_dir or (abs_path("runs/rl-demo") if args.demo else None)
+    run_dir = args.run_dir or (_demo_run_dir(args.resume) if args.demo else None)
     if run_dir is None:
         raise ValueError("--run-dir is required (unless --demo)")
     check_rl_configs(config, tc, rc)  # every config error before anything compiles
+    mesh = _train_mesh(args, name, config, tc, rc)
     from kdsa.train.rl.demo import default_cache_dir, enable_compilation_cache, run_demo
 
     if not args.no_compile_cache:
@@ -104,11 +113,11 @@ def run(args) -> int:
           f"prompts x {rc.group_size} samples, loss {rc.loss}, envs {envs}, run dir {run_dir}",
           file=sys.stderr, flush=True)
     if args.demo:
-        return run_demo(config, tc, rc, run_dir, resume=args.resume,
+        return run_demo(config, tc, rc, run_dir, resume=args.resume, mesh=mesh,
                         progress=not args.no_progress and jax.process_index() == 0)
     from kdsa.train.rl.loop import run_rl
 
-    result = run_rl(config, tc, rc, run_dir, resume=args.resume,
+    result = run_rl(config, tc, rc, run_dir, resume=args.resume, mesh=mesh,
                     progress=not args.no_progress and jax.process_index() == 0)
     if result.stopped:
         return SIGTERM_EXIT_CODE
@@ -119,3 +128,37 @@ def run(args) -> int:
         print(f"held-out reward: before {result.heldout_before:.3f} -> after "
               f"{result.heldout_after:.3f}")
     return 0
+
+
+def _train_mesh(args, name, config, tc, rc):
+    """The update's mesh: ``--mesh`` > ``--layouts`` > the config's mesh section; None (one
+    device) when none is given in a one-process job; the preset's train layout fitted to the
+    devices in a multi-process job."""
+    import jax
+
+    from kdsa.cli.config_args import layout_override
+    from kdsa.sharding.mesh import fit_layout
+
+    sizes = layout_override(args, "train")
+    if sizes is None and jax.process_count() == 1:
+        return None
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    return fit_layout(config, "train", preset=name, override=sizes,
+                      batch=rc.rows_per_micro_batch(tc.accum_steps), seq=rc.seq_len, log=log)
+
+
+def _demo_run_dir(resume: bool):
+    """``runs/rl-demo``, or when an earlier demo left checkpoints there (and this is no
+    ``--resume``) the first free ``runs/rl-demo-N``: a rerun never mixes with, nor replaces,
+    an earlier one."""
+    base = abs_path("runs/rl-demo")
+    if resume:
+        return base
+    n, path = 1, base
+    while (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
+        n += 1
+        path = base.with_name(f"rl-demo-{n}")
+    if path != base:
+        print(f"kdsa rl --demo: {base} holds an earlier run; writing to {path}",
+              file=sys.stderr)
+    return path

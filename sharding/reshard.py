@@ -9,7 +9,14 @@ plus the target arrays moved so far; with ``donate=True`` each source array is r
 its copy exists, so the peak stays near ``max(source, target) + one array`` (the bound
 ``ReshardReport.peak_device_bytes`` computes shard by shard; ``measured_peak_bytes`` reads the
 allocator where it reports, GPU/TPU). MaxText/Tunix reshard in chunks the same way
-(``maxtext.md`` 6, ``rl.reshard_chunk_size``).
+(``rl.reshard_chunk_size``).
+
+Multi-process RL: the trainer's arrays span every process, but each process's sampler holds a
+whole copy on its own devices (a *local* mesh). An array going from a global sharding to a
+local one takes two moves: one ``device_put`` to the local layout repeated on every process (a
+global mesh ``[process, *local mesh]`` with the same partition spec: replicated over the
+process axis, a collective all-gather), after which this process's shards are exactly the local
+array's, which :func:`jax.make_array_from_single_device_arrays` relabels without a copy.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import math
 import time
 
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, Sharding
 
 from kdsa.sharding.rules import state_shardings
 
@@ -75,6 +83,10 @@ def reshard(tree, shardings, *, donate: bool = False):
     """
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
+    if any(not x.is_fully_addressable for x in leaves) and any(
+            isinstance(t, NamedSharding) and t.is_fully_addressable and jax.process_count() > 1
+            for t in targets):
+        return _reshard_to_local(leaves, treedef, targets)
     live: collections.Counter = collections.Counter()
     for x in leaves:
         live.update(_shard_bytes(x.sharding, x.shape, x.dtype.itemsize))
@@ -104,6 +116,54 @@ def reshard(tree, shardings, *, donate: bool = False):
                            source_device_bytes=source,
                            target_device_bytes=max(after.values(), default=0),
                            peak_device_bytes=peak, measured_peak_bytes=_peak_allocated())
+    return jax.tree.unflatten(treedef, moved), report
+
+
+def _per_process_mesh(local: Mesh) -> Mesh:
+    """``[process, *local.shape]`` over every process's devices, each process's block laid out
+    as its own ``local`` mesh is (every process's local mesh: its first devices by id, in the
+    same shape, as ``Sampler`` builds them)."""
+    n = local.devices.size
+    by_process: dict[int, list] = collections.defaultdict(list)
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        by_process[d.process_index].append(d)
+    mine = by_process[jax.process_index()][:n]
+    if list(local.devices.flat) != mine:
+        raise ValueError(f"a local target mesh must hold this process's first {n} devices in "
+                         f"id order, got {[d.id for d in local.devices.flat]}")
+    blocks = [np.asarray(by_process[p][:n], dtype=object).reshape(local.devices.shape)
+              for p in sorted(by_process)]
+    return Mesh(np.stack(blocks), ("process",) + tuple(local.axis_names))
+
+
+def _reshard_to_local(leaves, treedef, targets):
+    """Global arrays -> this process's whole copies on its local mesh (module docstring)."""
+    source: collections.Counter = collections.Counter()
+    for x in leaves:
+        source.update(_shard_bytes(x.sharding, x.shape, x.dtype.itemsize))
+    t0 = time.perf_counter()
+    meshes: dict = {}
+    moved, total = [], 0
+    for x, target in zip(leaves, targets):
+        if not isinstance(target, NamedSharding) or not target.is_fully_addressable:
+            raise ValueError("reshard: a tree moves either within the job's devices or to "
+                             "this process's local mesh, not both")
+        glob = meshes.setdefault(id(target.mesh), _per_process_mesh(target.mesh))
+        y = jax.device_put(x, NamedSharding(glob, target.spec))
+        by_device = {s.device: s.data for s in y.addressable_shards}
+        local = jax.make_array_from_single_device_arrays(
+            x.shape, target, [by_device[d] for d in target.addressable_devices_indices_map(
+                x.shape)])
+        moved.append(jax.block_until_ready(local))
+        total += math.prod(x.shape) * x.dtype.itemsize
+    after: collections.Counter = collections.Counter()
+    for y in moved:
+        after.update(_shard_bytes(y.sharding, y.shape, y.dtype.itemsize))
+    src, dst = max(source.values(), default=0), max(after.values(), default=0)
+    report = ReshardReport(seconds=time.perf_counter() - t0, arrays=len(moved),
+                           tree_bytes=total, source_device_bytes=src, target_device_bytes=dst,
+                           peak_device_bytes=src + dst,  # no donation: both at the end
+                           measured_peak_bytes=_peak_allocated())
     return jax.tree.unflatten(treedef, moved), report
 
 

@@ -41,7 +41,7 @@ def test_reward_rises_on_a_trivial_environment(full_run):
     assert np.mean(r[-3:]) > np.mean(r[:3]) + 0.25, r
     m = full_run.metrics[1]
     assert m["updated"] == 1.0
-    for k in ("reward/test_first_letter", "pg_loss", "mismatch_abs", "reshard_s",
+    for k in ("reward/test_first_letter", "pg_loss", "mismatch_abs", "sync_seconds",
               "rollout_tokens_per_s", "kept_groups", "gen_tokens/low"):
         assert k in m
     assert m["mismatch_abs"] < 1e-2  # sampler and trainer agree on the same weights

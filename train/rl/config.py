@@ -90,6 +90,7 @@ class RLConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3 (rl_losses.kl_per_token)
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * mean entropy of the loss tokens
     scale_update_by_kept: bool = False  # update * kept groups / prompts_per_step (see step.py)
+    minibatches_per_step: int = 1  # optimizer updates per rollout batch (PPO/GRPO mini-batches)
     # ---- MoE routing replay: train each token with the experts the rollout engine used ----
     routing_replay: bool = False
     # ---- SFT warm-up (demonstrations of the same environments) ----
@@ -106,6 +107,7 @@ class RLConfig:
                                                for i, e in enumerate(envs)))
         for name in ("steps", "prompts_per_step", "group_size", "seq_len", "num_slots",
                      "generate_devices", "max_sampling_rounds", "max_staleness",
+                     "minibatches_per_step",
                      "heldout_tasks", "heldout_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -159,6 +161,17 @@ class RLConfig:
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    def rows_per_micro_batch(self, accum_steps: int) -> int:
+        """Rows of one micro-batch: the rollout batch split into ``minibatches_per_step``
+        updates of ``accum_steps`` micro-batches each (a ValueError unless it divides)."""
+        n = self.minibatches_per_step * accum_steps
+        if self.rollouts_per_step % n:
+            raise ValueError(f"rl.prompts_per_step * rl.group_size = {self.rollouts_per_step} "
+                             f"rows do not split into rl.minibatches_per_step="
+                             f"{self.minibatches_per_step} x train.accum_steps={accum_steps} "
+                             f"micro-batches")
+        return self.rollouts_per_step // n
 
     def loss_config(self):
         from kdsa.train.rl_losses import RLLossConfig

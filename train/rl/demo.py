@@ -61,7 +61,7 @@ def enable_compilation_cache(path: str | Path) -> None:
 
 
 def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
-             resume: bool = False, progress: bool = True, out=print) -> int:
+             resume: bool = False, progress: bool = True, mesh=None, out=print) -> int:
     import jax
 
     from kdsa.train.rl import rollout as ro
@@ -70,7 +70,7 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
 
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
-    result = run_rl(config, tc, rc, run_dir, resume=resume, progress=progress)
+    result = run_rl(config, tc, rc, run_dir, resume=resume, progress=progress, mesh=mesh)
     if result.stopped:
         return 143
     steps = sorted(result.rewards)

@@ -2,14 +2,19 @@
 
 ``run_rl(model_config, train_config, rl_config, run_dir)`` per RL step:
 
-1. weight sync: the train state's parameters and biases are resharded onto the generate mesh
-   (``sharding/reshard.py``, ``generate`` layout; timed: ``reshard_s``) and handed to the
-   engine's runner (same shapes and shardings every step, so nothing recompiles);
+1. weight sync: the train state's parameters and biases are resharded from the ``train``
+   layout onto the generate mesh (``sharding/reshard.py``, ``generate`` layout; timed:
+   ``sync_seconds``) and handed to the engine's runner (same shapes and shardings every step,
+   so nothing recompiles);
 2. rollouts: ``prompts_per_step`` tasks drawn from the weighted environment mix, an effort level
    each, ``group_size`` episodes per task on the engine (``rollout.py``); rewards with the
    budget and length terms; dynamic sampling keeps groups whose rewards vary, drawing another
    round (up to ``max_sampling_rounds``) to fill the batch; unfilled rows are padding;
-3. one jitted update (``train/rl/step.py``) with the policy loss chosen by ``rl.loss``.
+3. the update (``train/rl/step.py``) with the policy loss chosen by ``rl.loss``: one jitted
+   optimizer step, or ``rl.minibatches_per_step`` of them on slices of the rollout batch with
+   the log-probs of the policy before the first (PPO / GRPO mini-batches); on one device, or
+   on the ``train`` layout of ``mesh`` (FSDP / EP / TP / sequence, ``kdsa rl --mesh``; the
+   same placement as ``kdsa train``, ``multihost.Placement``).
 
 Steps are numbered globally: ``1..sft_steps`` are SFT steps on demonstrations (``sft.py``,
 metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
@@ -25,8 +30,9 @@ would have chosen the same experts.
 
 Multi-host (the same command on every process, e.g. under ``kdsa launch-local``): each process
 plays its share of every step's groups on its own engine and the episodes are exchanged; the
-update is data-parallel over one device per process (``multihost.py``); process 0 alone writes
-metrics and checkpoints. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy,
+update runs on the train layout over every process's devices, each process holding only its
+shards (``multihost.py``); process 0 alone writes metrics, every process its checkpoint
+shards. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy,
 saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
 ``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
 """
@@ -48,17 +54,17 @@ from kdsa.infer.engine import Engine
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.config import ModelConfig
-from kdsa.sharding.mesh import make_mesh
+from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
-from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.checkpointing import Checkpointer, config_check
 from kdsa.train.config import TrainConfig
 from kdsa.train.metrics import MetricsWriter, progress_bar
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
-from kdsa.train.rl.multihost import DataParallel, local_copy, play_split
+from kdsa.train.rl.multihost import Placement, local_copy, play_split
 from kdsa.train.rl.sft import sft_batch
-from kdsa.train.rl.step import rl_step_with_options
+from kdsa.train.rl.step import minibatch_updates, rl_step_with_options, split_rows
 from kdsa.train.run_dir import check_run_dir, state_bytes
 from kdsa.train.trainer import _StopFlag, prepare, stop_reason
 
@@ -86,16 +92,10 @@ def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig) -> None
     if config.expert_weight_format == "mxfp4":
         raise ValueError("MXFP4 routed experts are frozen bytes: RL needs "
                          "expert_weight_format='bf16'")
-    if rc.rollouts_per_step % tc.accum_steps:
-        raise ValueError(f"rl.prompts_per_step * rl.group_size = {rc.rollouts_per_step} rows "
-                         f"do not split into train.accum_steps={tc.accum_steps} micro-batches")
+    rc.rows_per_micro_batch(tc.accum_steps)  # rows split into mini- and micro-batches
     if config.vocab_size < 384:
         raise ValueError(f"the byte tokenizer with chat specials needs vocab_size >= 384, got "
                          f"{config.vocab_size}")
-    n = jax.process_count()
-    if n > 1 and (rc.rollouts_per_step // tc.accum_steps) % n:
-        raise ValueError(f"{n} processes split each micro-batch of {rc.rollouts_per_step} // "
-                         f"train.accum_steps={tc.accum_steps} rows: it must be a multiple of {n}")
     if rc.generate_devices > jax.local_device_count():
         raise ValueError(f"rl.generate_devices={rc.generate_devices} but only "
                          f"{jax.local_device_count()} local devices")
@@ -135,7 +135,6 @@ class Sampler:
 
     def sync(self, graphdef, state) -> float:
         """Train state -> generate layout -> runner; returns the reshard seconds."""
-        state = local_copy(state)  # multi-host: this process's copy of the replicated state
         model_state = nnx.state(nnx.merge(graphdef, state.params, state.rest))
         moved, report = reshard_state(model_state, self.mesh, "generate")
         self.runner.state = moved
@@ -160,72 +159,92 @@ def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, di
 
 
 def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
-           resume: bool = False, progress: bool = True, stop_at: int | None = None,
+           mesh=None, resume: bool = False, progress: bool = True, stop_at: int | None = None,
            evaluate_heldout: bool = True, sampler: "Sampler | None" = None,
            compiler_options: dict | None = None, log=_log) -> RLResult:
-    """Run the job (see the module docstring). ``sampler``: reuse the generation side of an
-    earlier run of the same model config and ``rl`` shapes (its compiled steps); None builds
-    one. ``compiler_options``: XLA options of the update step (tests: opt level 0)."""
+    """Run the job (see the module docstring). ``mesh``: run the update on it with the
+    ``train`` layout (``kdsa rl --mesh``; ``sharding.mesh.fit_layout``); None = one device,
+    or in a multi-process job the preset's train layout fitted to every device. ``sampler``:
+    reuse the generation side of an earlier run of the same model config and ``rl`` shapes
+    (its compiled steps); None builds one. ``compiler_options``: XLA options of the update
+    step (tests: opt level 0)."""
     check_rl_configs(config, tc, rc)
     step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
-    multi = jax.process_count() > 1  # rollouts split, update data-parallel; process 0 writes
-    dp = DataParallel()
+    multi = jax.process_count() > 1  # rollouts split, one update over every process's devices
+    if mesh is None and multi:
+        mesh = fit_layout(config, "train", batch=rc.rows_per_micro_batch(tc.accum_steps),
+                          seq=rc.seq_len, log=log)
+    elif mesh is not None:
+        check_layout(config, dict(mesh.shape), "train",
+                     batch=rc.rows_per_micro_batch(tc.accum_steps), seq=rc.seq_len)
     writes = jax.process_index() == 0
     abstract, graphdef, tx, build = prepare(config, tc)
+    template = jax.eval_shape(build)
+    place = Placement(mesh, graphdef, template)
     if writes:  # writable, room for the checkpoints (and the reference): before compiling
-        check_run_dir(run_dir, state_bytes(jax.eval_shape(build)), tc.keep_checkpoints + 1)
+        check_run_dir(run_dir, state_bytes(template), tc.keep_checkpoints + 1)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
-                        keep=tc.keep_checkpoints, process_local=multi)
+                        keep=tc.keep_checkpoints)
     layout = abstract.segment_layout
     loss_cfg = rc.loss_config()
     total = rc.sft_steps + rc.steps
 
     meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None}
-    restored = ckpt.restore_latest(jax.eval_shape(build), log=log) if resume and \
-        ckpt.all_steps() else None
+    if not resume and ckpt.all_steps():  # never mix two runs' steps in one folder
+        raise ValueError(f"{run_dir} already holds checkpoints (steps {ckpt.all_steps()}); "
+                         f"pass --resume to continue that run, or choose another --run-dir")
+    restored = None
+    if resume and ckpt.all_steps():  # a checkpoint of another config is refused by its meta
+        restored = ckpt.restore_latest(place.template(template), log=log, check=config_check(
+            config.to_hf_config(), tc.to_dict()))
     if restored is not None:
         start, state, meta = restored
-        if meta.get("model_config") != config.to_hf_config():
-            raise ValueError(f"--resume: the checkpoint in {ckpt.directory} was written for "
-                             "another model config")
         meta0 = {k: meta.get(k) for k in meta0}
-        state = dp.state(state)
+        if place.mesh is None:
+            state = jax.device_put(state, place.device)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
-        start, state = 0, dp.state(build())
+        start, state = 0, place.initial(build, compiler_options)
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
     before_d, after_d = meta0["heldout_before_by_domain"], None
 
     ref_params, ref_ckpt = None, None
     if loss_cfg.kl_beta > 0:  # the reference policy: the weights after SFT, saved once
-        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False,
-                                process_local=multi)
+        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False)
         if ref_ckpt.all_steps():
-            got = ref_ckpt.restore_latest(jax.eval_shape(build).params, log=log)
+            got = ref_ckpt.restore_latest(place.template(template).params, log=log)
             if got is None:
                 raise ValueError(f"--resume: the reference policy in {ref_ckpt.directory} is "
                                  "unreadable")
-            ref_params = dp.state(got[1])
+            ref_params = got[1] if place.mesh is not None else jax.device_put(got[1],
+                                                                              place.device)
     if sampler is None:
-        local = local_copy(state)
-        sampler = Sampler(nnx.merge(graphdef, local.params, local.rest), config, rc, tc.seed)
+        sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
     rows, T = rc.rollouts_per_step, rc.seq_len
-    sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False) if rc.sft_steps else None
-    writer = MetricsWriter(run_dir)
+    again = restored is not None  # drop the lines of steps after the restored one
+    sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False, resume_step=min(
+        start, rc.sft_steps) if again else None) if rc.sft_steps else None
+    writer = MetricsWriter(run_dir, resume_step=max(start - rc.sft_steps, 0) if again
+                           else None)
     rewards, lines = {}, {}
     pending: list = []  # partial rollouts: groups cut by the step cap, continued next step
     stopped, step = False, start
     bar = _progress(total, start, progress)
+    on_every = writes or place.collective  # who calls save (a sharded state: every process)
 
     def save(force: bool):
         meta = {"task_counter": counter, "heldout_before": before,
                 "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
                 "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
-        if writes:
-            ckpt.save(step, local_copy(state), meta, force=force)
+        if on_every:
+            ckpt.save(step, state, meta, force=force)
 
+    def host(metrics) -> dict:
+        return {k: float(v) for k, v in jax.device_get(local_copy(metrics)).items()}
+
+    kw = dict(tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
     with _StopFlag() as flag:
         while step < total:
             t0 = time.perf_counter()
@@ -237,11 +256,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
                 if rc.routing_replay:  # same batch structure as RL steps: one compile
                     batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
-                state, m = step_fn(graphdef, state, dp.batch(batch), 1.0,
-                                   None if ref_ckpt is None else state.params, tc=tc, tx=tx,
-                                   loss_cfg=loss_cfg, layout=layout)
-                state = dp.put_back(state)
-                m = {k: float(v) for k, v in jax.device_get(local_copy(m)).items()}
+                with place.rules():
+                    state, m = step_fn(graphdef, state, place.batch(batch), 1.0,
+                                       None if ref_ckpt is None else state.params, **kw)
+                m = host(m)
                 step += 1
                 m["step_time_s"] = time.perf_counter() - t0
                 sft_writer.write(step, m)
@@ -249,8 +267,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
             else:  # ---- RL ----
                 if ref_ckpt is not None and ref_params is None:
                     ref_params = state.params
-                    if writes:
-                        ref_ckpt.save(step, local_copy(ref_params), {"step": step}, force=True)
+                    if on_every:
+                        ref_ckpt.save(step, ref_params, {"step": step}, force=True)
                 if before is None and evaluate_heldout:
                     sampler.sync(graphdef, state)
                     before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
@@ -261,14 +279,19 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                            _routing_dims(config) if rc.routing_replay else None)
                 batch = m.pop("_batch")
                 m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
-                m["update_devices"] = dp.size  # data-parallel over one device per process
+                m["update_devices"] = place.size
                 if m["kept_groups"] > 0:
                     scale = (m["kept_groups"] / rc.prompts_per_step
                              if rc.scale_update_by_kept else 1.0)
-                    state, tm = step_fn(graphdef, state, dp.batch(batch), 0.0, ref_params,
-                                        scale, tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
-                    state = dp.put_back(state)
-                    m.update({k: float(v) for k, v in jax.device_get(local_copy(tm)).items()})
+                    t1 = time.perf_counter()
+                    k = rc.minibatches_per_step
+                    with place.rules():
+                        state, ms = minibatch_updates(
+                            graphdef, state, [place.batch(b) for b in split_rows(batch, k)],
+                            ref_params, scale, step_fn=step_fn, **kw)
+                    ms = [host(x) for x in ms]
+                    m.update({key: float(np.mean([x[key] for x in ms])) for key in ms[0]})
+                    m["update_s"] = time.perf_counter() - t1
                 step += 1
                 rl_i = step - rc.sft_steps
                 m["step_time_s"] = time.perf_counter() - t0
@@ -320,7 +343,7 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
     they are continued first, with the first round's new episodes; the list is updated in
     place (groups still unfinished ``rl.max_staleness`` steps after they started are dropped).
     """
-    reshard_s = sampler.sync(graphdef, state)
+    sync_s = sampler.sync(graphdef, state)
     t0 = time.perf_counter()
     cap = rc.partial_rollout_tokens or None
     kept, finished, carried, dropped, gen, here = [], [], [], 0, 0, 0
@@ -358,7 +381,7 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
     kept = kept[:rc.prompts_per_step]
     rollout_s = time.perf_counter() - t0
     m = ro.domain_metrics(finished)
-    m.update(reshard_s=reshard_s, rollout_s=rollout_s, rollout_tokens=gen,
+    m.update(sync_seconds=sync_s, rollout_s=rollout_s, rollout_tokens=gen,
              rollout_tokens_per_s=gen / rollout_s if rollout_s > 0 else 0.0,
              kept_groups=len(kept), sampled_groups=len(finished) // rc.group_size,
              rollout_episodes_here=here)  # played by this process (multi-host: its share)

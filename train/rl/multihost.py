@@ -1,4 +1,4 @@
-"""Multi-host RL: rollouts split across processes, a data-parallel update over all of them.
+"""Multi-host RL: rollouts split across processes, the update on the train layout over all.
 
 With ``P = jax.process_count() > 1`` (the same ``kdsa rl`` command on every host, or
 ``kdsa launch-local --processes P -- rl ...``):
@@ -9,27 +9,25 @@ With ``P = jax.process_count() > 1`` (the same ``kdsa rl`` command on every host
   every group in the same order and takes the same dynamic-sampling, batch and metric decisions.
   An episode's sampling seed is its position in the whole list (``Episode.index``), so the split
   draws the same tokens as one process would;
-* **update** (``DataParallel``): the train state lives on a ``data = P`` mesh over one device of
-  each process, replicated; the batch's rows are split over that axis (``rules.place``: each
-  process fills its own rows from its identical copy), so each process computes the gradient of
-  its rows and XLA all-reduces them inside the jitted step (the exact accumulation of
-  ``train/rl/step.py`` holds: denominators come from the whole batch);
-* **weight sync and checkpoints**: the replicated state's local copy (``local_copy``) goes to the
-  process's generate mesh and, on process 0, into the checkpoint.
+* **update** (:class:`Placement`): the train state lives on the ``train`` layout of a mesh over
+  every process's devices (FSDP / EP / TP / sequence, ``kdsa rl --mesh``), each process holding
+  only its shards; the batch's rows are split over the batch axes (each process hands over its
+  own rows of its identical copy), and the exact accumulation of ``train/rl/step.py`` holds
+  (denominators come from the whole batch);
+* **weight sync and checkpoints**: the sampler's whole copy on each process's local generate
+  mesh comes from ``sharding.reshard`` (global -> local: an all-gather, then a relabel); every
+  process writes its shards of the checkpoint together (Orbax).
 
 On one process every function here is the identity.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from kdsa.sharding.mesh import make_mesh
-from kdsa.sharding.rules import place
 
 
 def allgather_objects(obj) -> list:
@@ -67,45 +65,65 @@ def play_split(play, groups: list[list], **kw) -> tuple[list[list], int]:
     return out, sum(len(grp) for _, grp in mine)
 
 
-class DataParallel:
-    """Where the RL train state lives: one device (one process) or a ``data`` mesh over one
-    device per process (several)."""
+class Placement:
+    """Where the RL update runs: one device (``mesh=None`` in a one-process job, as before
+    any layout is asked for) or the ``train`` layout on ``mesh`` (``kdsa rl --mesh``: data,
+    fsdp, expert, tensor, sequence; every process's devices in a multi-process job), the same
+    placement ``kdsa train`` uses (``sharding/train_state.py``): the state sharded by the
+    rules, the step-0 state computed in its layout, batches split over the batch axes with
+    each process handing over its own rows, the step traced under ``use_sharding``."""
 
-    def __init__(self):
-        self.multi = jax.process_count() > 1
-        if not self.multi:
-            self.device = jax.local_devices()[0]
+    def __init__(self, mesh, graphdef, template):
+        self.mesh, self.graphdef = mesh, graphdef
+        if mesh is None:
+            if jax.process_count() > 1:
+                raise ValueError("a multi-process RL job needs a train mesh over every "
+                                 "process's devices")
+            self.device, self.shardings = jax.local_devices()[0], None
             return
-        first = {}
-        for d in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
-            first.setdefault(d.process_index, d)
-        self.mesh = make_mesh({"data": len(first)}, devices=list(first.values()))
-        self.replicated = NamedSharding(self.mesh, P())
-        self.rows = NamedSharding(self.mesh, P("data"))
+        from kdsa.sharding.train_state import train_state_shardings
+        self.shardings = train_state_shardings(graphdef, template, mesh, "train")
 
     @property
     def size(self) -> int:
-        return self.mesh.shape["data"] if self.multi else 1
+        """Devices the update runs on (``update_devices`` in metrics.jsonl)."""
+        return 1 if self.mesh is None else self.mesh.size
 
-    def state(self, tree):
-        """A host or local tree (identical on every process) -> where the update runs."""
-        if not self.multi:
-            return jax.device_put(tree, self.device)
-        return jax.tree.map(lambda a: place(np.asarray(a), self.replicated), tree)
+    @property
+    def collective(self) -> bool:
+        """Checkpoints are written by every process together (the state spans them)."""
+        return self.mesh is not None and jax.process_count() > 1
+
+    def template(self, template):
+        """A restore target: the abstract state with the layout's shardings attached."""
+        if self.mesh is None:
+            return template
+        from kdsa.sharding.train_state import sharded_template
+        return sharded_template(template, self.shardings)
+
+    def params_template(self, template):
+        return self.template(template).params
+
+    def initial(self, build, compiler_options=None):
+        """The step-0 state where the update runs (on a mesh: computed in its layout)."""
+        if self.mesh is None:
+            return jax.device_put(build(), self.device)
+        from kdsa.sharding.train_state import init_sharded
+        return init_sharded(build, self.shardings, compiler_options)
 
     def batch(self, batch: dict) -> dict:
-        """Host batch (identical on every process) -> rows split over the processes."""
-        if not self.multi:
+        """Host batch (the same on every process) -> rows over the batch axes."""
+        if self.mesh is None:
             return batch
-        return {k: place(np.asarray(v), self.rows) for k, v in batch.items()}
+        from kdsa.sharding.train_state import place_batch
+        return place_batch(batch, self.mesh, "train")
 
-    def put_back(self, tree):
-        """The update's outputs re-placed replicated where XLA chose another layout (so the
-        next step sees the same input shardings and the copies stay whole)."""
-        if not self.multi:
-            return tree
-        return jax.tree.map(lambda a: a if a.sharding.is_equivalent_to(self.replicated, a.ndim)
-                            else jax.device_put(a, self.replicated), tree)
+    def rules(self):
+        """The context the update is traced in (the train rules), or a no-op."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        from kdsa.sharding.constrain import use_sharding
+        return use_sharding(self.mesh, "train")
 
 
 def local_copy(tree):
