@@ -62,8 +62,9 @@ def make_source(config, root: Path) -> Path:
             a = rng.standard_normal(v.shape, np.float32) * 0.02
             yield k, (lambda a=a, dt=v.dtype: jnp.asarray(a, dt))
 
-    ckpt.save_params(root / "src_orbax", config, items())
-    orbax_to_hf(root / "src_orbax", root / "hf", layout="kimi_linear", progress=False)
+    ckpt.save_params(root / "src_orbax", config, items(), overwrite=True)  # a rerun replaces
+    orbax_to_hf(root / "src_orbax", root / "hf", layout="kimi_linear", progress=False,
+                overwrite=True)
     shutil.rmtree(root / "src_orbax")
     return root / "hf"
 
@@ -95,10 +96,10 @@ def child(args) -> dict:
         out = {"bytes": nbytes}
     elif args.child == "hf_to_orbax":
         s = convert.hf_to_orbax(args.src, args.dst, experts=args.experts, progress=False,
-                                batch_bytes=int(args.nbytes))
+                                batch_bytes=int(args.nbytes), overwrite=True)
         out = {"bytes": s.bytes_read, "written": s.bytes_written}
     else:
-        s = convert.orbax_to_hf(args.src, args.dst, progress=False)
+        s = convert.orbax_to_hf(args.src, args.dst, progress=False, overwrite=True)
         out = {"bytes": s.bytes_written, "read": s.bytes_read}
     out["seconds"] = time.perf_counter() - t0
     out["peak_rss_delta"] = max(convert._peak_rss() - rss0, 0)

@@ -257,6 +257,18 @@ def test_resume_with_another_config_names_the_fields(full_run, tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "6"]
 
 
+def test_a_second_run_into_a_folder_with_checkpoints_needs_resume(full_run, tmp_path):
+    """Without ``--resume`` a run dir that holds another run's checkpoints is refused before
+    anything is built (before, the new run's saves of existing steps were skipped silently)."""
+    run_dir, _ = full_run
+    _copy_run(run_dir, tmp_path)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"already holds checkpoints \(steps \[3, 6\]\); pass "
+                                         r"--resume to continue that run"):
+        run_training(small_config(), TC, tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
 def test_a_training_checkpoint_loads_for_generation(full_run, tmp_path, monkeypatch):
     """``load_model`` reads the model out of ``RUN_DIR/checkpoints/6`` (and of
     ``RUN_DIR/checkpoints`` and ``RUN_DIR``: the newest step) with the trained state's arrays,

@@ -161,6 +161,9 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         template = sharded_template(template, shardings)
 
     restored = None
+    if not resume and ckpt.all_steps():  # never mix two runs' steps in one folder
+        raise ValueError(f"{run_dir} already holds checkpoints (steps {ckpt.all_steps()}); "
+                         f"pass --resume to continue that run, or choose another --run-dir")
     if resume and ckpt.all_steps():  # a checkpoint of another config is refused by its meta
         from kdsa.train.checkpointing import config_check
         restored = ckpt.restore_latest(template, log=log, check=config_check(
