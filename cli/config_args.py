@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from kdsa.cli.paths import abs_path
-
 import argparse
 import dataclasses
 import json
 
+from kdsa.cli.paths import abs_path
 from kdsa.model.config import ModelConfig, get_preset
 
 

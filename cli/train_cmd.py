@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kdsa.cli.paths import abs_path
-
 import sys
+
+from kdsa.cli.paths import abs_path
 
 
 def register(sub) -> None:
