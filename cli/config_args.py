@@ -106,3 +106,47 @@ def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
     for head, changes in nested.items():
         top[head] = dataclasses.replace(getattr(config, head), **changes)
     return dataclasses.replace(config, **top) if top else config
+
+
+def add_init_from_args(p: argparse.ArgumentParser) -> None:
+    """``--init-from DIR`` and ``--export-experts`` (``kdsa train``, ``kdsa rl``)."""
+    p.add_argument("--init-from", type=abs_path, default=None, metavar="DIR",
+                   help="start from the weights of a kdsa model folder (kdsa convert "
+                        "hf-to-orbax output, a run's RUN_DIR/model, or a training checkpoint); "
+                        "the model config and tokenizer come from DIR, --set may change only "
+                        "training fields (remat_policy, expert_qat, ...). MXFP4 experts are "
+                        "dequantized for training (docs/post_training.md)")
+    p.add_argument("--export-experts", choices=("bf16", "mxfp4"), default=None,
+                   help="routed-expert format of RUN_DIR/model, written when the run "
+                        "finishes (default: mxfp4 when --init-from holds MXFP4 experts, "
+                        "else bf16)")
+
+
+def model_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
+    """``(name, config)``: ``--init-from DIR``'s training config (``train/init_from.py``) with
+    the allowed ``--set`` overrides, or ``--preset`` / ``--config`` as usual."""
+    if getattr(args, "init_from", None) is None:
+        return config_from_args(args)
+    if args.preset or args.config:
+        raise ValueError(f"--init-from {args.init_from} brings its own model config; drop "
+                         f"--preset/--config")
+    from kdsa.model.checkpoint import read_info
+    from kdsa.train.init_from import check_overrides, training_config
+
+    stored, _ = read_info(args.init_from)
+    check_overrides(args.init_from, args.overrides)
+    return args.init_from.name, apply_overrides(training_config(stored), args.overrides)
+
+
+def model_tokenizer(args: argparse.Namespace, config: ModelConfig):
+    """The tokenizer in ``--init-from DIR`` (its ``tiktoken.model`` or ``tokenizer.json``),
+    checked against the model's vocabulary; None (the byte tokenizer) without one."""
+    if getattr(args, "init_from", None) is None:
+        return None
+    from kdsa.infer.tokenizer import load_tokenizer
+    from kdsa.model.checkpoint import locate, tokenizer_files
+
+    folder = locate(args.init_from)[0]
+    if not {"tiktoken.model", "tokenizer.json"} & set(tokenizer_files(folder)):
+        return None
+    return load_tokenizer(folder, vocab_size=config.vocab_size)

@@ -8,7 +8,7 @@ from kdsa.cli.paths import abs_path
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_config_args, add_layout_args
+    from kdsa.cli.config_args import add_config_args, add_init_from_args, add_layout_args
 
     p = sub.add_parser(
         "train", help="train a model (synthetic or JSONL data), checkpointing and resuming",
@@ -39,6 +39,7 @@ def register(sub) -> None:
                         "over every process's devices). Default: the preset's train layout "
                         "fitted to the devices and the micro-batch (docs/sharding.md)")
     add_layout_args(p)
+    add_init_from_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(run=run)
 
@@ -56,22 +57,36 @@ def train_config_from_args(args):
 def run(args) -> int:
     import jax
 
-    from kdsa.cli.config_args import config_from_args, layout_override
+    from kdsa.cli.config_args import layout_override, model_from_args, model_tokenizer
     from kdsa.train.trainer import SIGTERM_EXIT_CODE, check_configs, run_training
 
-    name, config = config_from_args(args)
+    name, config = model_from_args(args)
     mesh_sizes = layout_override(args, "train")  # a bad layouts file fails before compiling
     tc = train_config_from_args(args)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.init_from is not None and not any(
+            o.partition("=")[0].removeprefix("train.") == "indexer_stage"
+            for o in args.train_overrides):
+        from kdsa.train.init_from import fresh_indexer
+        if fresh_indexer(args.init_from):  # a converted K3 with a new indexer
+            tc = tc.replace(indexer_stage="dense_warmup")
+            log(f"{args.init_from}: its DSA indexer is freshly initialised; training starts "
+                f"in the dense warm-up stage (--train-set indexer_stage=... to choose)")
     check_configs(config, tc)  # every config error before anything compiles
     if args.data is not None and not args.data.is_file():
         raise ValueError(f"--data {args.data}: no such file")
+    tok = model_tokenizer(args, config)  # the model's own (--init-from), else bytes
     data = args.data
     if data is not None:
         from kdsa.train.vision_data import chat_sft_data, is_chat_jsonl
         if is_chat_jsonl(data):  # every line checked (images decoded) before anything compiles
-            data = chat_sft_data(config, tc, data)
+            data = chat_sft_data(config, tc, data, tokenizer=tok)
+        elif tok is not None:
+            from kdsa.train.data import PackedJsonlData
+            data = PackedJsonlData(data, tc.batch_size, tc.seq_len, tc.seed,
+                                   vocab_size=config.vocab_size, eos_id=config.eos_token_id,
+                                   pad_id=config.pad_token_id or 0, tokenizer=tok)
     from kdsa.sharding.mesh import fit_layout
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     mesh = fit_layout(config, "train", preset=name, override=mesh_sizes,
                       batch=tc.micro_batch_size, seq=tc.seq_len, log=log)
     axes = ",".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
@@ -80,7 +95,8 @@ def run(args) -> int:
         f"process(es)), run dir {args.run_dir}")
     result = run_training(config, tc, args.run_dir, data_path=data, resume=args.resume,
                           progress=not args.no_progress and jax.process_index() == 0,
-                          mesh=mesh)
+                          mesh=mesh, init_from=args.init_from,
+                          export_experts=args.export_experts)
     last = result.losses.get(result.final_step)
     print(f"step {result.final_step}/{tc.steps}" + (f" loss {last:.4f}" if last is not None
                                                     else ""), flush=True)

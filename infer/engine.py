@@ -463,7 +463,9 @@ class Engine:
     def _sample_and_apply(self, pairs: list[tuple[int, int]], logits) -> None:
         """Sample every (logits row, slot) pair and apply the tokens. A row that cannot be
         packed, parsed or delivered fails alone; a failing sampler fails every row."""
-        n, vocab = logits.shape[0], self.runner.vocab_size
+        n, vocab = logits.shape[0], min(self.runner.vocab_size, self.tok.vocab_size)
+        if logits.shape[-1] > vocab:  # a padded embedding: ids the tokenizer lacks are never
+            logits = logits[:, :vocab]  # sampled (log-probs over the tokenizer's ids)
         temp, top_p, min_p = (np.ones(n, np.float32), np.ones(n, np.float32),
                               np.zeros(n, np.float32))
         top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),

@@ -34,7 +34,7 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,8 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
                 metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
                 on_saved: Callable[[str, jax.Array], None] | None = None,
                 compress: bool = False, overwrite: bool = False,
-                sources: Iterable[str | os.PathLike] = ()) -> Path:
+                sources: Iterable[str | os.PathLike] = (),
+                extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Stream ``(key, producer)`` items into a new checkpoint at ``path`` (atomic).
 
     ``path`` is checked first by ``kdsa.model.destination.check_destination``: an existing
@@ -111,7 +112,9 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     once an array's batch is written.
     The keys must be exactly the model's variables for ``config`` (checked at the end, before
     the rename). ``compress``: Orbax's zstd (off by default: trained weights barely compress and
-    it costs CPU time on every write). Returns ``path``.
+    it costs CPU time on every write). ``extra_files`` (``{name: source path}``, e.g. the
+    tokenizer: :func:`tokenizer_files`) are copied into the folder before it is renamed into
+    place, so they arrive with it or not at all. Returns ``path``.
     """
     ocp = _ocp()
     path = check_destination(path, sources=sources, overwrite=overwrite)
@@ -170,6 +173,8 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         with ctx:
             ocp.partial.finalize(tmp)
         if primary:
+            for name, src in (extra_files or {}).items():
+                shutil.copy2(src, tmp / name)
             replace_folder(tmp, path)
         _sync("kdsa_checkpoint_renamed")
     except BaseException:
@@ -215,13 +220,28 @@ def _sync(name: str) -> None:
 
 def save_model(path: str | os.PathLike, config: ModelConfig, model: nnx.Module, *,
                metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
-               overwrite: bool = False) -> Path:
+               overwrite: bool = False,
+               extra_files: Mapping[str, str | os.PathLike] | None = None) -> Path:
     """Save every variable of ``model`` (built from ``config``) atomically to ``path``; an
     existing kdsa model folder there is replaced only with ``overwrite`` (``save_params``)."""
     variables = flat_variables(nnx.state(model))
     items = ((k, (lambda v=v: v[...])) for k, v in variables.items())
     return save_params(path, config, items, metadata=metadata, batch_bytes=batch_bytes,
-                       overwrite=overwrite)
+                       overwrite=overwrite, extra_files=extra_files)
+
+
+# the files of a model's tokenizer and chat template that travel with its weights
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+
+
+def tokenizer_files(folder: str | os.PathLike | None) -> dict[str, Path]:
+    """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder`` (a Hugging Face
+    checkpoint or a kdsa model folder; a training checkpoint has none); ``{}`` for None."""
+    if folder is None:
+        return {}
+    folder = Path(folder).absolute()
+    return {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
 
 
 # ------------------------------------------------------------------------------- reading

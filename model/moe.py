@@ -226,6 +226,37 @@ def unpack_expert_weight(packed: jax.Array, scale: jax.Array, dtype=jnp.float32)
     return jnp.swapaxes(w, -1, -2)                                   # [E, K, N]
 
 
+EXPERT_MATRICES = ("w1", "w2", "w3")
+
+
+def unpack_expert_arrays(flat: dict, dtype) -> dict:
+    """A flat ``{key: array}`` of an MXFP4-expert model -> the same of its float-expert twin:
+    every ``...experts.wN_packed`` / ``...experts.wN_scale`` pair becomes ``...experts.wN``
+    (exact, :func:`unpack_expert_weight`; any leading layer axes), the rest passes through."""
+    out = {}
+    for key, a in flat.items():
+        head, _, tail = key.rpartition(".")
+        name, _, part = tail.partition("_")
+        if name in EXPERT_MATRICES and part == "packed" and head.endswith("experts"):
+            out[f"{head}.{name}"] = unpack_expert_weight(a, flat[f"{head}.{name}_scale"], dtype)
+        elif not (name in EXPERT_MATRICES and part == "scale" and head.endswith("experts")):
+            out[key] = a
+    return out
+
+
+def pack_expert_arrays(flat: dict) -> dict:
+    """Inverse of :func:`unpack_expert_arrays` (the "even" scale rule of
+    :func:`pack_expert_weight`): float ``...experts.wN`` -> ``wN_packed`` and ``wN_scale``."""
+    out = {}
+    for key, a in flat.items():
+        head, _, name = key.rpartition(".")
+        if name in EXPERT_MATRICES and head.endswith("experts"):
+            out[f"{key}_packed"], out[f"{key}_scale"] = pack_expert_weight(a)
+        else:
+            out[key] = a
+    return out
+
+
 def experts_ragged_mxfp4(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array,
                          w1_packed: jax.Array, w1_scale: jax.Array, w3_packed: jax.Array,
                          w3_scale: jax.Array, w2_packed: jax.Array, w2_scale: jax.Array,

@@ -35,7 +35,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import check_destination
+from kdsa.model.folders import check_destination, locate
 from kdsa.train import mappings as mp
 from kdsa.train.convert_export import NP_OF, Loader, export_specs
 from kdsa.train.convert_plan import (Param, check_source, config_from_hf, plan_params,
@@ -195,7 +195,7 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
             ckpt.save_params(dst, config, ((p.key, (lambda p=p: produce(p))) for p in params),
                              metadata=meta, batch_bytes=batch_bytes,
                              on_saved=lambda k, a: bar.update(a.nbytes), overwrite=overwrite,
-                             sources=[src])
+                             sources=[src], extra_files=ckpt.tokenizer_files(src))
         finally:
             bar.close()
         summary.bytes_written = bar.done
@@ -260,6 +260,8 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
                 on_tensor=lambda s: bar.update(s.nbytes))
             (tmp / "config.json").write_text(
                 json.dumps(lay.hf_config(config, experts, dtype), indent=2) + "\n")
+            for fname, path in ckpt.tokenizer_files(locate(src)[0]).items():  # travel along
+                shutil.copy2(path, tmp / fname)
             ckpt.replace_folder(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -50,11 +50,14 @@ class PackedJsonlData:
     """Documents from a JSONL file packed into rows of ``seq_len + 1`` tokens."""
 
     def __init__(self, path: str | Path, batch_size: int, seq_len: int, seed: int, *,
-                 vocab_size: int, eos_id: int | None = None, pad_id: int = 0):
+                 vocab_size: int, eos_id: int | None = None, pad_id: int = 0,
+                 tokenizer=None):
+        """``tokenizer`` (``infer.tokenizer``; the model's own, ``--init-from``) encodes
+        ``text`` documents; without one text is UTF-8 bytes (ids 0..255)."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"--data {path}: no such file")
-        docs = list(_read_jsonl(path, eos_id))
+        docs = list(_read_jsonl(path, eos_id, tokenizer))
         for n, doc in enumerate(docs):
             if doc.size and (doc.min() < 0 or doc.max() >= vocab_size):
                 raise ValueError(f"{path}: document {n} has token ids outside [0, {vocab_size})")
@@ -72,7 +75,7 @@ class PackedJsonlData:
         return _from_rows(self.tokens[rows], self.segments[rows])
 
 
-def _read_jsonl(path: Path, eos_id: int | None):
+def _read_jsonl(path: Path, eos_id: int | None, tokenizer=None):
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -93,7 +96,8 @@ def _read_jsonl(path: Path, eos_id: int | None):
             if not isinstance(rec["text"], str):
                 raise ValueError(f"{path}:{n}: 'text' must be a string, got "
                                  f"{_short(rec['text'])}")
-            ids = list(rec["text"].encode("utf-8"))
+            ids = (list(rec["text"].encode("utf-8")) if tokenizer is None
+                   else list(tokenizer.encode(rec["text"])))
         if eos_id is not None:
             ids.append(eos_id)
         yield np.asarray(ids, np.int64)

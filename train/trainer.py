@@ -36,6 +36,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
+from kdsa.train.init_from import export_format, export_model, initial_state
 from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
 from kdsa.train.optim import make_optimizer
 from kdsa.train.run_dir import check_run_dir, state_bytes
@@ -131,14 +132,19 @@ def prepare(config: ModelConfig, tc: TrainConfig):
 def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                  data_path: str | Path | None = None, resume: bool = False,
                  progress: bool = True, stop_at: int | None = None,
-                 log=_log, mesh=None, compiler_options: dict | None = None) -> RunResult:
+                 log=_log, mesh=None, compiler_options: dict | None = None,
+                 init_from: str | Path | None = None,
+                 export_experts: str | None = None) -> RunResult:
     """Train ``config`` for ``tc.steps`` optimizer steps, writing into ``run_dir``.
 
     ``resume``: continue from the newest readable checkpoint in ``run_dir`` (a fresh start when
     there is none). ``stop_at``: stop (with a checkpoint) after that global step, as a
     preemption would. ``mesh``: train on it with the ``train`` layout (``kdsa train --mesh``;
     ``sharding.mesh.fit_layout``); None = the first local device. ``compiler_options``: XLA
-    options of the step's compile (``train_step_with_options``).
+    options of the step's compile (``train_step_with_options``). ``init_from``: a kdsa model
+    folder whose parameters start the run (``train/init_from.py``; ``config`` is its
+    ``training_config``); a run that finishes writes ``RUN_DIR/model`` (experts in
+    ``export_experts``, default: MXFP4 when ``init_from`` holds MXFP4 experts).
     """
     check_configs(config, tc)
     if mesh is not None:
@@ -178,7 +184,13 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         if resume:
             log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         # committed to the device(s) like a restored state, so both share one compiled step
-        start, state, data_index = 0, _initial_state(build, shardings, compiler_options), 0
+        if init_from is not None:  # published weights, restored into the train layout
+            start, data_index = 0, 0
+            state = initial_state(init_from, config, tc, tx, shardings=shardings, mesh=mesh)
+            log(f"initialised from {init_from}")
+        else:
+            start, state, data_index = 0, _initial_state(build, shardings,
+                                                         compiler_options), 0
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
@@ -224,6 +236,13 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     ckpt.close()
     writer.close()
     bar(None, None)
+    if not stopped:
+        path = export_model(run_dir, config, graphdef, state,
+                            experts=export_format(init_from, export_experts),
+                            tokenizer_from=init_from,
+                            metadata={"training": {"step": step, "init_from": init_from and
+                                                   str(init_from)}})
+        log(f"model written to {path}")
     return RunResult(losses=losses, final_step=step, stopped=stopped,
                      resumed_from=None if restored is None else start)
 

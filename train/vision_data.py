@@ -137,13 +137,15 @@ def is_chat_jsonl(path) -> bool:
     return False
 
 
-def chat_sft_data(config, tc, path, limits: ImageLimits = ImageLimits()) -> ImageSftData:
-    """``kdsa train --data`` on a chat JSONL: byte tokenizer + ``xtml`` format of the model's
-    vocabulary, ``tc.batch_size`` rows of ``tc.seq_len``, shuffled with ``tc.seed``."""
+def chat_sft_data(config, tc, path, limits: ImageLimits = ImageLimits(),
+                  tokenizer=None) -> ImageSftData:
+    """``kdsa train --data`` on a chat JSONL: the ``xtml`` format over ``tokenizer`` (the
+    model's own, ``--init-from``; default: the byte tokenizer of the model's vocabulary),
+    ``tc.batch_size`` rows of ``tc.seq_len``, shuffled with ``tc.seed``."""
     from kdsa.infer.chat import get_format
     from kdsa.infer.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(None, vocab_size=config.vocab_size)
+    tok = tokenizer or load_tokenizer(None, vocab_size=config.vocab_size)
     vc = config.vision_config
     pad = tok.special_tokens.get("<|media_pad|>")
     if vc is not None and pad != vc.media_placeholder_token_id:

@@ -1,0 +1,147 @@
+"""convert -> SFT -> export -> convert back / generate, from a published-style checkpoint.
+
+The source is the golden tiny Kimi Linear checkpoint (``tests/data/kimi_linear``, saved by
+transformers) plus a small character-level ``tokenizer.json`` made here with the
+``tokenizers`` package (XTML's specials included, 64 ids = the model's vocabulary):
+
+* ``kdsa convert hf-to-orbax`` copies the tokenizer into the model folder;
+* ``kdsa train --init-from DIR --data text.jsonl`` tokenizes with it; the first step's loss
+  equals an independent forward of the converted model on the same packed rows (NumPy
+  cross-entropy);
+* the run writes ``RUN_DIR/model`` (config, weights, tokenizer), which ``kdsa convert
+  orbax-to-hf`` turns into safetensors with the source's tensor names and shapes, and from
+  which ``kdsa generate`` answers with the tokenizer's own text;
+* from MXFP4 experts (``--experts mxfp4``): training starts from their exact dequantization
+  (first loss = the MXFP4 model's forward) and the export keeps MXFP4;
+* clear errors: ``--init-from`` with ``--preset``, architecture ``--set``, a tokenizer larger
+  than the vocabulary.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdsa.cli.main import main
+from kdsa.infer.tokenizer import load_tokenizer
+from kdsa.model.checkpoint import load_model, read_info
+from kdsa.train.data import PackedJsonlData
+from kdsa.train.safetensors_io import SafetensorsCheckpoint
+
+DATA = Path(__file__).parent / "data" / "kimi_linear"
+SPECIALS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[BOS]", "[PAD]", "[UNK]"]
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:=\"/-_<>")
+TRAIN_SETS = ["batch_size=2", "seq_len=16", "learning_rate=1e-3", "checkpoint_every=100"]
+
+
+def write_tokenizer(path: Path, chars=CHARS) -> None:
+    """A character-level BPE (no merges) with the XTML specials."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {c: i for i, c in enumerate(chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(path))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    root = tmp_path_factory.mktemp("post")
+    src = root / "hf"
+    shutil.copytree(DATA, src)
+    write_tokenizer(src / "tokenizer.json")
+    (root / "docs.jsonl").write_text("".join(
+        json.dumps({"text": f"the answer is {i} and {i * 7}."}) + "\n" for i in range(40)))
+    return root
+
+
+def _first_loss(run: Path) -> float:
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+
+def _reference_loss(folder: Path, docs: Path) -> float:
+    """Cross-entropy of the first batch under an independent forward of ``folder``."""
+    config, model = load_model(folder)
+    tok = load_tokenizer(folder, vocab_size=config.vocab_size)
+    data = PackedJsonlData(docs, 2, 16, 0, vocab_size=config.vocab_size,
+                           eos_id=config.eos_token_id, pad_id=config.pad_token_id or 0,
+                           tokenizer=tok)
+    b = data.batch(0)
+    logits = np.asarray(model.forward(jnp.asarray(b["inputs"]),
+                                      segment_ids=jnp.asarray(b["segment_ids"])).logits,
+                        np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, np.asarray(b["targets"])[..., None], -1)[..., 0]
+    mask = np.asarray(b["loss_mask"], np.float64)
+    return float((nll * mask).sum() / mask.sum())
+
+
+def test_convert_sft_export_convert_back_and_generate(work, capsys):
+    conv, run = work / "conv", work / "run"
+    assert main(["convert", "hf-to-orbax", str(work / "hf"), str(conv)]) == 0
+    assert (conv / "tokenizer.json").is_file()
+    assert main(["train", "--init-from", str(conv), "--steps", "2", "--no-progress",
+                 "--data", str(work / "docs.jsonl"), "--run-dir", str(run),
+                 *sum((["--train-set", s] for s in TRAIN_SETS), [])]) == 0
+    np.testing.assert_allclose(_first_loss(run), _reference_loss(conv, work / "docs.jsonl"),
+                               rtol=2e-5)
+    model_dir = run / "model"
+    assert (model_dir / "tokenizer.json").is_file()
+    exported, _ = read_info(model_dir)
+    assert exported == read_info(conv)[0]
+
+    hf_out = work / "hf_out"
+    assert main(["convert", "orbax-to-hf", str(model_dir), str(hf_out)]) == 0
+    src, out = SafetensorsCheckpoint(work / "hf"), SafetensorsCheckpoint(hf_out)
+    assert sorted(out.names()) == sorted(src.names())
+    assert all(out.tensor(n).shape == src.tensor(n).shape for n in src.names())
+    assert (hf_out / "tokenizer.json").is_file()
+
+    prompts, answers = work / "prompts.jsonl", work / "answers.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "the answer is 3"}) + "\n")
+    assert main(["generate", "--checkpoint", str(model_dir), "--prompts", str(prompts),
+                 "--out", str(answers), "--max-tokens", "6", "--temperature", "0",
+                 "--no-progress", "--slots", "1", "--max-len", "64"]) == 0
+    line = json.loads(answers.read_text())
+    tok = load_tokenizer(model_dir, vocab_size=exported.vocab_size)
+    text = b"".join(tok.token_bytes(t) for t in line["token_ids"]
+                    if not tok.is_special(t)).decode()
+    assert line["content"] == text[:len(line["content"])] and len(line["token_ids"]) >= 1
+    assert set(line["content"]) <= set(CHARS)  # the tokenizer's own characters
+
+
+def test_mxfp4_experts_train_from_their_dequantization_and_export_mxfp4(work):
+    conv, run = work / "conv_mxfp4", work / "run_mxfp4"
+    assert main(["convert", "hf-to-orbax", str(work / "hf"), str(conv),
+                 "--experts", "mxfp4"]) == 0
+    assert read_info(conv)[0].expert_weight_format == "mxfp4"
+    assert main(["train", "--init-from", str(conv), "--steps", "1", "--no-progress",
+                 "--data", str(work / "docs.jsonl"), "--run-dir", str(run),
+                 *sum((["--train-set", s] for s in TRAIN_SETS), [])]) == 0
+    np.testing.assert_allclose(_first_loss(run), _reference_loss(conv, work / "docs.jsonl"),
+                               rtol=2e-5)
+    assert read_info(run / "model")[0].expert_weight_format == "mxfp4"
+
+
+def test_init_from_errors_are_one_line(work, tmp_path, capsys):
+    conv = work / "conv"
+    if not conv.exists():
+        assert main(["convert", "hf-to-orbax", str(work / "hf"), str(conv)]) == 0
+    capsys.readouterr()
+    base = ["train", "--init-from", str(conv), "--steps", "1", "--run-dir", str(tmp_path / "r")]
+    assert main(base + ["--preset", "tiny"]) == 2
+    assert "brings its own model config; drop --preset/--config" in capsys.readouterr().err
+    assert main(base + ["--set", "hidden_size=64"]) == 2
+    assert "--set hidden_size: with --init-from the architecture comes from" in \
+        capsys.readouterr().err
+    big = tmp_path / "big"
+    shutil.copytree(conv, big)
+    write_tokenizer(big / "tokenizer.json", chars=[chr(0x4e00 + i) for i in range(80)])
+    assert main(["train", "--init-from", str(big), "--steps", "1", "--run-dir",
+                 str(tmp_path / "r2")]) == 2
+    assert "ids but the model vocabulary is 64" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "r2").exists()
