@@ -8,7 +8,7 @@ from kdsa.cli.paths import abs_path
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_config_args, add_layout_args
+    from kdsa.cli.config_args import add_config_args, add_init_from_args, add_layout_args
 
     p = sub.add_parser(
         "rl", help="RL on reasoning-gym / tool-use environments (SFT warm-up, GRPO/DAPO/GSPO/"
@@ -47,6 +47,7 @@ def register(sub) -> None:
                         "Default: one device, or in a multi-process job the preset's train "
                         "layout fitted to the devices (docs/rl.md)")
     add_layout_args(p)
+    add_init_from_args(p)
     p.add_argument("--no-compile-cache", action="store_true",
                    help="do not keep compiled programs in ~/.cache/kdsa/jax ($KDSA_CACHE)")
     p.set_defaults(run=run)
@@ -56,17 +57,17 @@ def configs_from_args(args):
     """``(name, model config, TrainConfig, RLConfig)``; every config error raises ValueError."""
     import dataclasses
 
-    from kdsa.cli.config_args import apply_overrides, config_from_args
+    from kdsa.cli.config_args import apply_overrides, model_from_args
     from kdsa.model.config import get_preset
     from kdsa.train.config import TrainConfig, apply_train_overrides
     from kdsa.train.rl.config import RLConfig, apply_rl_overrides
     from kdsa.train.rl.demo import demo_configs
 
-    if args.demo and not (args.preset or args.config):
+    if args.demo and not (args.preset or args.config or args.init_from):
         name, tc, rc = demo_configs()
         config = apply_overrides(get_preset(name), args.overrides)
     else:
-        name, config = config_from_args(args)
+        name, config = model_from_args(args)
         tc, rc = TrainConfig(steps=1, schedule="constant", warmup_steps=0), RLConfig()
         if args.demo:
             _, tc, rc = demo_configs()
@@ -95,14 +96,16 @@ def configs_from_args(args):
 def run(args) -> int:
     import jax
 
-    from kdsa.train.rl.loop import check_rl_configs
+    from kdsa.train.rl.loop import check_rl_configs, tokenizer_folder
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
     name, config, tc, rc = configs_from_args(args)
     run_dir = args.run_dir or (_demo_run_dir(args.resume) if args.demo else None)
     if run_dir is None:
         raise ValueError("--run-dir is required (unless --demo)")
-    check_rl_configs(config, tc, rc)  # every config error before anything compiles
+    if args.demo and args.init_from is not None:
+        raise ValueError("--demo trains its own tiny model from scratch; drop --init-from")
+    check_rl_configs(config, tc, rc, tokenizer_folder(args.init_from))  # before compiling
     mesh = _train_mesh(args, name, config, tc, rc)
     from kdsa.train.rl.demo import default_cache_dir, enable_compilation_cache, run_demo
 
@@ -118,6 +121,7 @@ def run(args) -> int:
     from kdsa.train.rl.loop import run_rl
 
     result = run_rl(config, tc, rc, run_dir, resume=args.resume, mesh=mesh,
+                    init_from=args.init_from, export_experts=args.export_experts,
                     progress=not args.no_progress and jax.process_index() == 0)
     if result.stopped:
         return SIGTERM_EXIT_CODE

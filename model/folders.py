@@ -189,4 +189,4 @@ def one_line(text: str) -> str:
     """An Orbax / TensorStore message cut to its first line, without the spec dumps."""
     text = re.split(r"\s*\[tensorstore_spec=|\s*See full TensorStore details", text)[0]
     text = re.sub(r"<bound method [^>]*>?", "", text).strip().splitlines()
-    return (text[0] if text else "")[:240]
+    return (text[0] if text else "")[:1000]  # one line; long paths must not cut the reason

@@ -32,7 +32,7 @@ from kdsa.train.data import PackedJsonlData
 from kdsa.train.safetensors_io import SafetensorsCheckpoint
 
 DATA = Path(__file__).parent / "data" / "kimi_linear"
-SPECIALS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[BOS]", "[PAD]", "[UNK]"]
+SPECIALS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[BOS]", "[PAD]"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:=\"/-_<>")
 TRAIN_SETS = ["batch_size=2", "seq_len=16", "learning_rate=1e-3", "checkpoint_every=100"]
 
@@ -41,7 +41,7 @@ def write_tokenizer(path: Path, chars=CHARS) -> None:
     """A character-level BPE (no merges) with the XTML specials."""
     from tokenizers import Tokenizer, models
 
-    vocab = {c: i for i, c in enumerate(chars)}
+    vocab = {c: i for i, c in enumerate(list(chars) + ["[UNK]"])}  # unknown characters
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
     tok.add_special_tokens(SPECIALS)
     tok.save(str(path))
@@ -145,3 +145,28 @@ def test_init_from_errors_are_one_line(work, tmp_path, capsys):
                  str(tmp_path / "r2")]) == 2
     assert "ids but the model vocabulary is 64" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "r2").exists()
+
+
+def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):
+    import rl_entry  # noqa: F401  registers test_first_letter
+    from kdsa.infer.tokenizer import HFTokenizer
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.init_from import training_config
+    from kdsa.train.rl.config import RLConfig
+    from kdsa.train.rl.loop import run_rl
+
+    conv = work / "conv"
+    if not conv.exists():
+        assert main(["convert", "hf-to-orbax", str(work / "hf"), str(conv)]) == 0
+    config = training_config(read_info(conv)[0])
+    rc = RLConfig(envs=("test_first_letter",), steps=1, prompts_per_step=2, group_size=2,
+                  seq_len=48, num_slots=4, chat_format="xtml",
+                  reasoning_caps={"low": 0, "high": 0, "max": 0},
+                  token_budgets={"low": 2, "high": 2, "max": 2}, max_sampling_rounds=1)
+    tc = TrainConfig(steps=1, learning_rate=1e-3, schedule="constant", checkpoint_every=100)
+    out = run_rl(config, tc, rc, work / "rl", init_from=conv, progress=False,
+                 evaluate_heldout=False, compiler_options={"xla_backend_optimization_level": 0})
+    assert isinstance(out.sampler.tok, HFTokenizer)  # the model's own, not the byte tokenizer
+    assert out.final_step == 1 and 1 in out.metrics
+    assert (work / "rl" / "model" / "tokenizer.json").is_file()
+    assert read_info(work / "rl" / "model")[0] == read_info(conv)[0]

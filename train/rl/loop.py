@@ -57,6 +57,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer, config_check
+from kdsa.train.init_from import export_format, export_model, initial_state
 from kdsa.train.config import TrainConfig
 from kdsa.train.metrics import MetricsWriter, progress_bar
 from kdsa.train.rl import rollout as ro
@@ -82,8 +83,10 @@ class RLResult:
     resumed_from: int | None
 
 
-def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig) -> None:
-    """Every cross-check before anything is built or compiled."""
+def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig,
+                     tokenizer_path: str | Path | None = None) -> None:
+    """Every cross-check before anything is built or compiled (``tokenizer_path``: the
+    model's own tokenizer, else the byte tokenizer)."""
     if rc.seq_len + 1 > config.max_position_embeddings:
         raise ValueError(f"rl.seq_len={rc.seq_len} exceeds max_position_embeddings="
                          f"{config.max_position_embeddings}")
@@ -93,7 +96,9 @@ def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig) -> None
         raise ValueError("MXFP4 routed experts are frozen bytes: RL needs "
                          "expert_weight_format='bf16'")
     rc.rows_per_micro_batch(tc.accum_steps)  # rows split into mini- and micro-batches
-    if config.vocab_size < 384:
+    if tokenizer_path is not None:  # its ids fit the vocabulary, the format's specials exist
+        get_format(rc.chat_format, load_tokenizer(tokenizer_path, vocab_size=config.vocab_size))
+    elif config.vocab_size < 384:
         raise ValueError(f"the byte tokenizer with chat specials needs vocab_size >= 384, got "
                          f"{config.vocab_size}")
     if rc.generate_devices > jax.local_device_count():
@@ -120,9 +125,10 @@ def _log(msg: str) -> None:
 class Sampler:
     """The generation side: runner + engine on the generate mesh; ``sync`` reshards weights."""
 
-    def __init__(self, model, config: ModelConfig, rc: RLConfig, seed: int):
+    def __init__(self, model, config: ModelConfig, rc: RLConfig, seed: int,
+                 tokenizer_path: str | Path | None = None):
         self.mesh = make_mesh({"data": -1}, devices=jax.local_devices()[:rc.generate_devices])
-        self.tok = load_tokenizer(None, vocab_size=config.vocab_size,
+        self.tok = load_tokenizer(tokenizer_path, vocab_size=config.vocab_size,
                                   flavor="k2" if rc.chat_format == "k2" else "k3")
         self.fmt = get_format(rc.chat_format, self.tok)
         self.runner = ModelRunner(model, num_slots=rc.num_slots, max_len=rc.seq_len + 1,
@@ -161,14 +167,19 @@ def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, di
 def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
            mesh=None, resume: bool = False, progress: bool = True, stop_at: int | None = None,
            evaluate_heldout: bool = True, sampler: "Sampler | None" = None,
-           compiler_options: dict | None = None, log=_log) -> RLResult:
+           compiler_options: dict | None = None, log=_log,
+           init_from: str | Path | None = None, export_experts: str | None = None
+           ) -> RLResult:
     """Run the job (see the module docstring). ``mesh``: run the update on it with the
     ``train`` layout (``kdsa rl --mesh``; ``sharding.mesh.fit_layout``); None = one device,
     or in a multi-process job the preset's train layout fitted to every device. ``sampler``:
     reuse the generation side of an earlier run of the same model config and ``rl`` shapes
     (its compiled steps); None builds one. ``compiler_options``: XLA options of the update
-    step (tests: opt level 0)."""
-    check_rl_configs(config, tc, rc)
+    step (tests: opt level 0). ``init_from``: a kdsa model folder whose parameters and
+    tokenizer start the run (``train/init_from.py``); a run that finishes writes
+    ``RUN_DIR/model`` (experts in ``export_experts``, default as in ``init_from``)."""
+    tok_path = tokenizer_folder(init_from)
+    check_rl_configs(config, tc, rc, tok_path)
     step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
@@ -205,6 +216,11 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         if place.mesh is None:
             state = jax.device_put(state, place.device)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
+    elif init_from is not None:  # published weights, restored into the update's layout
+        start = 0
+        state = initial_state(init_from, config, tc, tx, shardings=place.shardings,
+                              mesh=place.mesh)
+        log(f"initialised from {init_from}")
     else:
         start, state = 0, place.initial(build, compiler_options)
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
@@ -221,7 +237,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
             ref_params = got[1] if place.mesh is not None else jax.device_put(got[1],
                                                                               place.device)
     if sampler is None:
-        sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed)
+        sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed,
+                          tok_path)
     rows, T = rc.rollouts_per_step, rc.seq_len
     again = restored is not None  # drop the lines of steps after the restored one
     sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False, resume_step=min(
@@ -312,6 +329,13 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         sampler.sync(graphdef, state)
         after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
     ckpt.close()
+    if not stopped and (writes or place.collective):  # RUN_DIR/model: every shard's owner
+        path = export_model(run_dir, config, graphdef, state,
+                            experts=export_format(init_from, export_experts),
+                            tokenizer_from=init_from,
+                            metadata={"training": {"step": step, "init_from": init_from and
+                                                   str(init_from)}})
+        log(f"model written to {path}")
     if ref_ckpt is not None:
         ref_ckpt.close()
     if multi:  # every process finishes the job before any shuts the distributed client down;
@@ -328,6 +352,17 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                       None if restored is None else start)
     result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
     return result
+
+
+def tokenizer_folder(init_from) -> Path | None:
+    """The folder of ``init_from``'s tokenizer, or None (the byte tokenizer)."""
+    if init_from is None:
+        return None
+    from kdsa.model.checkpoint import locate, tokenizer_files
+
+    folder = locate(init_from)[0]
+    return folder if {"tiktoken.model", "tokenizer.json"} & set(tokenizer_files(folder)) \
+        else None
 
 
 def _routing_dims(config: ModelConfig) -> tuple[int, int]:
