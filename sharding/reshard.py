@@ -73,16 +73,27 @@ def _peak_allocated() -> int | None:
     return max(s["peak_bytes_in_use"] for s in stats)
 
 
-def reshard(tree, shardings, *, donate: bool = False):
-    """``(moved tree, ReshardReport)``: every array of ``tree`` put to the matching sharding
-    of ``shardings`` (same structure, ``Sharding`` leaves), one ``device_put`` at a time.
+CHUNK_BYTES = 256 * 2**20  # per device: arrays moved together, then waited for
 
-    Each copy completes before the next starts (bounded memory); with ``donate`` each source
+
+def reshard(tree, shardings, *, donate: bool = False, chunk_bytes: int = CHUNK_BYTES):
+    """``(moved tree, ReshardReport)``: every array of ``tree`` put to the matching sharding
+    of ``shardings`` (same structure, ``Sharding`` leaves), a chunk at a time.
+
+    Consecutive arrays are moved together by one ``device_put`` until their target shards on
+    the busiest device reach ``chunk_bytes`` (an array larger than that alone); each chunk
+    completes before the next starts, so the peak is the source tree plus one chunk (bounded
+    memory) while the per-array dispatch cost is paid once per chunk (measured against one
+    plain ``device_put`` of the whole tree: ``bench/bench_rl.py``). With ``donate`` each source
     array is given to ``device_put`` to consume (buffers already where the target wants them
     are reused, the rest freed): the caller's tree is spent.
     """
     leaves, treedef = jax.tree.flatten(tree)
     targets = treedef.flatten_up_to(shardings)
+    for x, target in zip(leaves, targets):
+        if not isinstance(target, Sharding):
+            raise ValueError(f"reshard: target for an array of shape {x.shape} is {target!r}, "
+                             f"not a Sharding")
     if any(not x.is_fully_addressable for x in leaves) and any(
             isinstance(t, NamedSharding) and t.is_fully_addressable and jax.process_count() > 1
             for t in targets):
@@ -93,21 +104,19 @@ def reshard(tree, shardings, *, donate: bool = False):
     source = max(live.values(), default=0)
     peak, moved, total = source, [], 0
     t0 = time.perf_counter()
-    for x, target in zip(leaves, targets):
-        if not isinstance(target, Sharding):
-            raise ValueError(f"reshard: target for an array of shape {x.shape} is {target!r}, "
-                             f"not a Sharding")
-        src = _shard_bytes(x.sharding, x.shape, x.dtype.itemsize)
-        dst = _shard_bytes(target, x.shape, x.dtype.itemsize)
-        live.update(dst)
+    for chunk in _chunks(leaves, targets, chunk_bytes):
+        xs, ts = [leaves[i] for i in chunk], [targets[i] for i in chunk]
+        for x, t in zip(xs, ts):
+            live.update(_shard_bytes(t, x.shape, x.dtype.itemsize))
         peak = max(peak, max(live.values(), default=0))
-        y = jax.block_until_ready(jax.device_put(x, target, donate=donate))
-        if donate:  # buffers already in place may be reused; the rest are freed now
-            if not x.is_deleted() and not _buffers(x) & _buffers(y):
-                x.delete()
-            live.subtract(src)
-        moved.append(y)
-        total += math.prod(x.shape) * x.dtype.itemsize
+        ys = jax.block_until_ready(jax.device_put(xs, ts, donate=donate))
+        for x, y in zip(xs, ys):
+            if donate:  # buffers already in place may be reused; the rest are freed now
+                if not x.is_deleted() and not _buffers(x) & _buffers(y):
+                    x.delete()
+                live.subtract(_shard_bytes(x.sharding, x.shape, x.dtype.itemsize))
+            total += math.prod(x.shape) * x.dtype.itemsize
+        moved.extend(ys)
     seconds = time.perf_counter() - t0
     after: collections.Counter = collections.Counter()
     for y in moved:
@@ -117,6 +126,22 @@ def reshard(tree, shardings, *, donate: bool = False):
                            target_device_bytes=max(after.values(), default=0),
                            peak_device_bytes=peak, measured_peak_bytes=_peak_allocated())
     return jax.tree.unflatten(treedef, moved), report
+
+
+def _chunks(leaves, targets, chunk_bytes: int) -> list[list[int]]:
+    """Indices of consecutive arrays whose target shards on any one device stay within
+    ``chunk_bytes`` together (an array larger than that forms a chunk alone)."""
+    out, cur, load = [], [], collections.Counter()
+    for i, (x, t) in enumerate(zip(leaves, targets)):
+        add = collections.Counter(_shard_bytes(t, x.shape, x.dtype.itemsize))
+        if cur and max((load + add).values(), default=0) > chunk_bytes:
+            out.append(cur)
+            cur, load = [], collections.Counter()
+        cur.append(i)
+        load += add
+    if cur:
+        out.append(cur)
+    return out
 
 
 def _per_process_mesh(local: Mesh) -> Mesh:
@@ -167,13 +192,14 @@ def _reshard_to_local(leaves, treedef, targets):
     return jax.tree.unflatten(treedef, moved), report
 
 
-def reshard_state(state: nnx.State, mesh: Mesh, layout: str, *, donate: bool = False):
+def reshard_state(state: nnx.State, mesh: Mesh, layout: str, *, donate: bool = False,
+                  chunk_bytes: int = CHUNK_BYTES):
     """``(state on mesh by layout's rules, ReshardReport)``; variables keep their metadata."""
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     shardings = state_shardings(state, mesh, layout)
     values = jax.tree.map(lambda v: v[...], state, is_leaf=is_var)
     targets = jax.tree.map(lambda s: s, shardings, is_leaf=lambda x: isinstance(x, Sharding))
-    moved, report = reshard(values, targets, donate=donate)
+    moved, report = reshard(values, targets, donate=donate, chunk_bytes=chunk_bytes)
     out = jax.tree.map(lambda v, a: v.replace(a), state, moved, is_leaf=is_var)
     return out, report
 
