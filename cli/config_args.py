@@ -141,12 +141,8 @@ def model_from_args(args: argparse.Namespace) -> tuple[str, ModelConfig]:
 def model_tokenizer(args: argparse.Namespace, config: ModelConfig):
     """The tokenizer in ``--init-from DIR`` (its ``tiktoken.model`` or ``tokenizer.json``),
     checked against the model's vocabulary; None (the byte tokenizer) without one."""
-    if getattr(args, "init_from", None) is None:
-        return None
     from kdsa.infer.tokenizer import load_tokenizer
-    from kdsa.model.checkpoint import locate, tokenizer_files
+    from kdsa.train.init_from import tokenizer_folder
 
-    folder = locate(args.init_from)[0]
-    if not {"tiktoken.model", "tokenizer.json"} & set(tokenizer_files(folder)):
-        return None
-    return load_tokenizer(folder, vocab_size=config.vocab_size)
+    folder = tokenizer_folder(getattr(args, "init_from", None))
+    return None if folder is None else load_tokenizer(folder, vocab_size=config.vocab_size)

@@ -96,7 +96,8 @@ def configs_from_args(args):
 def run(args) -> int:
     import jax
 
-    from kdsa.train.rl.loop import check_rl_configs, tokenizer_folder
+    from kdsa.train.init_from import tokenizer_folder
+    from kdsa.train.rl.loop import check_rl_configs
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
     name, config, tc, rc = configs_from_args(args)

@@ -94,6 +94,16 @@ def initial_state(path: str | os.PathLike, config: ModelConfig, tc: TrainConfig,
     return jax.jit(build, out_shardings=shardings)(arrays)
 
 
+def tokenizer_folder(init_from: str | os.PathLike | None) -> Path | None:
+    """The folder holding ``init_from``'s tokenizer (``tiktoken.model`` or
+    ``tokenizer.json``), or None: no ``init_from``, or none there (the byte tokenizer)."""
+    if init_from is None:
+        return None
+    folder = ckpt.locate(init_from)[0]
+    return folder if {"tiktoken.model", "tokenizer.json"} & set(ckpt.tokenizer_files(folder)) \
+        else None
+
+
 def export_format(init_from: str | os.PathLike | None, asked: str | None) -> str:
     """The routed-expert format of ``RUN_DIR/model``: ``asked``, else MXFP4 when the run
     started from MXFP4 weights, else float."""
@@ -129,3 +139,17 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
     return ckpt.save_params(Path(run_dir) / "model", out,
                             ((k, (lambda a=a: a)) for k, a in flat.items()),
                             metadata=meta, overwrite=True, extra_files=tok)
+
+
+def export_run(run_dir: str | os.PathLike, config: ModelConfig, graphdef, state, *, step: int,
+               init_from: str | os.PathLike | None, export_experts: str | None, log) -> Path:
+    """The end of a finished ``train`` / ``rl`` run: :func:`export_model` with the run's
+    expert format (:func:`export_format`), ``init_from``'s tokenizer, the step in the
+    metadata; says where."""
+    path = export_model(run_dir, config, graphdef, state,
+                        experts=export_format(init_from, export_experts),
+                        tokenizer_from=init_from,
+                        metadata={"training": {"step": int(step), "init_from": init_from and
+                                               str(init_from)}})
+    log(f"model written to {path}")
+    return path

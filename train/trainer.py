@@ -36,7 +36,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
-from kdsa.train.init_from import export_format, export_model, initial_state
+from kdsa.train.init_from import export_run, initial_state
 from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
 from kdsa.train.optim import make_optimizer
 from kdsa.train.run_dir import check_run_dir, state_bytes
@@ -237,12 +237,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     writer.close()
     bar(None, None)
     if not stopped:
-        path = export_model(run_dir, config, graphdef, state,
-                            experts=export_format(init_from, export_experts),
-                            tokenizer_from=init_from,
-                            metadata={"training": {"step": step, "init_from": init_from and
-                                                   str(init_from)}})
-        log(f"model written to {path}")
+        export_run(run_dir, config, graphdef, state, step=step, init_from=init_from,
+                   export_experts=export_experts, log=log)
     return RunResult(losses=losses, final_step=step, stopped=stopped,
                      resumed_from=None if restored is None else start)
 

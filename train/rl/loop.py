@@ -57,7 +57,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer, config_check
-from kdsa.train.init_from import export_format, export_model, initial_state
+from kdsa.train.init_from import export_run, initial_state, tokenizer_folder
 from kdsa.train.config import TrainConfig
 from kdsa.train.metrics import MetricsWriter, progress_bar
 from kdsa.train.rl import rollout as ro
@@ -330,12 +330,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
     ckpt.close()
     if not stopped and (writes or place.collective):  # RUN_DIR/model: every shard's owner
-        path = export_model(run_dir, config, graphdef, state,
-                            experts=export_format(init_from, export_experts),
-                            tokenizer_from=init_from,
-                            metadata={"training": {"step": step, "init_from": init_from and
-                                                   str(init_from)}})
-        log(f"model written to {path}")
+        export_run(run_dir, config, graphdef, state, step=step, init_from=init_from,
+                   export_experts=export_experts, log=log)
     if ref_ckpt is not None:
         ref_ckpt.close()
     if multi:  # every process finishes the job before any shuts the distributed client down;
@@ -352,17 +348,6 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                       None if restored is None else start)
     result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
     return result
-
-
-def tokenizer_folder(init_from) -> Path | None:
-    """The folder of ``init_from``'s tokenizer, or None (the byte tokenizer)."""
-    if init_from is None:
-        return None
-    from kdsa.model.checkpoint import locate, tokenizer_files
-
-    folder = locate(init_from)[0]
-    return folder if {"tiktoken.model", "tokenizer.json"} & set(tokenizer_files(folder)) \
-        else None
 
 
 def _routing_dims(config: ModelConfig) -> tuple[int, int]:
