@@ -15,7 +15,9 @@ Multi-process RL: the trainer's arrays span every process, but each process's sa
 whole copy on its own devices (a *local* mesh). An array going from a global sharding to a
 local one takes two moves: one ``device_put`` to the local layout repeated on every process (a
 global mesh ``[process, *local mesh]`` with the same partition spec: replicated over the
-process axis, a collective all-gather), after which this process's shards are exactly the local
+process axis, a collective all-gather; the global mesh spans the source's devices, as JAX
+requires, so every local device of a process beyond its local mesh holds one more copy until
+the move ends), after which this process's shards on its local mesh are exactly the local
 array's, which :func:`jax.make_array_from_single_device_arrays` relabels without a copy.
 """
 
@@ -144,21 +146,28 @@ def _chunks(leaves, targets, chunk_bytes: int) -> list[list[int]]:
     return out
 
 
-def _per_process_mesh(local: Mesh) -> Mesh:
-    """``[process, *local.shape]`` over every process's devices, each process's block laid out
-    as its own ``local`` mesh is (every process's local mesh: its first devices by id, in the
-    same shape, as ``Sampler`` builds them)."""
+def _per_process_mesh(local: Mesh, devices) -> Mesh:
+    """A mesh over ``devices`` (the source arrays' device set: JAX moves arrays across hosts
+    only within one set) shaped ``[process, copies, *local.shape]``: each process's block is
+    laid out as its own ``local`` mesh (every process's local mesh: its first devices by id,
+    in the same shape, as ``Sampler`` builds them), then its other devices as further copies
+    (one copy per device of the block; with the generate mesh over every local device there
+    is one)."""
     n = local.devices.size
     by_process: dict[int, list] = collections.defaultdict(list)
-    for d in sorted(jax.devices(), key=lambda d: d.id):
+    for d in sorted(devices, key=lambda d: d.id):
         by_process[d.process_index].append(d)
-    mine = by_process[jax.process_index()][:n]
+    mine = [d for d in sorted(jax.local_devices(), key=lambda d: d.id)][:n]
     if list(local.devices.flat) != mine:
         raise ValueError(f"a local target mesh must hold this process's first {n} devices in "
                          f"id order, got {[d.id for d in local.devices.flat]}")
-    blocks = [np.asarray(by_process[p][:n], dtype=object).reshape(local.devices.shape)
+    if any(len(v) % n or v[:n] != sorted(v, key=lambda d: d.id)[:n] for v in by_process.values()) \
+            or set(mine) - set(by_process[jax.process_index()]):
+        raise ValueError(f"the arrays' devices do not hold every process's first {n} devices "
+                         f"in equal numbers; cannot gather them onto a local mesh")
+    blocks = [np.asarray(by_process[p], dtype=object).reshape((-1,) + local.devices.shape)
               for p in sorted(by_process)]
-    return Mesh(np.stack(blocks), ("process",) + tuple(local.axis_names))
+    return Mesh(np.stack(blocks), ("process", "copies") + tuple(local.axis_names))
 
 
 def _reshard_to_local(leaves, treedef, targets):
@@ -173,7 +182,10 @@ def _reshard_to_local(leaves, treedef, targets):
         if not isinstance(target, NamedSharding) or not target.is_fully_addressable:
             raise ValueError("reshard: a tree moves either within the job's devices or to "
                              "this process's local mesh, not both")
-        glob = meshes.setdefault(id(target.mesh), _per_process_mesh(target.mesh))
+        key = (id(target.mesh), frozenset(d.id for d in x.sharding.device_set))
+        if key not in meshes:
+            meshes[key] = _per_process_mesh(target.mesh, x.sharding.device_set)
+        glob = meshes[key]
         y = jax.device_put(x, NamedSharding(glob, target.spec))
         by_device = {s.device: s.data for s in y.addressable_shards}
         local = jax.make_array_from_single_device_arrays(
