@@ -64,14 +64,15 @@ def run(args) -> int:
     mesh_sizes = layout_override(args, "train")  # a bad layouts file fails before compiling
     tc = train_config_from_args(args)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.init_from is not None and not any(
-            o.partition("=")[0].removeprefix("train.") == "indexer_stage"
-            for o in args.train_overrides):
-        from kdsa.train.init_from import fresh_indexer
-        if fresh_indexer(args.init_from):  # a converted K3 with a new indexer
-            tc = tc.replace(indexer_stage="dense_warmup")
+    if args.init_from is not None:  # a converted K3 with a new indexer: dense warm-up
+        from kdsa.train.init_from import indexer_stage_for
+        chosen = any(o.partition("=")[0].removeprefix("train.") == "indexer_stage"
+                     for o in args.train_overrides)
+        warm = indexer_stage_for(args.init_from, tc, chosen=chosen)
+        if warm is not tc:
             log(f"{args.init_from}: its DSA indexer is freshly initialised; training starts "
                 f"in the dense warm-up stage (--train-set indexer_stage=... to choose)")
+        tc = warm
     check_configs(config, tc)  # every config error before anything compiles
     if args.data is not None and not args.data.is_file():
         raise ValueError(f"--data {args.data}: no such file")

@@ -170,3 +170,27 @@ def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):
     assert out.final_step == 1 and 1 in out.metrics
     assert (work / "rl" / "model" / "tokenizer.json").is_file()
     assert read_info(work / "rl" / "model")[0] == read_info(conv)[0]
+
+
+def test_a_fresh_indexer_starts_in_dense_warmup(tmp_path):
+    """``info["fresh"]`` (what ``kdsa convert`` writes when it initialises the DSA indexer)
+    puts ``--init-from`` runs into the indexer's dense warm-up stage unless one is chosen."""
+    from flax import nnx
+
+    from kdsa.model import checkpoint as ckpt
+    from kdsa.model.config import get_preset
+    from kdsa.model.transformer import Transformer
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.init_from import indexer_stage_for
+
+    config = get_preset("tiny")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    fresh = [k for k in ckpt.flat_variables(nnx.state(model)) if ".indexer." in k]
+    assert fresh
+    ckpt.save_model(tmp_path / "fresh", config, model, metadata={"fresh": fresh})
+    ckpt.save_model(tmp_path / "trained", config, model)
+    tc = TrainConfig()
+    assert indexer_stage_for(tmp_path / "fresh", tc, chosen=False).indexer_stage == \
+        "dense_warmup"
+    assert indexer_stage_for(tmp_path / "fresh", tc, chosen=True).indexer_stage == "none"
+    assert indexer_stage_for(tmp_path / "trained", tc, chosen=False).indexer_stage == "none"

@@ -65,6 +65,15 @@ def fresh_indexer(path: str | os.PathLike) -> bool:
     return any("indexer" in str(k) for k in info.get("fresh") or ())
 
 
+def indexer_stage_for(path: str | os.PathLike, tc: TrainConfig, *, chosen: bool
+                      ) -> TrainConfig:
+    """``tc`` in the dense warm-up stage when DIR's indexer is fresh and no stage was
+    ``chosen`` (``--train-set indexer_stage=...``); else ``tc`` as it is."""
+    if chosen or not fresh_indexer(path):
+        return tc
+    return tc.replace(indexer_stage="dense_warmup")
+
+
 def initial_state(path: str | os.PathLike, config: ModelConfig, tc: TrainConfig, tx, *,
                   shardings=None, mesh=None):
     """The step-0 ``TrainState`` of ``config`` (:func:`training_config` of DIR's) with DIR's
