@@ -14,3 +14,15 @@ if "xla_force_host_platform_device_count" not in flags:
 if os.environ.get("KDSA_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
+
+# The files that take longest (minutes of multi-process jobs and mesh compiles) start first:
+# pytest-xdist hands whole files (``--dist loadfile``) to whichever worker is free, in
+# collection order, so long files collected last leave one worker running alone at the end.
+SLOW_FIRST = ("test_rl_multihost.py", "test_rl_sharded.py", "test_post_training.py",
+              "test_sharded_train.py", "test_rl_routing_replay.py", "test_launch_signals.py",
+              "test_rl_loop.py", "test_rl_step.py", "test_generate_random_sharded.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
