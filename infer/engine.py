@@ -43,134 +43,20 @@ still held is aborted with that error, and :meth:`Engine.submit` raises :class:`
 
 from __future__ import annotations
 
-import codecs
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from typing import Callable
 
 import numpy as np
 
-from kdsa.infer.budget import BudgetConfig, ThinkingBudget
-from kdsa.infer.sampling import SamplingParams, sample, sample_jit
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.requests import (Completion, EngineDead, Event, GenerationError,  # noqa: F401
+                                 Request, _Active, _describe)
+from kdsa.infer.sampling import sample, sample_jit
 
-_ids = itertools.count()
 log = logging.getLogger("kdsa.engine")
-
-
-class EngineDead(RuntimeError):
-    """The engine stopped for good (``Engine.failure`` says why); it takes no more requests."""
-
-
-class GenerationError(RuntimeError):
-    """:meth:`Engine.generate` could not complete some requests (``Completion.error``)."""
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-@dataclasses.dataclass
-class Request:
-    prompt: list[int]
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    reasoning_cap: int | None = None  # thinking budget (None: no cap)
-    in_reasoning: bool = False  # the prompt opened the reasoning span
-    parser: object | None = None  # a chat OutputParser (None: raw text)
-    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
-    on_event: Callable[["Event"], None] | None = None
-    answer_prefix: tuple[int, ...] = ()  # forced at the start of the answer (tool_choice)
-    banned_token_ids: tuple[int, ...] = ()  # never sampled (tool_choice "none"); forced ok
-    images: list = dataclasses.field(default_factory=list)  # patched images, prompt order
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-    arrival: float
-    admitted: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-
-    @property
-    def queue_s(self) -> float:
-        return (self.admitted or self.arrival) - self.arrival
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-
-@dataclasses.dataclass
-class Completion:
-    request_id: str
-    prompt_tokens: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]]
-    text: str  # content (with a parser) or raw text, cut at a stop string
-    output: object | None  # the parser's AssistantOutput, content cut like text
-    finish_reason: str  # stop | length | abort (cancelled, or failed: then ``error`` is set)
-    reasoning_tokens: int
-    forced_close: bool
-    metrics: RequestMetrics
-    # runner.record_routing: experts used per token the model ran (prompt, then every sampled
-    # token fed back) [n, L, k] int32 (RL routing replay); None otherwise
-    routing: np.ndarray | None = None
-    error: str | None = None  # why the request failed (finish_reason "abort"); None otherwise
-
-    @property
-    def tokens_per_s(self) -> float:
-        m = self.metrics
-        dt = (m.finished or 0) - (m.first_token or 0)
-        return (len(self.token_ids) - 1) / dt if dt > 0 else 0.0
-
-
-@dataclasses.dataclass
-class Event:
-    request_id: str
-    token_id: int | None
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]]
-    deltas: list[tuple[str, object]]  # (reasoning|content|text|tool_call, value)
-    completion: Completion | None = None  # set on the last event
-
-
-class _Active:
-    """A request in a slot."""
-
-    def __init__(self, req: Request, seed: int, engine: "Engine"):
-        self.req, self.seed = req, seed
-        sp = req.sampling
-        self.metrics = RequestMetrics(time.perf_counter())
-        self.prefilled = 0
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.forced: collections.deque[int] = collections.deque()
-        self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else engine.eos_ids)
-        self.budget = None
-        if engine.reasoning_end_ids and req.in_reasoning:
-            self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
-                                         end_marker=engine.reasoning_end_ids,
-                                         after=engine.after_reasoning_ids, in_reasoning=True)
-            self.forced.extend(self.budget.start())
-        # tool_choice: ids forced once the answer starts (at once when the prompt opened it)
-        self.prefix = tuple(req.answer_prefix)
-        self.open_answer = self.budget is not None and bool(self.prefix or req.banned_token_ids)
-        if self.prefix and self.budget is None:
-            self.forced.extend(self.prefix)
-            self.prefix = ()
-        self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # content / raw text so far
-        self.sent = 0  # characters of text already emitted
-        self.hold = max((len(s) for s in sp.stop), default=1) - 1
-        self.finish_reason: str | None = None
-        self.features = None  # [image tokens, D] once encoded
-        self.feature_index = None  # [prompt] feature row per placeholder position, -1 elsewhere
-        self.routing: list[np.ndarray] = []  # runner.record_routing: [n, L, k] per step
 
 
 class Engine:
