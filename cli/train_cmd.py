@@ -15,9 +15,9 @@ def register(sub) -> None:
         description="Train with the jitted train step: next-token loss, AdamW or Muon, "
                     "warm-up + cosine, gradient accumulation, MoE routing-bias updates, DSA "
                     "indexer stages. Writes RUN_DIR/metrics.jsonl, a TensorBoard event file and "
-                    "Orbax checkpoints in RUN_DIR/checkpoints. SIGTERM or Ctrl-C saves and exits 143; "
-                    "--resume continues from the newest readable checkpoint. "
-                    "See docs/training.md.")
+                    "Orbax checkpoints in RUN_DIR/checkpoints, and RUN_DIR/model when it "
+                    "finishes. SIGTERM or Ctrl-C saves and exits 143; --resume continues from "
+                    "the newest readable checkpoint. See docs/training.md.")
     add_config_args(p, default_preset="tiny")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--seed", type=int, default=None, help="seed of init and data (train.seed)")
