@@ -153,6 +153,22 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
+    def restore_run(self, template, *, resume: bool, model_config: dict, train_config: dict,
+                    log=None) -> tuple[int, Any, dict] | None:
+        """The start of a run writing here: None for a fresh run (refused with a ValueError
+        when checkpoints exist, so two runs' steps never mix in one folder), else with
+        ``resume`` the newest readable checkpoint (:meth:`restore_latest`) whose config matches
+        the run's (:func:`config_check`), None when there is none."""
+        steps = self.all_steps()
+        if steps and not resume:
+            raise ValueError(f"{self.directory.parent} already holds checkpoints (steps "
+                             f"{steps}); pass --resume to continue that run, or choose "
+                             f"another --run-dir")
+        if not steps:
+            return None
+        return self.restore_latest(template, log=log,
+                                   check=config_check(model_config, train_config))
+
     def restore_latest(self, template, *, log=None,
                        check: Callable[[Path, dict], None] | None = None
                        ) -> tuple[int, Any, dict] | None:

@@ -13,13 +13,13 @@ process handing over its own rows, and the step runs inside ``use_sharding(mesh,
 checkpoints are written and restored sharded (Orbax, every process its shards). On CPU the
 losses equal the one-device run's to float32 rounding (``tests/test_sharded_train.py``).
 
-SIGTERM (preemption) or Ctrl-C: the handler only sets a flag; the loop finishes the running step, saves a
-checkpoint synchronously and returns with ``stopped=True`` (``kdsa train`` then exits 143).
+SIGTERM (preemption) or Ctrl-C: the handler only sets a flag; the loop finishes the running
+step, saves a checkpoint synchronously and returns with ``stopped=True`` (``kdsa train`` then
+exits 143).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import sys
@@ -39,6 +39,7 @@ from kdsa.train.data import make_data
 from kdsa.train.init_from import export_run, initial_state
 from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
 from kdsa.train.optim import make_optimizer
+from kdsa.train.placement import Placement
 from kdsa.train.run_dir import check_run_dir, state_bytes
 from kdsa.train.step import init_state, split_model, train_step_with_options
 
@@ -160,22 +161,11 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                   tc.keep_checkpoints)  # writable, room for the checkpoints: before compiling
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
-    shardings = None
-    if mesh is not None:
-        from kdsa.sharding.train_state import sharded_template, train_state_shardings
-        shardings = train_state_shardings(graphdef, template, mesh, "train")
-        template = sharded_template(template, shardings)
-
-    restored = None
-    if not resume and ckpt.all_steps():  # never mix two runs' steps in one folder
-        raise ValueError(f"{run_dir} already holds checkpoints (steps {ckpt.all_steps()}); "
-                         f"pass --resume to continue that run, or choose another --run-dir")
-    if resume and ckpt.all_steps():  # a checkpoint of another config is refused by its meta
-        from kdsa.train.checkpointing import config_check
-        restored = ckpt.restore_latest(template, log=log, check=config_check(
-            config.to_hf_config(), tc.to_dict()))
-        if restored is None:
-            raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
+    place = Placement(mesh, graphdef, template)
+    restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
+                                model_config=config.to_hf_config(), train_config=tc.to_dict())
+    if restored is None and resume and ckpt.all_steps():
+        raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     if restored is not None:
         start, state, meta = restored
         data_index = int(meta["data_index"])
@@ -186,11 +176,11 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         # committed to the device(s) like a restored state, so both share one compiled step
         if init_from is not None:  # published weights, restored into the train layout
             start, data_index = 0, 0
-            state = initial_state(init_from, config, tc, tx, shardings=shardings, mesh=mesh)
+            state = initial_state(init_from, config, tc, tx, shardings=place.shardings,
+                                  mesh=mesh)
             log(f"initialised from {init_from}")
         else:
-            start, state, data_index = 0, _initial_state(build, shardings,
-                                                         compiler_options), 0
+            start, state, data_index = 0, place.initial(build, compiler_options), 0
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
@@ -200,19 +190,13 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     stopped = False
     bar = _progress(tc.steps, start, progress)
     step = start
-    rules = contextlib.nullcontext()
-    if mesh is not None:
-        from kdsa.sharding.constrain import use_sharding
-        from kdsa.sharding.train_state import place_batch
-        rules = use_sharding(mesh, "train")
     devices = jax.device_count() if mesh is None else mesh.size
     step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())))
-    with _StopFlag() as flag, rules:
+    with _StopFlag() as flag, place.rules():
         while step < tc.steps:
             batch = data.batch(data_index)
             t0 = time.perf_counter()
-            if mesh is not None:  # each process hands over its own rows
-                batch = place_batch(batch, mesh, "train")
+            batch = place.batch(batch)  # on a mesh each process hands over its own rows
             state, m = step_fn(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.perf_counter() - t0
@@ -241,16 +225,6 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                    export_experts=export_experts, log=log)
     return RunResult(losses=losses, final_step=step, stopped=stopped,
                      resumed_from=None if restored is None else start)
-
-
-def _initial_state(build, shardings, compiler_options):
-    """The step-0 state: on one device, built on the host and put there; on a mesh, computed
-    directly in its layout (``sharding.train_state.init_sharded``: every device only its own
-    shards, no host holds the whole tree)."""
-    if shardings is None:
-        return jax.device_put(build(), jax.local_devices()[0])
-    from kdsa.sharding.train_state import init_sharded
-    return init_sharded(build, shardings, compiler_options)
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -14,7 +14,7 @@
    optimizer step, or ``rl.minibatches_per_step`` of them on slices of the rollout batch with
    the log-probs of the policy before the first (PPO / GRPO mini-batches); on one device, or
    on the ``train`` layout of ``mesh`` (FSDP / EP / TP / sequence, ``kdsa rl --mesh``; the
-   same placement as ``kdsa train``, ``multihost.Placement``).
+   same placement as ``kdsa train``, ``train/placement.py``).
 
 Steps are numbered globally: ``1..sft_steps`` are SFT steps on demonstrations (``sft.py``,
 metrics in ``RUN_DIR/sft/metrics.jsonl``), the next ``rl.steps`` are RL steps
@@ -56,14 +56,15 @@ from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.config import ModelConfig
 from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
-from kdsa.train.checkpointing import Checkpointer, config_check
-from kdsa.train.init_from import export_run, initial_state, tokenizer_folder
+from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
+from kdsa.train.init_from import export_run, initial_state, tokenizer_folder
 from kdsa.train.metrics import MetricsWriter, progress_bar
+from kdsa.train.placement import Placement
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
-from kdsa.train.rl.multihost import Placement, local_copy, play_split
+from kdsa.train.rl.multihost import local_copy, play_split
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import minibatch_updates, rl_step_with_options, split_rows
 from kdsa.train.run_dir import check_run_dir, state_bytes
@@ -203,13 +204,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     total = rc.sft_steps + rc.steps
 
     meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None}
-    if not resume and ckpt.all_steps():  # never mix two runs' steps in one folder
-        raise ValueError(f"{run_dir} already holds checkpoints (steps {ckpt.all_steps()}); "
-                         f"pass --resume to continue that run, or choose another --run-dir")
-    restored = None
-    if resume and ckpt.all_steps():  # a checkpoint of another config is refused by its meta
-        restored = ckpt.restore_latest(place.template(template), log=log, check=config_check(
-            config.to_hf_config(), tc.to_dict()))
+    restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
+                                model_config=config.to_hf_config(), train_config=tc.to_dict())
     if restored is not None:
         start, state, meta = restored
         meta0 = {k: meta.get(k) for k in meta0}

@@ -9,7 +9,7 @@ With ``P = jax.process_count() > 1`` (the same ``kdsa rl`` command on every host
   every group in the same order and takes the same dynamic-sampling, batch and metric decisions.
   An episode's sampling seed is its position in the whole list (``Episode.index``), so the split
   draws the same tokens as one process would;
-* **update** (:class:`Placement`): the train state lives on the ``train`` layout of a mesh over
+* **update** (``train/placement.py``): the train state lives on the ``train`` layout of a mesh over
   every process's devices (FSDP / EP / TP / sequence, ``kdsa rl --mesh``), each process holding
   only its shards; the batch's rows are split over the batch axes (each process hands over its
   own rows of its identical copy), and the exact accumulation of ``train/rl/step.py`` holds
@@ -23,7 +23,6 @@ On one process every function here is the identity.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 
 import jax
@@ -63,67 +62,6 @@ def play_split(play, groups: list[list], **kw) -> tuple[list[list], int]:
         for g, grp in share:
             out[g] = grp
     return out, sum(len(grp) for _, grp in mine)
-
-
-class Placement:
-    """Where the RL update runs: one device (``mesh=None`` in a one-process job, as before
-    any layout is asked for) or the ``train`` layout on ``mesh`` (``kdsa rl --mesh``: data,
-    fsdp, expert, tensor, sequence; every process's devices in a multi-process job), the same
-    placement ``kdsa train`` uses (``sharding/train_state.py``): the state sharded by the
-    rules, the step-0 state computed in its layout, batches split over the batch axes with
-    each process handing over its own rows, the step traced under ``use_sharding``."""
-
-    def __init__(self, mesh, graphdef, template):
-        self.mesh, self.graphdef = mesh, graphdef
-        if mesh is None:
-            if jax.process_count() > 1:
-                raise ValueError("a multi-process RL job needs a train mesh over every "
-                                 "process's devices")
-            self.device, self.shardings = jax.local_devices()[0], None
-            return
-        from kdsa.sharding.train_state import train_state_shardings
-        self.shardings = train_state_shardings(graphdef, template, mesh, "train")
-
-    @property
-    def size(self) -> int:
-        """Devices the update runs on (``update_devices`` in metrics.jsonl)."""
-        return 1 if self.mesh is None else self.mesh.size
-
-    @property
-    def collective(self) -> bool:
-        """Checkpoints are written by every process together (the state spans them)."""
-        return self.mesh is not None and jax.process_count() > 1
-
-    def template(self, template):
-        """A restore target: the abstract state with the layout's shardings attached."""
-        if self.mesh is None:
-            return template
-        from kdsa.sharding.train_state import sharded_template
-        return sharded_template(template, self.shardings)
-
-    def params_template(self, template):
-        return self.template(template).params
-
-    def initial(self, build, compiler_options=None):
-        """The step-0 state where the update runs (on a mesh: computed in its layout)."""
-        if self.mesh is None:
-            return jax.device_put(build(), self.device)
-        from kdsa.sharding.train_state import init_sharded
-        return init_sharded(build, self.shardings, compiler_options)
-
-    def batch(self, batch: dict) -> dict:
-        """Host batch (the same on every process) -> rows over the batch axes."""
-        if self.mesh is None:
-            return batch
-        from kdsa.sharding.train_state import place_batch
-        return place_batch(batch, self.mesh, "train")
-
-    def rules(self):
-        """The context the update is traced in (the train rules), or a no-op."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        from kdsa.sharding.constrain import use_sharding
-        return use_sharding(self.mesh, "train")
 
 
 def local_copy(tree):
