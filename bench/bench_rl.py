@@ -106,7 +106,7 @@ def main() -> int:
     if args.quick:
         args.steps, args.reps = 3, 3
     import rl_entry  # noqa: F401  registers test_first_letter
-    from kdsa.cli.config_args import apply_overrides
+    from kdsa.model.overrides import apply_overrides
     from kdsa.model.config import get_preset
     from kdsa.sharding.mesh import make_mesh, parse_mesh_spec
     from kdsa.train.config import TrainConfig

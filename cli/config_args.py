@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from kdsa.cli.paths import abs_path
 from kdsa.model.config import ModelConfig, get_preset
+from kdsa.model.overrides import apply_overrides
 
 
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "tiny") -> None:
@@ -76,36 +76,6 @@ def read_json_file(path, flag: str):
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
-
-
-def apply_overrides(config: ModelConfig, overrides: list[str]) -> ModelConfig:
-    top: dict = {}
-    nested: dict[str, dict] = {}
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw  # a bare string such as bfloat16
-        if isinstance(value, list):
-            value = tuple(value)
-        head, _, sub = key.partition(".")
-        if head not in fields:
-            raise ValueError(f"--set {key}: unknown config field {head!r}")
-        if sub:
-            parent = getattr(config, head)
-            if not dataclasses.is_dataclass(parent) or sub not in {
-                    f.name for f in dataclasses.fields(parent)}:
-                raise ValueError(f"--set {key}: {head} has no field {sub!r}")
-            nested.setdefault(head, {})[sub] = value
-        else:
-            top[head] = value
-    for head, changes in nested.items():
-        top[head] = dataclasses.replace(getattr(config, head), **changes)
-    return dataclasses.replace(config, **top) if top else config
 
 
 def add_init_from_args(p: argparse.ArgumentParser) -> None:

@@ -77,7 +77,8 @@ def parse_size(text: str) -> int:
 
 
 def run(args) -> int:
-    from kdsa.cli.config_args import apply_overrides, config_from_args
+    from kdsa.cli.config_args import config_from_args
+    from kdsa.model.overrides import apply_overrides
     from kdsa.train import convert
 
     if args.direction == "orbax-to-hf":

@@ -6,7 +6,7 @@ Each process gets ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` / ``KDSA_PROCESS
 ``--devices-per-process`` CPU devices; its output lines are prefixed ``[pN]``. The command may
 start with the program name, as torchrun users type it (``-- kdsa train ...`` and
 ``-- train ...`` are the same). ``--module`` runs another module than the kdsa CLI
-(``kdsa.sharding.selfcheck``, the multi-host check). When one process fails the others are
+(the test suite's multi-host checks). When one process fails the others are
 stopped and the command exits with that process's status (no hang).
 
 SIGTERM or Ctrl-C to the launcher (a scheduler's preemption notice) is forwarded to every
@@ -39,7 +39,7 @@ def register(sub) -> None:
                    help="stop everything after this many seconds (exit 124)")
     p.add_argument("--module", default="kdsa.cli.main",
                    help="Python module each process runs with the command's arguments "
-                        "(default: the kdsa CLI; e.g. kdsa.sharding.selfcheck)")
+                        "(default: the kdsa CLI)")
     p.add_argument("--stop-timeout", type=float, default=300.0,
                    help="after SIGTERM / Ctrl-C: seconds the processes get to checkpoint and "
                         "exit before they are killed (default 300)")

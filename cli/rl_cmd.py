@@ -57,7 +57,8 @@ def configs_from_args(args):
     """``(name, model config, TrainConfig, RLConfig)``; every config error raises ValueError."""
     import dataclasses
 
-    from kdsa.cli.config_args import apply_overrides, model_from_args
+    from kdsa.cli.config_args import model_from_args
+    from kdsa.model.overrides import apply_overrides
     from kdsa.model.config import get_preset
     from kdsa.train.config import TrainConfig, apply_train_overrides
     from kdsa.train.rl.config import RLConfig, apply_rl_overrides

@@ -58,7 +58,9 @@ def load_checkpoint(path: str | Path, mesh=None, layout: str = "generate"):
         raise ValueError(f"--checkpoint {path}: checkpoint loading "
                          f"(kdsa.model.checkpoint.load_model) is not available in this build; "
                          f"use --preset for random weights") from None
-    return load_model(str(path), mesh=mesh, layout=layout)
+    from kdsa.sharding.rules import layout_shardings
+
+    return load_model(str(path), layout_shardings(mesh, layout))
 
 
 def build_engine(model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,

@@ -1,1 +1,28 @@
-"""kdsa.model: configs, layers and the hybrid KDA + Gated DSA MoE transformer."""
+"""kdsa.model: configs, layers and the hybrid KDA + Gated DSA MoE transformer.
+
+Public (imported on first use, so ``import kdsa.model.config`` stays light)::
+
+    from kdsa.model import Transformer, ModelConfig, get_preset, load_model, save_model
+
+Everything else in the package is importable but internal: the pure maths (``kda.py``,
+``dsa.py``, ``moe.py`` functions, ``mxfp4.py``), the NNX layers, their sequence- and
+expert-parallel forms, and ``partitioning.py``, the one sharding interface the model calls.
+"""
+
+_PUBLIC = {
+    "Transformer": "kdsa.model.transformer",
+    "ModelOutput": "kdsa.model.transformer",
+    "ModelConfig": "kdsa.model.config",
+    "get_preset": "kdsa.model.config",
+    "load_model": "kdsa.model.checkpoint",
+    "save_model": "kdsa.model.checkpoint",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'kdsa.model' has no attribute {name!r}")

@@ -25,7 +25,7 @@ from kdsa.model.ffn import DenseFFN
 from kdsa.model.kda_layer import KDA
 from kdsa.model.layers import RMSNorm
 from kdsa.model.moe import MoE
-from kdsa.sharding.constrain import constrain
+from kdsa.model.partitioning import constrain
 
 ACT = ("act_batch", "act_seq", "act_embed")  # residual stream [B, T, D]; no-op without rules
 

@@ -18,8 +18,9 @@ at ``path`` is replaced only then, and an interrupted run leaves it untouched (p
 ``NAME.kdsa-tmp*`` directory, never at ``path``, removed by the next save).
 
 Reading: :func:`load_model` builds the model abstractly (``nnx.eval_shape``), gives every
-variable its target sharding (``kdsa.sharding.rules.state_shardings`` on ``mesh``, or one
-device), and restores straight into those arrays. Besides a model folder it reads the model
+variable its target sharding (``shardings``: a function from the abstract state to its
+shardings, e.g. ``kdsa.sharding.rules.layout_shardings(mesh, "generate")``; or one device), and
+restores straight into those arrays. Besides a model folder it reads the model
 out of a training checkpoint (``RUN_DIR/checkpoints/N``, or ``RUN_DIR/checkpoints`` / ``RUN_DIR``
 for the newest step; ``kdsa.model.folders.locate``): the ``state`` item holds every variable as
 ``params.KEY`` (trained) or ``rest.KEY``, the ``meta`` JSON item the model config. A directory
@@ -76,14 +77,15 @@ def flat_variables(state: nnx.State) -> dict[str, nnx.Variable]:
     return {flat_key(p): v for p, v in nnx.to_flat_state(state)}
 
 
-def target_shardings(state: nnx.State, mesh=None, layout: str = "train") -> dict[str, Any]:
-    """``{key: Sharding}``: by the layout's rules on ``mesh``, else the first local device."""
-    if mesh is None:
+def target_shardings(state: nnx.State,
+                     shardings: Callable[[nnx.State], nnx.State] | None = None
+                     ) -> dict[str, Any]:
+    """``{key: Sharding}``: ``shardings(state)`` (the same tree with a ``Sharding`` per
+    variable), else the first local device for every variable."""
+    if shardings is None:
         dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         return {k: dev for k in flat_variables(state)}
-    from kdsa.sharding.rules import state_shardings
-
-    return flat_variables(state_shardings(state, mesh, layout))
+    return flat_variables(shardings(state))
 
 
 # ------------------------------------------------------------------------------- saving
@@ -379,11 +381,13 @@ def iter_params(path: str | os.PathLike, config: ModelConfig, keys: Iterable[str
         yield k, np.asarray(arr)
 
 
-def load_model(path: str | os.PathLike, mesh=None, *, layout: str = "train"
+def load_model(path: str | os.PathLike,
+               shardings: Callable[[nnx.State], nnx.State] | None = None
                ) -> tuple[ModelConfig, nnx.Module]:
     """Restore a kdsa checkpoint (a model folder, or the model inside a training checkpoint:
-    :func:`locate`): ``(config, model)`` with every variable placed by ``layout``'s sharding
-    rules on ``mesh`` (or on one device when ``mesh`` is None)."""
+    :func:`locate`): ``(config, model)`` with every variable placed by ``shardings`` (see
+    :func:`target_shardings`; ``kdsa.sharding.rules.layout_shardings(mesh, layout)`` places by a
+    layout's rules) or on one device when it is None. Each process reads only its shards."""
     path = locate(path)[0]
     config, ours = read_info(path)
     abstract = abstract_model(config)
@@ -395,8 +399,8 @@ def load_model(path: str | os.PathLike, mesh=None, *, layout: str = "train"
     if bad:
         raise CheckpointError(f"{path}: parameters do not match the stored config: "
                               + "; ".join(bad[:5]))
-    shardings = target_shardings(state, mesh, layout)
-    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+    where = target_shardings(state, shardings)
+    targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where[k])
                for k, v in variables.items()}
     arrays = load_params(path, targets)
     flat = [(p, v.replace(arrays[flat_key(p)])) for p, v in nnx.to_flat_state(state)]

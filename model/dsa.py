@@ -175,8 +175,9 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
     slot counts, so a duplicated index counts twice (FlashMLA ``flash_mla_sparse_fwd`` semantics;
     a kernel must match). Cost O(T K Dk N); per query chunk ``[B, C, K, Dk]`` rows are gathered
     with ``take_along_axis``; no ``[T, S]`` array exists. Gradients by autodiff (gather ->
-    scatter-add into kv). Measured against :func:`dense_masked_mla_attention` (f32, CPU,
-    B 2, T 64, N 8, S 128, Dk 40, K 16, chunk 16): max abs error out 4.8e-7, lse 2.4e-7, dq
+    scatter-add into kv). Measured against the dense-mask reference
+    (``kdsa.kernels_pallas.sparse_mla.ref.dense_masked_mla_attention``; f32, CPU, B 2, T 64, N 8,
+    S 128, Dk 40, K 16, chunk 16): max abs error out 4.8e-7, lse 2.4e-7, dq
     5.8e-7, dkv 1.2e-6 (|dkv| up to 6.9).
     """
     b, t, n, dk = q.shape
@@ -196,23 +197,6 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
             logits, lambda p: jnp.einsum("bcnk,bckd->bcnd", p, rows[..., :v_dim]))
 
     return map_query_chunks(chunk, chunk_size, (q, indices))
-
-
-def dense_masked_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: float,
-                               v_dim: int) -> tuple[jax.Array, jax.Array]:
-    """Test reference for :func:`sparse_mla_attention` along a different path (DeepSeek's).
-
-    Full ``[B, T, N, S]`` scores; the index set becomes a multiplicity matrix
-    ``C[t, s] = #{k : idx[t,k] = s}`` (one-hot sum) and ``softmax`` is taken of
-    ``scores + log C`` (``log 0 = -inf``), which counts duplicates like the gather does. O(T S).
-    """
-    s = kv.shape[1]
-    counts = jnp.sum(jax.nn.one_hot(indices, s, dtype=f32), axis=2)  # [B, T, S]; -1 -> zero row
-    logits = jnp.einsum("btnd,bsd->btns", q.astype(f32), kv.astype(f32)) * sm_scale
-    logits = logits + jnp.where(counts > 0, jnp.log(jnp.maximum(counts, 1.0)),
-                                -jnp.inf)[:, :, None, :]
-    return _softmax_attend(
-        logits, lambda p: jnp.einsum("btns,bsd->btnd", p, kv[..., :v_dim].astype(f32)))
 
 
 def _gqa_logits(q: jax.Array, k: tuple[jax.Array, ...]) -> jax.Array:

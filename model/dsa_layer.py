@@ -39,7 +39,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention
 from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
 from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
-from kdsa.sharding import context_parallel as cp
+from kdsa.model import sequence_parallel as cp
 
 INDEXER_LOSSES = ("none", "dense", "sparse")
 f32 = jnp.float32

@@ -30,7 +30,7 @@ from flax import nnx, struct
 from kdsa.model.config import ModelConfig
 from kdsa.model.kda import kda_step, segment_starts
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, param, rms_norm
-from kdsa.sharding import context_parallel as cp
+from kdsa.model import sequence_parallel as cp
 
 
 @struct.dataclass

@@ -46,7 +46,7 @@ from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, lecun_init, param
 from kdsa.model.mxfp4 import (dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4,
                               unpack_from_compressed_tensors)
-from kdsa.sharding.expert_parallel import routed_experts_fn
+from kdsa.model.expert_parallel import routed_experts_fn
 
 ExpertsFn = Callable[..., jax.Array]
 

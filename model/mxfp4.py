@@ -54,16 +54,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32  # elements sharing one scale
-E8M0_BIAS = 127
-SCALE_NAN = 0xFF
+from kdsa.kernels_pallas.mxfp4_matmul.decode import (BLOCK, E8M0_BIAS, SCALE_NAN,  # noqa: F401
+                                                     mxfp4_f32_bits)
+
 SCALE_RULES = ("floor", "ceil", "even")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _MANT = 0x7FFFFF
 _INF_BITS = 0x7F800000
-_NAN_BITS = 0x7FC00000
 
 
 # ----------------------------------------------------------------------------- bit helpers
@@ -87,30 +86,6 @@ def _log2_parts(abs_bits: jax.Array) -> tuple[jax.Array, jax.Array]:
     flog2 = jnp.where(exp > 0, exp - 127, top - 149)
     frac = jnp.where(exp > 0, mant, sub_frac)
     return flog2, frac
-
-
-def mxfp4_f32_bits(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
-    """float32 bit pattern (int32) of ``LUT[code] * 2^(scale - 127)``, exactly.
-
-    ``codes`` int32 in [0, 16), ``scale_codes`` int32 in [0, 256), broadcastable. Integer ops and
-    selects only, so the same function runs in XLA and inside Pallas kernels (Triton, Mosaic)
-    without relying on subnormal float arithmetic. Scale 0xFF decodes to NaN (OCP MX §5.1).
-    With 2|v| = q in {0, 1, 2, 3, 4, 6, 8, 12}: a normal result has biased exponent
-    ``E = E_elem + scale - 127``; a subnormal one (E <= 0, only for scale <= 1) has mantissa
-    field ``q << (scale + 21)``, since v = q 2^(scale - 128) = (q 2^(scale + 21)) 2^-149.
-    """
-    mag = codes & 7
-    e = mag >> 1
-    m = mag & 1
-    q = jnp.where(e == 0, m, (2 + m) << jnp.maximum(e - 1, 0))
-    elem_exp = jnp.where(e == 0, 126, e + 126)           # biased exponent of LUT[mag], mag > 0
-    mbit = jnp.where(e == 0, 0, m)
-    big_e = elem_exp + scale_codes - E8M0_BIAS
-    normal = (jnp.clip(big_e, 0, 254) << 23) | (mbit << 22)
-    subnormal = q << (jnp.minimum(scale_codes, 1) + 21)
-    bits = jnp.where(big_e >= 255, _INF_BITS, jnp.where(big_e >= 1, normal, subnormal))
-    bits = jnp.where(mag == 0, 0, bits) | ((codes & 8) << 28)
-    return jnp.where(scale_codes == SCALE_NAN, _NAN_BITS, bits)
 
 
 def _bits_to_dtype(bits: jax.Array, dtype) -> jax.Array:

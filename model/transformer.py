@@ -27,7 +27,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.dsa_layer import init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
-from kdsa.sharding.constrain import constrain
+from kdsa.model.partitioning import constrain
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
 

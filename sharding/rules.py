@@ -12,15 +12,12 @@ fallbacks are visible.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-Rules = Mapping[str, tuple[str, ...] | None]
+from kdsa.model.partitioning import Rules, logical_to_spec  # noqa: F401 (re-exported)
 
 RULES: dict[str, Rules] = {
     # Training: FSDP over `fsdp` (weights' model dim; non-expert weights also over `expert`,
@@ -70,31 +67,6 @@ def get_rules(layout: str) -> Rules:
         raise ValueError(f"unknown layout {layout!r}; choose from {sorted(RULES)}") from None
 
 
-def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh,
-                    rules: Rules) -> P:
-    """PartitionSpec for an array of ``shape`` whose dims have logical names ``axes``."""
-    if len(axes) != len(shape):
-        raise ValueError(f"logical axes {axes} do not match shape {shape}")
-    used: set[str] = set()
-    spec = []
-    for name, dim in zip(axes, shape):
-        if name is None:
-            spec.append(None)
-            continue
-        if name not in rules:
-            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
-        mesh_axes = tuple(a for a in (rules[name] or ()) if a not in used
-                          and mesh.shape.get(a, 1) > 1)
-        while mesh_axes and dim % math.prod(mesh.shape[a] for a in mesh_axes):
-            mesh_axes = mesh_axes[:-1]  # the longest prefix that divides
-        if not mesh_axes:
-            spec.append(None)
-            continue
-        used.update(mesh_axes)
-        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
-    return P(*spec)
-
-
 def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:
     """Logical axes of a parameter, with ``layers`` prepended for scan-stacked ones."""
     axes = tuple(var.get_metadata().get("axes", (None,) * var.ndim))
@@ -110,6 +82,16 @@ def state_shardings(state: nnx.State, mesh: Mesh, layout: str) -> nnx.State:
     return jax.tree.map(
         lambda v: NamedSharding(mesh, logical_to_spec(variable_axes(v), v.shape, mesh, rules)),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def layout_shardings(mesh: Mesh | None, layout: str):
+    """``state -> state_shardings(state, mesh, layout)``: what ``kdsa.model.checkpoint``'s
+    ``load_model`` / ``target_shardings`` take to restore straight into a layout; None (one
+    device) when ``mesh`` is None."""
+    get_rules(layout)  # an unknown layout fails here, not at restore time
+    if mesh is None:
+        return None
+    return lambda state: state_shardings(state, mesh, layout)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

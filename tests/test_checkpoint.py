@@ -6,10 +6,6 @@ A small two-layer config keeps the abstract model cheap; parameters are random a
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +13,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import LinearAttnConfig, get_preset
+from kdsa.sharding.rules import layout_shardings
 
 CONFIG = get_preset("tiny").replace(
     num_hidden_layers=2, attn_res_block_size=1, param_dtype="bfloat16",
@@ -77,7 +74,7 @@ def test_save_model_then_load_on_a_mesh(saved, tmp_path):
     _, model = ckpt.load_model(path)
     again = ckpt.save_model(tmp_path / "again", CONFIG, model)
     mesh = make_mesh("fsdp=2,expert=2,tensor=2")
-    _, sharded = ckpt.load_model(again, mesh)
+    _, sharded = ckpt.load_model(again, layout_shardings(mesh, "train"))
     want = ckpt.flat_variables(state_shardings(nnx.state(sharded), mesh, "train"))
     for k, v in ckpt.flat_variables(nnx.state(sharded)).items():
         assert v[...].sharding == want[k], k

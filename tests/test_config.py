@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.model.config import LinearAttnConfig, ModelConfig, get_preset
 from kdsa.model.presets import PRESETS
 

@@ -22,50 +22,20 @@ import pytest
 from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
-from kdsa.model.config import LinearAttnConfig, get_preset
+from kdsa.model.config import get_preset
 from kdsa.model.moe import (MoE, experts_one_hot, experts_ragged_mxfp4, pack_expert_weight,
                             unpack_expert_weight)
 from kdsa.model.mxfp4 import fake_quantize_mxfp4
+from kdsa.sharding.rules import layout_shardings
 from kdsa.train import convert
+from model_fixtures import MICRO, random_params
 from kdsa.train.safetensors_io import (SafetensorsCheckpoint, SafetensorsError, SafetensorsFile,
                                        TensorSpec, write_checkpoint)
 
 DATA = Path(__file__).parent / "data"
 LAYOUTS = ("kimi_linear", "deepseek_v32")
-# K3 features in two layers: KDA + dense FFN, then gated DSA (indexer) + latent MoE, AttnRes.
-MICRO = get_preset("tiny").replace(
-    num_hidden_layers=2, attn_res_block_size=1,
-    linear_attn_config=LinearAttnConfig(kda_layers=(1,), full_attn_layers=(2,), num_heads=2,
-                                        head_dim=16, use_full_rank_gate=True,
-                                        gate_lower_bound=-5.0))
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (1, 12)), jnp.int32)
 _fwd = nnx.jit(lambda model, ids: model(ids))  # one compile per model structure
-
-
-def random_params(config, seed: int):
-    """``(key, producer)`` for every variable, values in sensible ranges (no model init)."""
-    rng = np.random.default_rng(seed)
-    for key, v in ckpt.flat_variables(nnx.state(ckpt.abstract_model(config))).items():
-        shape, dt = tuple(v.shape), np.dtype(v.dtype)
-        if key.endswith("_packed") or key.endswith("_scale"):
-            continue
-        if "norm" in key.rsplit(".", 2)[-2] or key.endswith((".norm", "norm.weight")):
-            a = 1 + 0.2 * rng.standard_normal(shape)
-        elif key.endswith("A_log"):
-            a = np.log(rng.uniform(1, 16, shape))
-        elif key.endswith(("bias", "res.proj", "attn_res.proj")):
-            a = 0.1 * rng.standard_normal(shape)
-        else:
-            a = rng.standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 4)
-        yield key, (lambda a=a, dt=dt: jnp.asarray(a, dt))
-    if config.expert_weight_format == "mxfp4":
-        for key, v in ckpt.flat_variables(nnx.state(ckpt.abstract_model(config))).items():
-            if key.endswith("_packed"):
-                r, e, n, k2 = v.shape
-                w = rng.standard_normal((r * e, k2 * 2, n)) / np.sqrt(k2 * 2)
-                packed, scale = pack_expert_weight(jnp.asarray(w, jnp.float32))
-                yield key, (lambda p=packed, s=(r, e, n, k2): p.reshape(s))
-                yield key[:-7] + "_scale", (lambda q=scale, s=(r, e, n, k2 // 16): q.reshape(s))
 
 
 _LOGITS: dict = {}
@@ -73,7 +43,7 @@ _LOGITS: dict = {}
 
 def logits(path, mesh=None):
     if (path, mesh) not in _LOGITS:
-        _, model = ckpt.load_model(path, mesh)
+        _, model = ckpt.load_model(path, layout_shardings(mesh, "train"))
         _LOGITS[path, mesh] = np.asarray(_fwd(model, IDS))
     return _LOGITS[path, mesh]
 
@@ -137,7 +107,7 @@ def test_k3_round_trip_and_logits_on_one_device_and_a_mesh(work, micro):
     from kdsa.sharding.mesh import make_mesh
 
     mesh = make_mesh("fsdp=2,expert=2,tensor=2")
-    _, model = ckpt.load_model(back, mesh)
+    _, model = ckpt.load_model(back, layout_shardings(mesh, "train"))
     w1 = model.segments[1].layers[0].block_sparse_moe.experts.w1[...]
     assert len(w1.sharding.device_set) == 8
     np.testing.assert_allclose(np.asarray(_fwd(model, IDS)), want, atol=2e-5, rtol=0)

@@ -4,7 +4,6 @@ and the checkpoint equals the one-process conversion onto the same mesh shape. O
 launch of the micro K3 model from ``test_convert.py``.
 """
 
-import os
 import re
 import subprocess
 import sys
@@ -17,9 +16,8 @@ from kdsa.model import checkpoint as ckpt
 from kdsa.sharding.mesh import make_mesh
 from kdsa.train import convert
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_convert import MICRO, random_params  # noqa: E402
-from launch_env import launch_env  # noqa: E402
+from launch_env import launch_env
+from model_fixtures import MICRO, random_params
 
 MESH = "fsdp=2,expert=2"
 

@@ -3,7 +3,6 @@
 import json
 import math
 
-import pytest
 from flax import nnx
 
 from kdsa.cli.main import main

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kdsa.kernels_pallas.sparse_mla.ref import dense_masked_mla_attention
 from kdsa.model import dsa, rope
 from kdsa.model.config import YarnConfig, get_preset
+from numpy_refs import np_rotate
 
 RNG = np.random.default_rng(0)
 
@@ -20,25 +22,6 @@ def randn(*shape, scale=1.0):
 # ---------------------------------------------------------------------------------------------
 # NumPy references (float64, loops / complex numbers: paths unlike the JAX code)
 # ---------------------------------------------------------------------------------------------
-
-def np_rotate(x, positions, inv_freq, layout):
-    """RoPE as complex multiplication: pair (a, b) -> (a + ib) * e^{i p f}."""
-    x = np.asarray(x, np.float64)
-    r = x.shape[-1]
-    if layout == "interleaved":
-        z = x[..., 0::2] + 1j * x[..., 1::2]
-    else:
-        z = x[..., : r // 2] + 1j * x[..., r // 2:]
-    ang = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
-    ang = ang.reshape(ang.shape[:2] + (1,) * (x.ndim - 3) + ang.shape[-1:])
-    z = z * np.exp(1j * ang)
-    out = np.empty_like(x)
-    if layout == "interleaved":
-        out[..., 0::2], out[..., 1::2] = z.real, z.imag
-    else:
-        out[..., : r // 2], out[..., r // 2:] = z.real, z.imag
-    return out
-
 
 def np_yarn_inv_freq(dim, base, factor, orig, beta_fast, beta_slow):
     """Hugging Face-style YaRN: blend of extrapolated and interpolated frequencies."""
@@ -236,7 +219,7 @@ def _sparse_case():
 def test_sparse_attention_matches_references():
     q, kv, idx, scale, v = _sparse_case()
     out, lse = dsa.sparse_mla_attention(q, kv, idx, scale, v, chunk_size=4)
-    ref_out, ref_lse = dsa.dense_masked_mla_attention(q, kv, idx, scale, v)
+    ref_out, ref_lse = dense_masked_mla_attention(q, kv, idx, scale, v)
     np_out, np_lse = np_sparse_attention(q, kv, idx, scale, v)
     assert out.dtype == jnp.float32 and out.shape == (2, 11, 4, 8) and lse.shape == (2, 11, 4)
     for o, l in ((ref_out, ref_lse), (np_out, np_lse)):
@@ -260,7 +243,7 @@ def test_sparse_attention_gradients_match_dense_reference():
         return jax.jit(jax.grad(f, argnums=(0, 1)))(jnp.asarray(q), jnp.asarray(kv))
 
     gs = loss(lambda q, kv: dsa.sparse_mla_attention(q, kv, idx, scale, v, chunk_size=4))
-    gd = loss(lambda q, kv: dsa.dense_masked_mla_attention(q, kv, idx, scale, v))
+    gd = loss(lambda q, kv: dense_masked_mla_attention(q, kv, idx, scale, v))
     for a, b in zip(gs, gd):
         assert np.all(np.isfinite(a))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -313,7 +296,7 @@ def test_dense_attention_mqa_equals_sparse_with_all_visible_indices():
         return dsa.dense_attention(q, kv[:, :, None], kv[:, :, None, :v], 0.3, q_pos=pos,
                                    kv_pos=pos, q_seg=seg, kv_seg=seg, chunk_size=4)
 
-    ref = lambda q, kv: dsa.dense_masked_mla_attention(q, kv, idx, 0.3, v)  # noqa: E731
+    ref = lambda q, kv: dense_masked_mla_attention(q, kv, idx, 0.3, v)  # noqa: E731
     for a, b_ in zip(dense(q, kv), ref(q, kv)):
         np.testing.assert_allclose(a, b_, rtol=1e-5, atol=1e-6)
 

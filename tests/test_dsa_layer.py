@@ -13,7 +13,7 @@ from kdsa.model.config import YarnConfig, get_preset
 from kdsa.model.dsa_layer import (MLA_LATENT_NORM_EPS, DSACache, GatedDSA,
                                   dsa_cache_bytes_per_token, init_dsa_cache)
 from kdsa.model.rope import rope_inv_freq
-from test_dsa import np_rotate  # the NumPy RoPE reference (complex multiplication)
+from numpy_refs import np_rotate  # the NumPy RoPE reference (complex multiplication)
 
 TINY = get_preset("tiny")  # NoPE, gate, q_lora 32, topk 8, query chunk 16
 ROPE = TINY.replace(mla_use_nope=False, rope_theta=500.0, rope_scaling=YarnConfig(

@@ -14,7 +14,7 @@ from kdsa.infer.chat import Message, get_format
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner, length_buckets
 from kdsa.infer.sampling import SamplingParams
-from kdsa.infer.scripted import ScriptedRunner
+from scripted import ScriptedRunner
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer

@@ -12,20 +12,17 @@ on a loaded CPU.
 """
 
 import json
-import os
-import sys
 
 import jax
 from flax import nnx
 
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.cli.main import main
 from kdsa.infer import generate as gen
 from kdsa.model.checkpoint import abstract_model, flat_key, save_model
 from kdsa.model.config import get_preset
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_convert import random_params  # noqa: E402
+from model_fixtures import random_params
 
 OVERRIDES = ["num_hidden_layers=2", "first_k_dense_replace=1", "attn_res_block_size=1",
              "linear_attn_config.kda_layers=[1]", "linear_attn_config.full_attn_layers=[2]"]

@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.cli.main import main
 from kdsa.infer import generate as gen
 from kdsa.model.config import get_preset

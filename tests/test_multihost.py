@@ -33,7 +33,7 @@ def test_missing_peer_gives_a_clear_join_error_within_the_timeout():
     env = launch_env(KDSA_COORDINATOR=f"127.0.0.1:{port}", KDSA_NUM_PROCESSES="2",
                      KDSA_PROCESS_ID="1")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kdsa.sharding.selfcheck", "--timeout", "3"],
+    proc = subprocess.run([sys.executable, "-m", "selfcheck", "--timeout", "3"],
                           env=env, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-2000:]  # an error, not an abort (134)
@@ -44,7 +44,7 @@ def test_missing_peer_gives_a_clear_join_error_within_the_timeout():
 
 def test_launch_local_stops_the_others_when_one_process_fails():
     proc, elapsed = _launch("--processes", "2", "--devices-per-process", "1", "--timeout", "60",
-                            "--module", "kdsa.sharding.selfcheck", "--", "--fail-process", "1",
+                            "--module", "selfcheck", "--", "--fail-process", "1",
                             timeout=90)
     assert proc.returncode == 3  # the failing process's status
     assert "process 1 failing on purpose" in proc.stdout
@@ -56,7 +56,7 @@ def test_launch_local_stops_the_others_when_one_process_fails():
 def test_jobcheck_steps_and_the_cross_process_count():
     """``jobcheck``'s step splitting, and its count of moves whose shards change process
     (the 2-process test asserts most arrays do): fake devices of 2 processes x 2."""
-    from kdsa.sharding.jobcheck import _crosses_processes, split_steps
+    from jobcheck import _crosses_processes, split_steps
 
     assert split_steps(["train", "--x", "1", "+", "generate"]) == [["train", "--x", "1"],
                                                                    ["generate"]]

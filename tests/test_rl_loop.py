@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rl_entry  # noqa: F401  registers test_first_letter (reward: a lowercase first letter)
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.model.config import get_preset
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl.config import RLConfig

@@ -10,7 +10,6 @@ Both runs go through the CLI in subprocesses with the same XLA flags; the two pr
 compiled programs (``KDSA_SHARE_COMPILES``)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,9 +42,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def test_two_process_rl_splits_rollouts_and_equals_one_process(tmp_path):
-    env = launch_env(PYTHONPATH=os.pathsep.join(
-        [str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        KDSA_SHARE_COMPILES=str(tmp_path / "jax_cache"))
+    env = launch_env(KDSA_SHARE_COMPILES=str(tmp_path / "jax_cache"))
     one, two = tmp_path / "one", tmp_path / "two"
     single = subprocess.run([sys.executable, "-m", "rl_entry", *_args(one)], env=env,
                             capture_output=True, text=True, timeout=400)

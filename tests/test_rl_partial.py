@@ -4,13 +4,12 @@ budget forcing), and the loop carries unfinished groups for at most ``max_stalen
 Driven by a scripted stand-in for the model whose next token is a function of the sequence
 alone (as a model's is), so no model is compiled."""
 
-import numpy as np
 import pytest
 
 from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.chat import Message, get_format
 from kdsa.infer.engine import Engine
-from kdsa.infer.scripted import ScriptedRunner
+from scripted import ScriptedRunner
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl import rollout as ro

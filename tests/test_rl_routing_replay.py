@@ -70,7 +70,7 @@ def test_bad_expert_ids_shape(layer):
 
 # ---- routing replay through the stack: engine record -> batch -> RL step -> loop ----
 
-from kdsa.cli.config_args import apply_overrides  # noqa: E402
+from kdsa.model.overrides import apply_overrides  # noqa: E402
 from kdsa.infer.engine import Engine, Request  # noqa: E402
 from kdsa.infer.runner import ModelRunner  # noqa: E402
 from kdsa.infer.sampling import SamplingParams  # noqa: E402

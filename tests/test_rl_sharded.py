@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import rl_entry  # noqa: F401  registers test_first_letter
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.model.config import get_preset
 from kdsa.sharding.mesh import make_mesh
 from kdsa.train.config import TrainConfig

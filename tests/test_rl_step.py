@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.model.config import get_preset
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl.config import RLConfig

@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -21,8 +20,7 @@ from kdsa.infer.engine import Engine, EngineDead, GenerationError, Request
 from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.server import start_server
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_server import CAPS, FMT, GRACE, TOK, USER, EosSecond, _answer  # noqa: E402
+from scripted import CAPS, FMT, GRACE, TOK, USER, EosSecond, _answer
 
 ANSWER = "It is sunny."
 

@@ -12,43 +12,13 @@ import numpy as np
 import pytest
 
 from kdsa.infer.budget import BudgetConfig
-from kdsa.infer.chat import Message, ToolCall, get_format
+from kdsa.infer.chat import Message, get_format
 from kdsa.infer.engine import Engine
-from kdsa.infer.scripted import ScriptedRunner
 from kdsa.infer.server import start_server
 from kdsa.infer.tokenizer import ByteTokenizer
 
-TOK = ByteTokenizer(384)
-FMT = get_format("xtml", TOK)
-CAPS, GRACE = {"low": 5, "high": 30, "max": 60}, 8
-CALL = ToolCall("functions.get_weather:0", "get_weather", json.dumps({"city": "Paris"}))
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                           "parameters": {"type": "object", "properties": {
-                                               "city": {"type": "string"}}}}}]
-
-
-def _answer(content: str, calls=(), fmt=FMT) -> list[int]:
-    gen = fmt.render([Message("user", "q")])
-    full = fmt.render([Message("user", "q"), Message("assistant", content, "r", tuple(calls))],
-                      add_generation_prompt=False)
-    body, close = full[len(gen):], list(fmt.reasoning_end_ids)
-    i = next(j for j in range(len(body)) if body[j:j + len(close)] == close)
-    return body[i + len(close):]
-
-
-class EosSecond(ScriptedRunner):
-    """The scripted model, with ending the message as its second choice everywhere (logit
-    ``EOS_LOGIT`` against 20 for the script and 0 for the rest): what it writes when its first
-    choice is banned."""
-
-    def _logits(self, slots):
-        out = super()._logits(slots)
-        out[:, self.eos] = np.maximum(out[:, self.eos], EOS_LOGIT)
-        return out
-
-
-EOS_LOGIT = 5.0
-
+from scripted import (CALL, CAPS, EOS_LOGIT, FMT, GRACE, TOK, TOOLS, USER, EosSecond,
+                      ScriptedRunner, _answer)
 
 def _server(answer_ids, slots=4, caps=CAPS):
     runner = EosSecond(TOK, FMT, answer_ids=answer_ids, num_slots=slots, max_len=1024)
@@ -90,7 +60,6 @@ def _get(handle, path):
     return out
 
 
-USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 @pytest.mark.parametrize("effort,reasoning_tokens", [("low", 13), ("high", 37), ("max", 68)])

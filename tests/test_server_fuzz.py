@@ -8,9 +8,7 @@ request still works afterwards. Scripted model, small budgets: 260 requests in a
 
 import http.client
 import json
-import os
 import random
-import sys
 
 import pytest
 
@@ -18,8 +16,7 @@ from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.engine import Engine
 from kdsa.infer.server import start_server
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_server import FMT, TOK, TOOLS, USER, EosSecond, _answer  # noqa: E402
+from scripted import FMT, TOK, TOOLS, USER, EosSecond, _answer
 
 FIELDS = ["model", "messages", "tools", "tool_choice", "response_format", "reasoning_effort",
           "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream", "stream_options",

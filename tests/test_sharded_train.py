@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from launch_env import launch_env
-from kdsa.cli.config_args import apply_overrides
+from kdsa.model.overrides import apply_overrides
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
@@ -194,7 +194,7 @@ def test_sharded_generation_from_the_train_layout_equals_one_device(gen_ref):
 
 def test_two_process_job_train_reshard_generate_equals_one_device(single, gen_ref, tmp_path):
     """One ``kdsa launch-local`` job of 2 processes x 2 devices (gloo) runs, in each process
-    (``kdsa.sharding.jobcheck``):
+    (``tests/jobcheck.py``):
 
     1. ``kdsa train --mesh expert=2,sequence=2``: batch rows fed per process, expert-parallel
        MoE and sequence-parallel KDA / DSA across processes, the step-0 state computed sharded,
@@ -224,7 +224,7 @@ def test_two_process_job_train_reshard_generate_equals_one_device(single, gen_re
               "--no-progress"]]
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
            "--devices-per-process", "2", "--timeout", "500", "--module",
-           "kdsa.sharding.jobcheck", "--", *[a for s in steps for a in (*s, "+")][:-1]]
+           "jobcheck", "--", *[a for s in steps for a in (*s, "+")][:-1]]
     env = launch_env(KDSA_SHARE_COMPILES=str(tmp_path / "jax_cache"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

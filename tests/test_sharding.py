@@ -16,9 +16,10 @@ from kdsa.model import kda as kda_math
 from kdsa.model import moe as moe_lib
 from kdsa.model.config import LinearAttnConfig, get_preset
 from kdsa.model.transformer import Transformer
-from kdsa.sharding import context_parallel as cp
-from kdsa.sharding.constrain import constrain, current, use_sharding
-from kdsa.sharding.expert_parallel import experts_sharded, ragged_exchange_plan
+from kdsa.model import sequence_parallel as cp
+from kdsa.model.partitioning import constrain, current
+from kdsa.sharding.constrain import use_sharding
+from kdsa.model.expert_parallel import experts_sharded, ragged_exchange_plan
 from kdsa.sharding.mesh import check_layout, device_array, layout_sizes, make_mesh
 from kdsa.sharding.reshard import reshard, reshard_state
 from kdsa.sharding.rules import shard_model, state_shardings

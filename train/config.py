@@ -18,8 +18,9 @@ Indexer stages (DeepSeek-V3.2-Exp paper section 2.1; ``shared/reference/dsa.md``
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
+
+from kdsa.model.overrides import apply_overrides
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "constant")
@@ -136,28 +137,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def apply_overrides_to(obj, overrides: list[str], *, flag: str, prefix: str, what: str):
-    """``["key=value", ...]`` (value parsed as JSON, else a bare string) applied to the frozen
-    dataclass ``obj``; ``flag`` and ``what`` name the option and the config in errors, ``prefix``
-    (e.g. ``"train."``) may precede a key."""
-    names = {f.name for f in dataclasses.fields(obj)}
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.removeprefix(prefix)
-        if not sep:
-            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
-        if key not in names:
-            raise ValueError(f"{flag} {key}: unknown {what} config field; "
-                             f"choose from {sorted(names)}")
-        try:
-            changes[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            changes[key] = raw
-    return dataclasses.replace(obj, **changes) if changes else obj
-
-
 def apply_train_overrides(tc: TrainConfig, overrides: list[str]) -> TrainConfig:
     """``["lr=..."]``-style ``key=value`` strings applied to ``tc`` (``--train-set``)."""
-    return apply_overrides_to(tc, overrides, flag="--train-set", prefix="train.",
-                              what="train")
+    return apply_overrides(tc, overrides, flag="--train-set", prefix="train.", what="train")

@@ -36,6 +36,7 @@ from flax import nnx
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import check_destination, locate
+from kdsa.sharding.rules import layout_shardings
 from kdsa.train import mappings as mp
 from kdsa.train.convert_export import NP_OF, Loader, export_specs
 from kdsa.train.convert_plan import (Param, check_source, config_from_hf, plan_params,
@@ -165,8 +166,9 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
                       bytes_read=sum(st.info(n).nbytes for n in used),
                       fresh=[p.key for p in params if p.fresh])
     if not dry_run:
-        shardings = ckpt.target_shardings(nnx.state(ckpt.abstract_model(config)), mesh,
-                                          sharding_layout)
+        shardings = ckpt.target_shardings(
+            nnx.state(ckpt.abstract_model(config)),
+            layout_shardings(mesh, sharding_layout))
         fresh_cache: dict = {}
         stats = ReadStats()
 

@@ -35,6 +35,7 @@ from flax import nnx
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.model.moe import pack_expert_arrays, unpack_expert_arrays
+from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
 from kdsa.train.step import init_state
 
@@ -85,7 +86,7 @@ def initial_state(path: str | os.PathLike, config: ModelConfig, tc: TrainConfig,
         raise ValueError(f"--init-from {path}: its model config differs from the one trained")
     abstract = nnx.state(ckpt.abstract_model(stored))
     variables = ckpt.flat_variables(abstract)
-    where = ckpt.target_shardings(abstract, mesh, "train")
+    where = ckpt.target_shardings(abstract, layout_shardings(mesh, "train"))
     arrays = ckpt.load_params(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                                              sharding=where[k])
                                      for k, v in variables.items()})

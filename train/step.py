@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kdsa.model.dsa_layer import indexer_stage_params
 from kdsa.model.moe import max_load_ratio, update_routing_bias
 from kdsa.model.vision.assemble import image_batch, image_inputs
-from kdsa.sharding.constrain import constrain, current
+from kdsa.model.partitioning import constrain, current
 from kdsa.sharding.train_state import BATCH_AXES, train_state_shardings
 from kdsa.train.config import TrainConfig
 

@@ -13,7 +13,7 @@ even and odd columns ``x_even, x_odd [M, K/2]`` (x-sized, cheap) and
 
     y = x_even @ decode(low nibbles) + x_odd @ decode(high nibbles)
 
-with ``decode = kdsa.model.mxfp4.mxfp4_f32_bits`` (integer bit arithmetic, exact, no table) cast
+with ``decode = decode.mxfp4_f32_bits`` (integer bit arithmetic, exact, no table) cast
 to x's dtype (exact for bf16). Each program owns one ``[block_m, block_n]`` output tile and loops
 over K in-kernel (``fori_loop``) with a float32 accumulator, so the full dequantised weight never
 exists in HBM and no grid axis has to run sequentially (Triton programs run in parallel).
@@ -47,7 +47,7 @@ from jax.experimental.pallas import tpu as pltpu
 from kdsa.kernels_pallas import common
 from kdsa.kernels_pallas.mxfp4_matmul.ref import (check_activation, check_group_sizes,
                                                   check_weight)
-from kdsa.model.mxfp4 import BLOCK, mxfp4_f32_bits
+from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, mxfp4_f32_bits
 
 _HALF = BLOCK // 2
 

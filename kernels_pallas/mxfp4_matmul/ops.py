@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kdsa.kernels_pallas.common import BlockSizes
 from kdsa.kernels_pallas.mxfp4_matmul import kernel, ref
 from kdsa.kernels_pallas.mxfp4_matmul.kernel import MXFP4Weights, prepare_mxfp4_weights
-from kdsa.model.mxfp4 import BLOCK, mxfp4_f32_bits
+from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, mxfp4_f32_bits
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 IMPLS = ("pallas", "xla")

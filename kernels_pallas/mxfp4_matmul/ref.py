@@ -2,7 +2,7 @@
 
 Weights use the Hugging Face / gpt-oss layout (rows = output features, blocks along the
 contracting dim): ``blocks`` uint8 ``[(E,) N, K/32, 16]``, ``scales`` uint8 ``[(E,) N, K/32]``.
-The dequantised weight is exact in float32 (``kdsa.model.mxfp4``), bf16 activations are widened to
+The dequantised weight is exact in float32 (``decode.py``), bf16 activations are widened to
 float32 exactly, and the dot runs at ``Precision.HIGHEST`` with float32 accumulation, so the only
 rounding is in the sums. Output float32.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kdsa.model.mxfp4 import BLOCK, dequantize_mxfp4
+from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, mxfp4_f32_bits
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -48,11 +48,20 @@ def check_group_sizes(group_sizes: jax.Array, num_experts: int, m: int, name: st
                              f"{gs.tolist()}")
 
 
+def dequantize_f32(blocks: jax.Array, scales: jax.Array) -> jax.Array:
+    """``blocks [..., G, 16]``, ``scales [..., G]`` -> ``[..., 32 G]`` float32, exactly (element
+    ``32 g + 2 j`` in the low nibble of byte j, ``32 g + 2 j + 1`` in the high one)."""
+    b = blocks.astype(jnp.int32)
+    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
+    bits = mxfp4_f32_bits(codes, scales.astype(jnp.int32)[..., None])    # [..., G, 32]
+    return jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(*blocks.shape[:-2], -1)
+
+
 def mxfp4_matmul_ref(x: jax.Array, blocks: jax.Array, scales: jax.Array) -> jax.Array:
     """``y[..., N] = x[..., K] @ dequant(W)[N, K]^T`` in float32."""
     n, k = check_weight(blocks, scales, 2, "mxfp4_matmul_ref")
     check_activation(x, k, "mxfp4_matmul_ref")
-    w = dequantize_mxfp4(blocks, scales, jnp.float32, check=False)       # [N, K]
+    w = dequantize_f32(blocks, scales)                                    # [N, K]
     return jnp.einsum("...k,nk->...n", x.astype(jnp.float32), w, precision=_HIGHEST,
                       preferred_element_type=jnp.float32)
 
@@ -68,7 +77,7 @@ def mxfp4_grouped_matmul_ref(x_sorted: jax.Array, blocks: jax.Array, scales: jax
                          f"{tuple(x_sorted.shape)}")
     check_activation(x_sorted, k, "mxfp4_grouped_matmul_ref")
     check_group_sizes(group_sizes, e, x_sorted.shape[0], "mxfp4_grouped_matmul_ref")
-    w = dequantize_mxfp4(blocks, scales, jnp.float32, check=False)       # [E, N, K]
+    w = dequantize_f32(blocks, scales)                                    # [E, N, K]
     return jax.lax.ragged_dot(x_sorted.astype(jnp.float32), jnp.swapaxes(w, 1, 2),
                               group_sizes.astype(jnp.int32), precision=_HIGHEST,
                               preferred_element_type=jnp.float32)

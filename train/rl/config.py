@@ -196,6 +196,6 @@ class RLConfig:
 
 def apply_rl_overrides(rc: RLConfig, overrides: list[str]) -> RLConfig:
     """``key=value`` strings (value parsed as JSON, else a bare string) applied to ``rc``."""
-    from kdsa.train.config import apply_overrides_to
+    from kdsa.model.overrides import apply_overrides
 
-    return apply_overrides_to(rc, overrides, flag="--rl-set", prefix="rl.", what="RL")
+    return apply_overrides(rc, overrides, flag="--rl-set", prefix="rl.", what="RL")

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
-from kdsa.sharding.constrain import ShardingContext, current
+from kdsa.model.partitioning import ShardingContext, current
 
 
 def routed_experts_fn(default):

@@ -1,6 +1,6 @@
 """Multi-host self-check: one sharded forward (and gradient) over every process's devices.
 
-    kdsa launch-local --processes 2 --devices-per-process 2 --module kdsa.sharding.selfcheck \
+    kdsa launch-local --processes 2 --devices-per-process 2 --module selfcheck \
         -- --preset tiny --mesh expert=2,tensor=2 --out /tmp/check.npz
 
 Every process runs the same command: it joins the job (``distributed.initialize``), builds the
@@ -10,7 +10,7 @@ rules (each process fills only its own shards), runs the jitted loss and gradien
 (``.npz``), which tests compare with a single-device run. ``--fail-process N`` makes process N
 exit with status 3 right after joining (tests of ``launch-local``'s failure handling).
 The cross-process reshard check and the multi-process train / generate runs are in
-``sharding/jobcheck.py``.
+``jobcheck.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from kdsa.cli.config_args import add_config_args, config_from_args
 
-    p = argparse.ArgumentParser(prog="python -m kdsa.sharding.selfcheck", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m selfcheck", description=__doc__)
     add_config_args(p, default_preset="tiny")
     p.add_argument("--mesh", default=None, help="axis sizes over all processes' devices")
     p.add_argument("--layout", default="train", choices=("train", "generate"))

@@ -90,3 +90,47 @@ def _find(seq: list[int], pat: list[int]) -> int | None:
         if seq[i:i + n] == pat:
             return i
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the HTTP tests' model (test_server.py, test_server_fuzz.py, test_serve_reliability.py)
+# ---------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+
+from kdsa.infer.chat import Message, ToolCall, get_format  # noqa: E402
+from kdsa.infer.tokenizer import ByteTokenizer  # noqa: E402
+
+TOK = ByteTokenizer(384)
+FMT = get_format("xtml", TOK)
+CAPS, GRACE = {"low": 5, "high": 30, "max": 60}, 8
+CALL = ToolCall("functions.get_weather:0", "get_weather", json.dumps({"city": "Paris"}))
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+def _answer(content: str, calls=(), fmt=FMT) -> list[int]:
+    gen = fmt.render([Message("user", "q")])
+    full = fmt.render([Message("user", "q"), Message("assistant", content, "r", tuple(calls))],
+                      add_generation_prompt=False)
+    body, close = full[len(gen):], list(fmt.reasoning_end_ids)
+    i = next(j for j in range(len(body)) if body[j:j + len(close)] == close)
+    return body[i + len(close):]
+
+
+class EosSecond(ScriptedRunner):
+    """The scripted model, with ending the message as its second choice everywhere (logit
+    ``EOS_LOGIT`` against 20 for the script and 0 for the rest): what it writes when its first
+    choice is banned."""
+
+    def _logits(self, slots):
+        out = super()._logits(slots)
+        out[:, self.eos] = np.maximum(out[:, self.eos], EOS_LOGIT)
+        return out
+
+
+EOS_LOGIT = 5.0
+
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]

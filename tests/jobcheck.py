@@ -1,6 +1,6 @@
 """One multi-process job, several steps: ``kdsa`` commands and the cross-process reshard check.
 
-    kdsa launch-local --processes 2 --devices-per-process 2 --module kdsa.sharding.jobcheck -- \
+    kdsa launch-local --processes 2 --devices-per-process 2 --module jobcheck -- \
         train --preset tiny --mesh expert=2,sequence=2 --run-dir RUN + \
         reshard-check --preset tiny --run-dir RUN --train-mesh expert=2,sequence=2 \
             --mesh data=2,tensor=2 --out reshard.json + \

@@ -1,8 +1,9 @@
 """Sequence (context) parallelism: KDA and Gated DSA with the sequence split over mesh axes.
 
 Each function has the signature of its single-device counterpart in ``kdsa.model`` and routes
-to it unless the active rules (``constrain.use_sharding``) shard ``act_seq`` over a mesh axis
-and the length divides; then it runs an explicit ``shard_map`` over the whole mesh (batch and
+to it unless the active rules (``partitioning.current()``, which
+``kdsa.sharding.constrain.use_sharding`` sets) shard ``act_seq`` over a mesh axis and the
+length divides; then it runs an explicit ``shard_map`` over the whole mesh (batch and
 heads stay sharded as the rules say, the sequence axes are split in token order).
 
 KDA (``kda.md`` section 1, affine chunk map; tokamax's context-parallel form). A shard's piece
@@ -44,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import dsa as dsa_math
 from kdsa.model import kda as kda_math
-from kdsa.sharding.constrain import ShardingContext, current
+from kdsa.model.partitioning import ShardingContext, current
 
 _HI = jax.lax.Precision.HIGHEST
 
