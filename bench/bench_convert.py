@@ -71,8 +71,8 @@ def make_source(config, root: Path) -> Path:
 
 def child(args) -> dict:
     """One measurement in this (fresh) process; prints a JSON line."""
-    from kdsa.train import convert
-    from kdsa.train.safetensors_io import SafetensorsCheckpoint
+    from kdsa.train.convert import pipeline as convert
+    from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
     rss0 = convert._rss_now()
     t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def run_child(kind: str, **kw) -> dict:
 
 
 def expert_bytes(path: Path) -> int:
-    from kdsa.train.safetensors_io import SafetensorsCheckpoint
+    from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
     c = SafetensorsCheckpoint(path)
     return sum(c.info(n).nbytes for n in c.names() if ".experts." in n)

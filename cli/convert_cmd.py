@@ -1,4 +1,4 @@
-"""``kdsa convert``: Hugging Face safetensors <-> kdsa Orbax checkpoints (``train/convert.py``)."""
+"""``kdsa convert``: Hugging Face safetensors <-> kdsa Orbax checkpoints (``train/convert/pipeline.py``)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def run(args) -> int:
     elif args.overrides:
         from pathlib import Path
 
-        from kdsa.train.mappings import detect_layout
-        from kdsa.train.safetensors_io import SafetensorsCheckpoint
+        from kdsa.train.convert.mappings import detect_layout
+        from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
         hf = convert.read_hf_config(Path(args.src))
         layout = args.layout or detect_layout(hf, SafetensorsCheckpoint(args.src).names())

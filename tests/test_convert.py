@@ -1,4 +1,4 @@
-"""Checkpoint conversion (``train/convert.py``, ``train/mappings``), safetensors I/O and the MXFP4
+"""Checkpoint conversion (``train/convert/pipeline.py``, ``train/mappings``), safetensors I/O and the MXFP4
 expert model.
 
 Golden: tiny Kimi Linear / DeepSeek-V3.2 models saved by transformers (``tests/data``,
@@ -29,7 +29,7 @@ from kdsa.model.mxfp4 import fake_quantize_mxfp4
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train import convert
 from model_fixtures import MICRO, random_params
-from kdsa.train.safetensors_io import (SafetensorsCheckpoint, SafetensorsError, SafetensorsFile,
+from kdsa.train.convert.safetensors_io import (SafetensorsCheckpoint, SafetensorsError, SafetensorsFile,
                                        TensorSpec, write_checkpoint)
 
 DATA = Path(__file__).parent / "data"
@@ -123,7 +123,7 @@ def test_k3_a_log_in_the_published_shape(work, micro):
     head_dim 128, kimi_k3.md section 2): our H values, then zeros for a model of ours. A source
     with its own values past H converts with the first H (vLLM / FLA) and exports its bytes
     back unchanged."""
-    from kdsa.train.mappings import a_log_hf_len
+    from kdsa.train.convert.mappings import a_log_hf_len
 
     assert a_log_hf_len(get_preset("k3-2.8t")) == 128
     src, hf = micro

@@ -1,4 +1,4 @@
-"""``kdsa convert`` destinations and paths (``model/folders.py``, ``train/convert.py``).
+"""``kdsa convert`` destinations and paths (``model/folders.py``, ``train/convert/pipeline.py``).
 
 Every refusal is checked to leave the disk as it was: the source, a parent folder holding it, an
 unrelated folder, a regular file, an existing kdsa folder without ``--overwrite``. Relative paths
@@ -17,7 +17,7 @@ from kdsa.cli.main import main
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.folders import HF, KDSA, DestinationError, check_destination, folder_kind
 from kdsa.train import convert
-from kdsa.train.safetensors_io import SafetensorsCheckpoint
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
 DATA = Path(__file__).parent / "data"
 

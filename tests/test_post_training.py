@@ -29,7 +29,7 @@ from kdsa.cli.main import main
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.checkpoint import load_model, read_info
 from kdsa.train.data import PackedJsonlData
-from kdsa.train.safetensors_io import SafetensorsCheckpoint
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
 DATA = Path(__file__).parent / "data" / "kimi_linear"
 SPECIALS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[BOS]", "[PAD]"]

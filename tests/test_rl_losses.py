@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdsa.train.rl_losses import (RLLossConfig, dapo_config, finalize, group_advantages,
+from kdsa.train.rl.losses import (RLLossConfig, dapo_config, finalize, group_advantages,
                                   kl_per_token, policy_loss, tis_weights)
 
 # B = 4 sequences (2 groups of 2), T = 3 tokens; the last token of sequence 1 is padding.

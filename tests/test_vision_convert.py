@@ -13,7 +13,7 @@ from flax import nnx
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import get_preset
 from kdsa.train import convert
-from kdsa.train.safetensors_io import SafetensorsCheckpoint
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
 
 def _config():

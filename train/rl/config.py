@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from kdsa.infer.budget import EFFORTS
-from kdsa.train.rl_losses import AGGREGATIONS, LOSSES
+from kdsa.train.rl.losses import AGGREGATIONS, LOSSES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ class RLConfig:
     # ---- partial rollouts (Kimi K1.5): 0 = off ----
     partial_rollout_tokens: int = 0  # tokens an episode may generate per step; unfinished: kept
     max_staleness: int = 1  # steps a cut episode may be continued for, then its group is dropped
-    # ---- policy loss (train/rl_losses.py) ----
+    # ---- policy loss (train/rl/losses.py) ----
     loss: str = "grpo"
     aggregation: str = "sequence"
     eps_low: float = 0.2
@@ -174,7 +174,7 @@ class RLConfig:
         return self.rollouts_per_step // n
 
     def loss_config(self):
-        from kdsa.train.rl_losses import RLLossConfig
+        from kdsa.train.rl.losses import RLLossConfig
 
         agg = "token" if self.loss == "dapo" else self.aggregation
         try:

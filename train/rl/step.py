@@ -49,7 +49,7 @@ from flax import nnx
 
 from kdsa.model.vision.assemble import image_kwargs
 from kdsa.train.config import TrainConfig
-from kdsa.train.rl_losses import RLLossConfig, policy_loss
+from kdsa.train.rl.losses import RLLossConfig, policy_loss
 from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, optimizer_step,
                              replicated)
 

@@ -24,10 +24,10 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.train import mappings as mp
-from kdsa.train.convert_plan import Param, dtype_key, expert_hf_shape, hf_names
-from kdsa.train.convert_read import CycleCollector, dequantize_rows, quantize_rows
-from kdsa.train.safetensors_io import DTYPES, TensorSpec
+from kdsa.train.convert import mappings as mp
+from kdsa.train.convert.plan import Param, dtype_key, expert_hf_shape, hf_names
+from kdsa.train.convert.read import CycleCollector, dequantize_rows, quantize_rows
+from kdsa.train.convert.safetensors_io import DTYPES, TensorSpec
 
 NP_OF = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
 
@@ -64,7 +64,7 @@ class Loader:
 
 def a_log_values(a: np.ndarray, name: str, config: ModelConfig, tails: dict) -> np.ndarray:
     """``A_log`` as written in the ``a_log_heads`` layout: ours ``[H]``, then the recorded tail
-    of ``name`` or zeros up to :func:`kdsa.train.mappings.a_log_hf_len`."""
+    of ``name`` or zeros up to :func:`kdsa.train.convert.mappings.a_log_hf_len`."""
     tail = tails.get(name)
     if tail is None:
         tail = np.zeros(max(mp.a_log_hf_len(config) - a.shape[0], 0), np.float32)

@@ -19,8 +19,8 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.train import mappings as mp
-from kdsa.train.safetensors_io import SafetensorsCheckpoint
+from kdsa.train.convert import mappings as mp
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
 FLOATS = ("F64", "F32", "F16", "BF16")
 

@@ -32,9 +32,9 @@ from flax import nnx
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from kdsa.train import mappings as mp
-from kdsa.train.convert_plan import Param
-from kdsa.train.safetensors_io import SafetensorsCheckpoint
+from kdsa.train.convert import mappings as mp
+from kdsa.train.convert.plan import Param
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint
 
 CHUNK_BYTES = 32 << 20     # source bytes resident at a time while copying one tensor
 _ALIGN = 4096              # page alignment (XLA:CPU aliases host buffers aligned to >= 64 B)

@@ -23,8 +23,8 @@ but the checkpoint lacks is reported by name.
 
 from __future__ import annotations
 
-from kdsa.train.mappings import Layout, Rule, base_hf_config
-from kdsa.train.mappings.kimi_linear import EXPERTS, NOPE, TOP, layer_rules
+from kdsa.train.convert.mappings import Layout, Rule, base_hf_config
+from kdsa.train.convert.mappings.kimi_linear import EXPERTS, NOPE, TOP, layer_rules
 
 
 MAX_VISION_BLOCKS = 64  # rules are written out per block (K3: 27)

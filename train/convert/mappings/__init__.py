@@ -11,14 +11,14 @@ A :class:`Layout` maps every parameter of our model to Hugging Face tensor names
   tower, MTP layers) -- skipped and reported, never an error.
 
 A parameter without a rule, a tensor the table expects but the file lacks, or a tensor in the file
-that no rule consumes and ``ignore`` does not cover, is an error (``train/convert.py``).
+that no rule consumes and ``ignore`` does not cover, is an error (``train/convert/pipeline.py``).
 
 Transforms (``kind``; ours <- HF, inverted on export): ``id``; ``T`` (HF ``[out, in]`` -> our
 ``[in, out]``); ``conv`` (``[C, 1, W]`` -> ``[C, W]``); ``row`` (``[1, D]`` -> ``[D]``);
 ``patch`` (the vision patch conv ``[D, C, p, p]`` -> our ``[C, p, p, D]``); ``a_log_4d`` (Kimi Linear ``A_log [1, 1, H, 1]`` -> ``[H]``); ``a_log_heads`` (Kimi K3 stores
 ``A_log`` with 128 values for 96 heads of head_dim 128, ``kimi_k3.md`` section 2: import keeps
 the first H, as vLLM's loader and the FLA kernels read ``A_log[h]``; export writes the published
-length, :func:`a_log_hf_len`, see ``train/convert_export.py``).
+length, :func:`a_log_hf_len`, see ``train/convert/export.py``).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def to_hf(kind: str, a: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------ registry
 
 def get_layout(name: str) -> Layout:
-    from kdsa.train.mappings import deepseek_v32, kimi_k3, kimi_linear
+    from kdsa.train.convert.mappings import deepseek_v32, kimi_k3, kimi_linear
 
     layouts = {"kimi_k3": kimi_k3.LAYOUT, "kimi_linear": kimi_linear.LAYOUT,
                "deepseek_v32": deepseek_v32.LAYOUT}

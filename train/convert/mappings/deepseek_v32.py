@@ -11,7 +11,7 @@ past ``num_hidden_layers`` (the MTP layer 61 of the release) are skipped and rep
 
 from __future__ import annotations
 
-from kdsa.train.mappings import ExpertRule, Layout, Rule, base_hf_config
+from kdsa.train.convert.mappings import ExpertRule, Layout, Rule, base_hf_config
 
 _t = lambda name, hf=None: Rule(f"{name}.kernel", f"{hf or name}.weight", "T")  # noqa: E731
 

@@ -2,16 +2,16 @@
 
 ``hf_to_orbax``: read ``config.json`` (-> ``ModelConfig``, overridable), build the model
 abstractly, plan every parameter from the layout's table and check the whole plan against the
-safetensors headers (``train/convert_plan.py``: missing / unexpected / misshaped / wrongly typed
+safetensors headers (``train/convert/plan.py``: missing / unexpected / misshaped / wrongly typed
 tensors are reported together, before anything is written), then produce one stacked parameter
-at a time from memory-mapped tensors (``train/convert_read.py``) and stream it into
+at a time from memory-mapped tensors (``train/convert/read.py``) and stream it into
 ``kdsa.model.checkpoint.save_params`` (partial Orbax saves, atomic rename). With a ``mesh`` every
 parameter is created by ``jax.make_array_from_callback`` in its target sharding, and the callback
 slices the memmaps, so each process reads only what its devices hold. Peak host memory is about
 one stacked parameter plus the save batch (``batch_bytes``), plus one chunk of source pages.
 
 ``orbax_to_hf``: restore one parameter at a time and write the layout's tensors
-(``train/convert_export.py``) into size-capped shards with ``model.safetensors.index.json`` and
+(``train/convert/export.py``) into size-capped shards with ``model.safetensors.index.json`` and
 ``config.json``, all into a temporary directory renamed at the end.
 
 Expert formats convert either way: bf16 experts -> MXFP4 (``quantize_mxfp4``, "even" scale
@@ -37,13 +37,13 @@ from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import check_destination, locate
 from kdsa.sharding.rules import layout_shardings
-from kdsa.train import mappings as mp
-from kdsa.train.convert_export import NP_OF, Loader, export_specs
-from kdsa.train.convert_plan import (Param, check_source, config_from_hf, plan_params,
+from kdsa.train.convert import mappings as mp
+from kdsa.train.convert.export import NP_OF, Loader, export_specs
+from kdsa.train.convert.plan import (Param, check_source, config_from_hf, plan_params,
                                      read_hf_config)
-from kdsa.train.convert_read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
+from kdsa.train.convert.read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
                                      host_slice)
-from kdsa.train.safetensors_io import SafetensorsCheckpoint, write_checkpoint
+from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint, write_checkpoint
 
 __all__ = ["Summary", "hf_to_orbax", "orbax_to_hf", "read_hf_config", "config_from_hf"]
 

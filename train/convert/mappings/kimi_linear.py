@@ -10,7 +10,7 @@ naming scheme, so this table carries them too and ``kimi_k3`` reuses it.
 
 from __future__ import annotations
 
-from kdsa.train.mappings import ExpertRule, Layout, Rule, base_hf_config
+from kdsa.train.convert.mappings import ExpertRule, Layout, Rule, base_hf_config
 
 F32 = "F32"  # tensors published in float32 (kimi_k3.md section 1)
 # Kimi's MLA is NoPE: transformers' KimiLinear has no rotary embedding at all and its config.json
