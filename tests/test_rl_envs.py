@@ -15,7 +15,7 @@ from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig, apply_rl_overrides
 from kdsa.train.rl.envs import Environment, Outcome, Task, make_env, register_env
 from kdsa.train.rl.envs.tool_use import ToolLookupEnv
-from kdsa.train.rl.plot import decode_png, line_plot
+from kdsa.train.rl.plot import reward_curve
 from kdsa.train.rl.sft import demonstration_row, sft_batch
 
 ARITH = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=["+", "-"],
@@ -252,17 +252,26 @@ def test_cli_config_errors_exit_2(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing written, nothing built
 
 
-def test_png_line_plot(tmp_path):
-    p = line_plot(tmp_path / "c.png", [([0.0, 0.5, 1.0], (255, 0, 0))], size=(60, 40),
-                  margin=5)
-    img = decode_png(p.read_bytes())
-    assert img.shape == (40, 60, 3)
-    red = np.all(img == (255, 0, 0), axis=-1)
-    ys, xs = np.nonzero(red)
-    assert xs.min() <= 6 and xs.max() >= 53  # spans the plot width
-    assert ys[xs.argmin()] > ys[xs.argmax()]  # rising line (image y grows downwards)
+def test_reward_curve_figure(tmp_path):
+    """A PNG of the expected size with a line per environment (matplotlib colours C0, C1), the
+    mean in black and the held-out lines; mismatched inputs are refused."""
+    from PIL import Image
 
+    steps = list(range(1, 21))
+    metrics = [{"score/a": s / 20, "score/b": 1 - s / 20, "score": 0.5,
+                "effort_score/low": 0.3, "effort_score/high": 0.6} for s in steps]
+    p = reward_curve(tmp_path / "c.png", steps, metrics, envs=["a", "b"],
+                     efforts=["low", "high"], heldout_before=0.25, heldout_after=0.75)
+    img = np.asarray(Image.open(p).convert("RGB")).astype(int)
+    assert img.shape == (420, 1100, 3)
 
+    def share(rgb):  # fraction of pixels within a small distance of a colour
+        return float((np.abs(img - np.array(rgb)).sum(-1) < 40).mean())
+
+    for rgb in ((31, 119, 180), (255, 127, 14), (0, 0, 0)):  # C0, C1, the mean
+        assert share(rgb) > 1e-3, rgb
+    with pytest.raises(ValueError, match="3 steps but 2 metric rows"):
+        reward_curve(tmp_path / "d.png", [1, 2, 3], metrics[:2], envs=["a"], efforts=[])
 def test_demo_environments_build_and_score_their_references():
     """The demo's families build with their rewrites, give short questions, and score their own
     reference answers 1 (so SFT demonstrations and the verifier agree)."""

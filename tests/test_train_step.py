@@ -3,6 +3,7 @@ data packing, metrics encoding. A 2-layer tiny model (KDA + Gated DSA with MoE) 
 short; the jitted step is shared between tests through its cache."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,6 @@ from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer
 from kdsa.train.config import TrainConfig, apply_train_overrides
 from kdsa.train.data import _from_rows, pack_documents
-from kdsa.train.metrics import crc32c, event_bytes, tfrecord
 from kdsa.train.optim import learning_rate_schedule, make_optimizer, matrix_dims
 from kdsa.train.step import (init_state, split_model, token_cross_entropy, train_step,
                              update_routing_biases)
@@ -176,12 +176,46 @@ def test_packing_and_loss_mask():
     np.testing.assert_array_equal(b["loss_mask"][0], [1, 0, 1, 1, 0])  # no cross-doc target
 
 
-def test_tensorboard_record_encoding():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    ev = event_bytes(1.5, 3, scalars={"loss": 2.0})
-    assert ev[:9] == b"\x09" + np.float64(1.5).tobytes() and ev[9:11] == b"\x10\x03"
-    rec = tfrecord(ev)
-    assert int.from_bytes(rec[:8], "little") == len(ev) and rec[12:12 + len(ev)] == ev
+def _events(path):
+    """The ``Event`` protos of a TFRecord file (``uint64 length, uint32 crc, data, uint32
+    crc``), parsed with the proto classes tensorboardX ships."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    data, out, i = path.read_bytes(), [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i:i + 8], "little")
+        ev = Event()
+        ev.ParseFromString(data[i + 12:i + 12 + n])
+        out.append(ev)
+        i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_scalars_and_resume(tmp_path):
+    """Scalars land as ``train/<name>`` at their steps; a resumed writer starts its file with a
+    SessionLog START at the resumed step + 1 (TensorBoard drops older events from there)."""
+    from kdsa.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path)
+    for step in (1, 2, 3):
+        w.write(step, {"loss": 1.0 / step, "skipped": float("nan")})
+    w.close()
+    first = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(first) == 1
+    scalars = [(e.step, v.tag, v.simple_value) for e in _events(first[0]) for v in e.summary.value]
+    assert scalars == [(1, "train/loss", 1.0), (2, "train/loss", 0.5),
+                       (3, "train/loss", pytest.approx(1 / 3))]
+    w = MetricsWriter(tmp_path, resume_step=2)
+    w.write(3, {"loss": 0.25})
+    w.close()
+    second = [f for f in tmp_path.glob("events.out.tfevents.*") if f not in first]
+    assert len(second) == 1
+    evs = _events(second[0])
+    starts = [e.step for e in evs if e.HasField("session_log") and e.session_log.status == 1]
+    assert starts == [3]
+    assert [(e.step, v.simple_value) for e in evs for v in e.summary.value] == [(3, 0.25)]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 0.5), (3, 0.25)]
 
 
 def test_bf16_compute_with_remat_keeps_f32_master_weights(model):

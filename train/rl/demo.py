@@ -66,7 +66,7 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
 
     from kdsa.train.rl import rollout as ro
     from kdsa.train.rl.loop import run_rl
-    from kdsa.train.rl.plot import line_plot
+    from kdsa.train.rl.plot import reward_curve
 
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
@@ -74,17 +74,16 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
     if result.stopped:
         return 143
     steps = sorted(result.rewards)
-    curve = [max(result.metrics[s]["score"], 0.0) for s in steps]
     png = run_dir / "reward_curve.png"
+    levels = [k for k, w in rc.effort_weights.items() if w > 0]
     if jax.process_index() == 0:  # multi-host: every process ran the same job
-        line_plot(png, [(curve, (31, 119, 180)),
-                        ([result.heldout_before] * max(len(curve), 2), (214, 39, 40)),
-                        ([result.heldout_after] * max(len(curve), 2), (44, 160, 44))])
-    out(f"reward curve: {png}  (blue: rollout score per RL step; red/green: held-out reward "
-        f"before/after)")
+        reward_curve(png, steps, [result.metrics[s] for s in steps], envs=list(result.envs),
+                     efforts=levels, heldout_before=result.heldout_before,
+                     heldout_after=result.heldout_after)
+    out(f"reward curve: {png}  (rollout score per environment and per effort level over the "
+        f"RL steps; held-out reward before/after RL)")
     out(f"final checkpoint: {run_dir / 'checkpoints' / str(result.final_step)}")
     sampler = result.sampler
-    levels = [k for k, w in rc.effort_weights.items() if w > 0]
     tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
              for env in result.envs.values() for i in range(2)]
     eps = ro.run_episodes(sampler.engine, sampler.fmt, result.envs, tasks, group_size=1,

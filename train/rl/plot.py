@@ -1,81 +1,77 @@
-"""A line plot written as a PNG with ``zlib`` and ``struct`` only (no plotting dependency).
+"""The reward-curve figure of an RL run, drawn with matplotlib (headless ``Agg`` backend).
 
-``line_plot(path, series, y_range)``: each series ``(values, rgb)`` is drawn over its index
-(x from the first to the last step), on a white canvas with a frame and horizontal grid lines
-at every quarter of ``y_range``. PNG layout (ISO/IEC 15948): signature, ``IHDR`` (width,
-height, bit depth 8, colour type 2 = RGB), one ``IDAT`` of zlib-compressed scanlines each
-prefixed by filter byte 0, ``IEND``; every chunk is ``length, type, data, crc32(type + data)``.
+Two panels over the RL steps: the rollout score per environment (and their mean) with the
+held-out reward before and after RL as dashed lines, and the rollout score per effort level.
+Each line is a running mean over ``smooth`` steps (rollout scores of one step are noisy: 8
+groups); the raw values are drawn faintly behind it. Read from the per-step metrics
+(``score/<env>``, ``effort_score/<level>``, ``score``), so the figure can be redrawn from
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(
-        ">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
+    out = np.full(values.shape, np.nan)
+    for i in range(len(values)):
+        seg = values[max(0, i - window + 1):i + 1]
+        seg = seg[~np.isnan(seg)]
+        if seg.size:
+            out[i] = seg.mean()
+    return out
 
 
-def encode_png(img: np.ndarray) -> bytes:
-    """``[H, W, 3]`` uint8 -> PNG bytes."""
-    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
-        raise ValueError(f"image must be [H, W, 3] uint8, got {img.shape} {img.dtype}")
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[y].tobytes() for y in range(h))
-    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + _chunk(b"IDAT", zlib.compress(raw, 9)) + _chunk(b"IEND", b""))
+def _series(metrics: list[dict], key: str) -> np.ndarray:
+    return np.array([m.get(key, np.nan) if m.get(key) is not None else np.nan for m in metrics],
+                    float)
 
 
-def decode_png(data: bytes) -> np.ndarray:
-    """Inverse of :func:`encode_png` (filter 0 only), for tests."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h = 8, b"", 0, 0
-    while pos < len(data):
-        n, = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        if kind == b"IHDR":
-            w, h = struct.unpack(">II", body[:8])
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw = zlib.decompress(idat)
-    rows = [raw[y * (3 * w + 1) + 1:(y + 1) * (3 * w + 1)] for y in range(h)]
-    return np.frombuffer(b"".join(rows), np.uint8).reshape(h, w, 3)
+def reward_curve(path: str | Path, steps: list[int], metrics: list[dict], *, envs: list[str],
+                 efforts: list[str], heldout_before: float | None = None,
+                 heldout_after: float | None = None, smooth: int = 5) -> Path:
+    """Write the figure to ``path`` (PNG); ``metrics[i]`` are the metrics of RL step
+    ``steps[i]``."""
+    if len(steps) != len(metrics):
+        raise ValueError(f"reward_curve: {len(steps)} steps but {len(metrics)} metric rows")
+    import matplotlib
 
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
 
-def _line(img, x0, y0, x1, y1, rgb, thick=1):
-    n = int(max(abs(x1 - x0), abs(y1 - y0), 1))
-    for t in np.linspace(0.0, 1.0, 2 * n + 1):
-        x, y = int(round(x0 + (x1 - x0) * t)), int(round(y0 + (y1 - y0) * t))
-        img[max(y - thick + 1, 0):y + thick, max(x - thick + 1, 0):x + thick] = rgb
-
-
-def line_plot(path: str | Path, series: list[tuple[list[float], tuple[int, int, int]]], *,
-              y_range: tuple[float, float] = (0.0, 1.0), size: tuple[int, int] = (480, 320),
-              margin: int = 24) -> Path:
-    w, h = size
-    lo, hi = y_range
-    img = np.full((h, w, 3), 255, np.uint8)
-    x0, x1, y0, y1 = margin, w - margin, margin, h - margin
-    for q in range(5):  # grid at quarters of the range
-        y = int(round(y1 - (y1 - y0) * q / 4))
-        img[y, x0:x1 + 1] = (225, 225, 225)
-    for a, b, c, d in ((x0, y0, x1, y0), (x0, y1, x1, y1), (x0, y0, x0, y1), (x1, y0, x1, y1)):
-        _line(img, a, b, c, d, (0, 0, 0))
-    n = max((len(v) for v, _ in series), default=1)
-    for values, rgb in series:
-        pts = [(x0 + (x1 - x0) * (i / max(n - 1, 1)),
-                y1 - (y1 - y0) * (min(max(v, lo), hi) - lo) / (hi - lo))
-               for i, v in enumerate(values)]
-        for (a, b), (c, d) in zip(pts, pts[1:]):
-            _line(img, a, b, c, d, rgb, thick=2)
-        if len(pts) == 1:
-            _line(img, pts[0][0], pts[0][1], pts[0][0], pts[0][1], rgb, thick=3)
+    x = np.asarray(steps, float)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True,
+                                      constrained_layout=True)
+    panels = ((left, [(f"score/{e}", e) for e in envs] + [("score", "mean")],
+               "rollout score per environment"),
+              (right, [(f"effort_score/{e}", f"effort {e}") for e in efforts],
+               "rollout score per effort level"))
+    for ax, lines, title in panels:
+        for i, (key, label) in enumerate(lines):
+            y = _series(metrics, key)
+            if np.all(np.isnan(y)):
+                continue
+            color = "black" if label == "mean" else f"C{i}"
+            ax.plot(x, y, color=color, alpha=0.15, linewidth=0.8)
+            ax.plot(x, _running_mean(y, smooth), color=color, label=label,
+                    linewidth=2.2 if label == "mean" else 1.5)
+        ax.set_title(f"{title} (mean of {smooth} steps)")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.set_ylim(-0.02, 1.02)
+    for value, label, style in ((heldout_before, "held-out before RL", ":"),
+                                (heldout_after, "held-out after RL", "--")):
+        if value is not None:
+            left.axhline(value, color="gray", linestyle=style, linewidth=1.5,
+                         label=f"{label} ({value:.3f})")
+    left.set_ylabel("score (reward before penalties)")
+    for ax in (left, right):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="lower right", fontsize=8)
     path = Path(path)
-    path.write_bytes(encode_png(img))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path

@@ -337,8 +337,8 @@ def sample_tasks(envs: dict[str, Environment], weights: dict[str, float], n: int
 
 
 def domain_metrics(eps: list[Episode]) -> dict[str, float]:
-    """Means per domain: ``reward/D``, ``score/D``, every outcome metric ``M/D``, and lengths
-    per effort ``gen_tokens/low`` ..."""
+    """Means per domain: ``reward/D``, ``score/D``, every outcome metric ``M/D``; per effort
+    level: ``effort_score/low``, lengths ``gen_tokens/low``, ``reasoning_tokens/low`` ..."""
     acc: dict[str, list[float]] = {}
     for e in eps:
         d = e.task.env
@@ -346,6 +346,7 @@ def domain_metrics(eps: list[Episode]) -> dict[str, float]:
         acc.setdefault(f"score/{d}", []).append(e.score)
         for k, v in e.metrics.items():
             acc.setdefault(f"{k}/{d}", []).append(v)
+        acc.setdefault(f"effort_score/{e.effort}", []).append(e.score)
         acc.setdefault(f"gen_tokens/{e.effort}", []).append(e.generated)
         acc.setdefault(f"reasoning_tokens/{e.effort}", []).append(e.reasoning_tokens)
     out = {k: float(np.mean(v)) for k, v in acc.items()}
