@@ -6,7 +6,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import LinearAttnConfig, get_preset
-from kdsa.model.moe import pack_expert_weight
+from kdsa.model.moe_mxfp4 import pack_expert_weight
 
 # K3 features in two layers: KDA + dense FFN, then gated DSA (indexer) + latent MoE, AttnRes.
 MICRO = get_preset("tiny").replace(

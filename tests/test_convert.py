@@ -23,8 +23,8 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import get_preset
-from kdsa.model.moe import (MoE, experts_one_hot, experts_ragged_mxfp4, pack_expert_weight,
-                            unpack_expert_weight)
+from kdsa.model.moe import MoE, experts_one_hot
+from kdsa.model.moe_mxfp4 import experts_ragged_mxfp4, pack_expert_weight, unpack_expert_weight
 from kdsa.model.mxfp4 import fake_quantize_mxfp4
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train import convert
@@ -223,7 +223,7 @@ def test_qat_gradient_is_straight_through():
     model's gradient there (STE), so on-grid weights (nothing clips) get the float gradient."""
     c = MICRO.replace(expert_qat=True)
     z, idx, wt, ws = _moe_inputs(c, 1)
-    from kdsa.model.moe import qat_expert_weights
+    from kdsa.model.moe_mxfp4 import qat_expert_weights
 
     def loss(ws, quant):
         ws = qat_expert_weights(*ws) if quant else ws

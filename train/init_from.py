@@ -34,7 +34,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.moe import pack_expert_arrays, unpack_expert_arrays
+from kdsa.model.moe_mxfp4 import pack_expert_arrays, unpack_expert_arrays
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
 from kdsa.train.step import init_state

@@ -172,7 +172,7 @@ def expert_hf_shape(p: Param, part: str, config: ModelConfig) -> tuple[int, ...]
     """HF shape of one expert tensor (None for plain rules)."""
     if not isinstance(p.rule, mp.ExpertRule):
         return None
-    from kdsa.model.moe import expert_matrix_shapes
+    from kdsa.model.moe_mxfp4 import expert_matrix_shapes
 
     n, k = expert_matrix_shapes(config)[p.rule.ours.rsplit(".", 1)[1]]
     return {"float": (n, k), "packed": (n, k // 2), "scale": (n, k // 32)}[part]
