@@ -7,13 +7,37 @@ TPU, checked for correctness, not speed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 
 import jax
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernel_target", default=None)
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+@contextlib.contextmanager
+def compile_target(platform: str) -> Iterator[None]:
+    """Trace the kernels inside the block for ``platform`` ("gpu" | "tpu") although this host's
+    backend differs: ahead-of-time compiles for abstract TPU devices on a CPU-only machine
+    (``jax.experimental.topologies``; ``bench/aot.py``). Tiles, modes and ``interpret``
+    defaults follow the target."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"compile_target: platform must be one of {PLATFORMS}, got {platform!r}")
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
 
 def backend() -> str:
-    """``"cpu" | "gpu" | "tpu"`` of the default JAX backend (cuda and rocm count as gpu)."""
+    """``"cpu" | "gpu" | "tpu"``: the :func:`compile_target` if one is active, else the default
+    JAX backend (cuda and rocm count as gpu)."""
+    if _TARGET.get() is not None:
+        return _TARGET.get()
     name = jax.default_backend()
     if name in ("cuda", "rocm", "gpu"):
         return "gpu"

@@ -27,14 +27,13 @@ a matmul); tokamax's TPU ``sparse_mla`` instead gathers rows in a separate Spars
 (``pltpu.InterpretParams``: simulated HBM/VMEM/SMEM, DMAs and semaphores) and lower it to Mosaic
 for TPU; the Mosaic compiler (layout passes, run inside libtpu) has not seen it.
 
-Known risk, to check first on a TPU: each DMA moves one row ``[1, D]`` out of the ``[S, D]`` HBM
-cache into row ``i`` of a ``[bk, D]`` VMEM buffer, i.e. it slices the second-minor (sublane)
-dimension at an unaligned offset on both sides. Mosaic's layout passes (inside libtpu, not run
-here) may reject that: tpu-inference's ``gmm_gather`` (a TPU kernel gathering activation rows by
-DMA) notes that Mosaic needs DMA slices of the second-minor dimension aligned to the sublane
-tiling and reshapes each row to ``[8, D / 8]`` so rows become a leading dimension. The
-equivalent here would be a cache stored as ``[B, S, P, D / P]`` (the RoPE key's 64 columns do
-not fill 8 x 128), or rows packed as 32-bit words; neither is done.
+Does not compile for TPU yet (libtpu 0.0.52, ``bench/aot.py``, docs/kernels.md "TPU compile"):
+each DMA moves one row ``[1, D]`` out of the ``[S, D]`` HBM cache into row ``i`` of a
+``[bk, D]`` VMEM buffer, a slice of the second-minor (sublane) dimension at an unaligned
+offset, and Mosaic refuses it on both sides ("Offsets along tiled dimensions must be aligned to
+tiles"). Rows on a leading dimension (``[S, 1, D]``) compile, but XLA then re-lays the whole
+cache into the kernel's operand layout before every call. tpu-inference's ``gmm_gather`` (a TPU
+kernel gathering activation rows by DMA) reshapes each row to ``[8, D / 8]`` for the same reason.
 
 Tile rules (checked in :func:`check_tiles`, sizes chosen in ``kernel.plan``): heads per program
 ``bh`` a multiple of the sublane tile, 8 rows for f32 and 16 for bf16 (or all padded heads); slot

@@ -1,0 +1,133 @@
+"""Ahead-of-time compiles of the Pallas kernels for TPU chips at K3 shapes, on a CPU-only host.
+
+With ``libtpu`` installed (the test extra), ``jax.experimental.topologies`` gives abstract TPU
+devices and ``jax.jit(f).lower(...).compile()`` runs the real XLA:TPU and Mosaic compilers.
+For each kernel, chip and shape this records: compiled or not (the compiler's first error line
+when not), compile seconds, XLA's per-device memory (arguments, outputs, temporaries, generated
+code) and the largest scoped VMEM any op of the compiled program uses
+(``used_scoped_memory_configs`` in the compiled HLO: the Mosaic kernel or an XLA fusion).
+
+Shapes (K3, ``k3-2.8t``):
+
+* MXFP4 dense (decode): M 1 and 16 rows, K = N = 7168;
+* MXFP4 grouped (routed experts, 14 experts per device = 896 / 64): gate/up K 3584 -> N 3072,
+  down K 3072 -> N 3584, 2048 sorted rows;
+* sparse MLA (Mosaic): 64 and 128 heads, Dk 576 = 512 + 64, v_dim 512, top-2048, bf16,
+  context 32K and 128K, a prefill chunk of 256 queries and a decode step (1 query), forward
+  and backward.
+
+    python bench/aot.py [--chips v5e,v5p,v6e] [--quick] [--out bench/results/aot.json]
+
+``--quick``: one chip, the smaller shapes. Writes bench/results/aot.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import write_results  # noqa: E402
+
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+BF16, U8, I32 = jnp.bfloat16, jnp.uint8, jnp.int32
+
+
+def compile_one(device, fn, shapes) -> dict:
+    from kdsa.kernels_pallas import common
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    t0 = time.perf_counter()
+    try:
+        with common.compile_target("tpu"):
+            compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001 - the compiler's error is the result
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        reason = next((x for x in lines if "Mosaic" in x or "E2003" in x or "error" in x.lower()),
+                      lines[0] if lines else type(e).__name__)
+        return {"compiled": False, "seconds": round(time.perf_counter() - t0, 1),
+                "error": reason[:400]}
+    m = compiled.memory_analysis()
+    vmem = [int(x) for x in re.findall(r'"used_scoped_memory_configs":\[\{[^]]*?"size":"(\d+)"',
+                                       compiled.as_text())]
+    return {"compiled": True, "seconds": round(time.perf_counter() - t0, 1),
+            "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
+            "temp_bytes": m.temp_size_in_bytes, "code_bytes": m.generated_code_size_in_bytes,
+            "scoped_vmem_bytes": max(vmem) if vmem else None}
+
+
+def cases(quick: bool):
+    from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul, mxfp4_matmul
+    from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention
+
+    k = n = 7168
+    for m in ((16,) if quick else (1, 16)):
+        yield (f"mxfp4 dense M{m} K{k} N{n}", mxfp4_matmul,
+               [((m, k), BF16), ((n, k // 32, 16), U8), ((n, k // 32), U8)])
+    e, rows = 14, 2048
+    for name, kk, nn in (("gate/up", 3584, 3072), ("down", 3072, 3584)):
+        yield (f"mxfp4 grouped {name} E{e} M{rows} K{kk} N{nn}", mxfp4_grouped_matmul,
+               [((rows, kk), BF16), ((e, nn, kk // 32, 16), U8), ((e, nn, kk // 32), U8),
+                ((e,), I32)])
+    dc, dr, topk = 512, 64, 2048
+    for heads in ((64,) if quick else (64, 128)):
+        for ctx in ((32768,) if quick else (32768, 131072)):
+            for label, t in (("prefill chunk 256", 256), ("decode", 1)):
+                shapes = [((1, t, heads, dc + dr), BF16), ((1, ctx, dc), BF16),
+                          ((1, ctx, dr), BF16), ((1, t, topk), I32)]
+
+                def fwd(q, a, r, i):
+                    return sparse_mla_attention(q, (a, r), i, 0.1, dc)
+
+                def grad(q, a, r, i):
+                    return jax.grad(lambda q, a, r: fwd(q, a, r, i)[0].sum(),
+                                    argnums=(0, 1, 2))(q, a, r)
+
+                yield f"sparse_mla fwd H{heads} S{ctx} {label}", fwd, shapes
+                if t > 1:
+                    yield f"sparse_mla bwd H{heads} S{ctx} {label}", grad, shapes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chips", default="v5e,v5p,v6e")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "aot.json"))
+    args = ap.parse_args(argv)
+    try:
+        from jax.experimental import topologies
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise SystemExit("bench/aot.py needs libtpu (pip install -e '.[test]')") from None
+    chips = args.chips.split(",")[:1] if args.quick else args.chips.split(",")
+    out = {"jax": jax.__version__, "libtpu": getattr(sys.modules["libtpu"], "__version__", "?"),
+           "results": []}
+    for chip in chips:
+        if chip not in TOPOLOGIES:
+            raise SystemExit(f"--chips: unknown chip {chip!r}; choose from {sorted(TOPOLOGIES)}")
+        device = topologies.get_topology_desc(TOPOLOGIES[chip], platform="tpu").devices[0]
+        for name, fn, shapes in cases(args.quick):
+            r = {"chip": chip, "kernel": name, **compile_one(device, fn, shapes)}
+            status = (f"ok {r['seconds']}s, temp {r['temp_bytes'] / 2**20:.1f} MiB, code "
+                      f"{r['code_bytes'] / 2**10:.0f} KiB" if r["compiled"]
+                      else f"FAILED {r['seconds']}s: {r['error'][:160]}")
+            print(f"{chip} {name}: {status}", flush=True)
+            out["results"].append(r)
+    write_results(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
