@@ -5,6 +5,12 @@
 
 Exit status 0 when the layout fits, 3 when it does not (the message names the largest term),
 2 for a layout that does not divide the model or batch (``kdsa plan`` names the axis).
+
+``--compile --topology v5p:8x8x16`` (train layout; needs libtpu) also compiles the real train
+step (loss, gradients, optimizer update, the configured remat) for that TPU topology with
+XLA:TPU, prints XLA's per-device memory beside the estimate and the compile time, and refuses
+(exit 3) a program whose compiled peak exceeds the chip's HBM (``--device-memory`` when given,
+else the chip's: ``train/aot.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ def register(sub) -> None:
     add_layout_args(p)
     p.add_argument("--devices", type=int, default=None,
                    help="device count, to resolve a -1 in --mesh or the preset default")
-    p.add_argument("--device-memory", default="141GiB", help="memory per device (141GiB)")
+    p.add_argument("--device-memory", default=None,
+                   help="memory per device (default: the --topology chip's HBM with --compile, "
+                        "else 141GiB)")
     p.add_argument("--batch", type=int, default=None,
                    help="global batch (train: sequences per step; generate: concurrent "
                         "sequences); default: the data-parallel degree")
@@ -34,15 +42,24 @@ def register(sub) -> None:
                    help="tokens per sequence (generate: the context the caches hold)")
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--moe-capacity-factor", type=float, default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="also compile the train step for --topology with XLA:TPU (libtpu) "
+                        "and compare its memory with the estimate")
+    p.add_argument("--topology", default=None, metavar="NAME",
+                   help="TPU topology for --compile, e.g. v5e:2x2, v5p:8x8x16, v6e:16x16 "
+                        "(its device count must equal the mesh's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     from kdsa.sharding.mesh import AXES, layout_sizes, resolve_sizes
-    from kdsa.sharding.plan import format_plan, make_plan, parse_bytes
+    from kdsa.sharding.plan import format_plan, make_plan
     from kdsa.sharding.rules import get_rules
 
+    if args.compile and (args.topology is None or args.layout != "train"):
+        raise ValueError("--compile needs --topology NAME and compiles the train layout "
+                         "(--layout train)")
     name, config = config_from_args(args)
     sizes = layout_sizes(name, args.layout, layout_override(args, args.layout))
     if -1 in sizes.values():
@@ -54,14 +71,62 @@ def run(args) -> int:
     batch = args.batch
     if batch is None:
         batch = _prod(sizes[a] for a in (get_rules(args.layout)["act_batch"] or ()))
-    plan = make_plan(config, args.layout, sizes, device_memory=parse_bytes(args.device_memory),
+    hbm = _device_memory(args)
+    plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,
                      moe_capacity_factor=args.moe_capacity_factor)
+    compiled = None
+    if args.compile:
+        compiled = _compile(args, config, sizes, batch)
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
+        out = plan.to_json()
+        if compiled is not None:
+            out["compiled"] = {**compiled.to_dict(), "device_memory": hbm,
+                               "fits": compiled.peak <= hbm}
+        print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, name))
+        if compiled is not None:
+            print(_format_compiled(compiled, plan, hbm, args.topology))
+    if compiled is not None and compiled.peak > hbm:
+        return 3
     return 0 if plan.fits else 3
+
+
+def _device_memory(args) -> int:
+    """``--device-memory``, else the ``--topology`` chip's HBM under ``--compile``, else 141 GiB."""
+    from kdsa.sharding.plan import parse_bytes
+    from kdsa.train.aot import chip_hbm
+
+    if args.device_memory is not None:
+        return parse_bytes(args.device_memory)
+    if args.compile and chip_hbm(args.topology) is not None:
+        return chip_hbm(args.topology)
+    return parse_bytes("141GiB")
+
+
+def _compile(args, config, sizes, batch):
+    from kdsa.train.aot import compile_train_step
+    from kdsa.train.config import TrainConfig
+
+    return compile_train_step(config, TrainConfig(steps=1), args.topology, sizes, batch=batch,
+                              seq=args.seq, moe_capacity_factor=args.moe_capacity_factor)
+
+
+def _format_compiled(c, plan, hbm: int, topology: str) -> str:
+    gib = 1 << 30
+    rows = [("arguments", c.arguments), ("outputs", c.outputs), ("aliased", -c.aliased),
+            ("temporaries", c.temporaries), ("code", c.code)]
+    lines = [f"compiled train step for {topology} in {c.compile_seconds:.1f} s (XLA:TPU, per "
+             f"device)", f"{'':<24}{'GiB':>12}"]
+    lines += [f"  {k:<22}{v / gib:>12,.3f}" for k, v in rows if v]
+    lines.append(f"  {'PEAK':<22}{c.peak / gib:>12,.3f}   of {hbm / gib:,.2f} "
+                 f"({100 * c.peak / hbm:.0f}%); the estimate above: {plan.total / gib:,.3f} "
+                 f"({c.peak / max(plan.total, 1):.1f}x)")
+    lines.append("compiled program fits" if c.peak <= hbm else
+                 f"REFUSED: the compiled program needs {c.peak / gib:,.2f} GiB per device > "
+                 f"{hbm / gib:,.2f} GiB")
+    return "\n".join(lines)
 
 
 def _prod(values) -> int:
