@@ -40,15 +40,11 @@ from kdsa.sharding.rules import get_rules, logical_to_spec, state_shardings
 BATCH_AXES = ("act_batch", "act_seq")
 
 
-def _key(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
 def _path(path) -> tuple[str, ...]:
-    return tuple(_key(k) for k in path)
+    """A pytree key path as the names of its entries (``jax.tree_util.keystr`` of each), the
+    form of an ``nnx`` state path: ``(.params, ['segments'], [0]) -> ('params', 'segments',
+    '0')``."""
+    return tuple(jax.tree_util.keystr((k,), simple=True) for k in path)
 
 
 def _pure_shardings(pure, by_path: dict[tuple[str, ...], NamedSharding], what: str):
