@@ -33,17 +33,16 @@ import numpy as np
 from kdsa.infer.chat import Message, messages_from_openai
 from kdsa.model.vision.assemble import batch_arrays, check_placeholders, pack_images
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
+from kdsa.train.chat_rows import conversation_row
 
 
 def render_example(messages: list[Message], chat_format) -> tuple[list[int], int]:
-    """``(ids, prompt_len)``: the whole conversation and where the answer starts."""
+    """``(ids, prompt_len)``: the whole conversation and where the trained answer (its last
+    assistant turn, ``chat_rows.conversation_row``) starts."""
     if not messages or messages[-1].role != "assistant":
         raise ValueError("an SFT example must end with the assistant answer")
-    prompt = chat_format.render(messages[:-1], thinking=False)
-    full = chat_format.render(messages, thinking=False, add_generation_prompt=False)
-    if full[:len(prompt)] != prompt:
-        raise ValueError("the rendered answer does not extend the rendered prompt")
-    return full, len(prompt)
+    ids, mask = conversation_row(chat_format, messages, len(messages) - 1, thinking=False)
+    return ids, mask.index(1.0) if 1.0 in mask else len(ids)
 
 
 class ImageSftData:
