@@ -7,7 +7,7 @@ import sys
 
 from kdsa.cli import forward_cmd, launch_local, params_cmd, plan_cmd
 from kdsa.cli import convert_cmd
-from kdsa.cli import generate_cmd, rl_cmd, serve_cmd, train_cmd
+from kdsa.cli import generate_cmd, quant_check_cmd, rl_cmd, serve_cmd, train_cmd
 from kdsa.sharding.distributed import JoinError, initialize
 
 
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in (params_cmd, forward_cmd, launch_local, plan_cmd):
         mod.register(sub)
     convert_cmd.register(sub)
-    for mod in (generate_cmd, serve_cmd, train_cmd, rl_cmd):
+    for mod in (generate_cmd, serve_cmd, quant_check_cmd, train_cmd, rl_cmd):
         mod.register(sub)
     return p
 

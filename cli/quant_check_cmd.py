@@ -1,0 +1,108 @@
+"""``kdsa quant-check``: what quantization changed, on the user's own prompts.
+
+    kdsa quant-check --reference A --candidate B --prompts F.jsonl --out REPORT.json \\
+        [--html REPORT.html] [--mesh AXES]
+    kdsa quant-check --reference A --candidate-experts mxfp4 --prompts F.jsonl --out R.json
+
+A and B are kdsa model folders (B typically A with MXFP4 experts; ``--candidate-experts mxfp4``
+quantizes A's routed experts on the fly instead). Prompts are in the ``kdsa generate`` format.
+The two models run one after the other on the ``generate`` layout (``infer/quant_check.py``);
+the report holds ``summary.kl_mean``, ``summary.top1_agreement``, per-category tails, greedy
+answer / tool-call agreement and the worst prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kdsa.cli.paths import abs_path
+
+
+def register(sub) -> None:
+    from kdsa.cli.config_args import add_layout_args
+
+    p = sub.add_parser("quant-check", help="compare a model with its quantized version",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--reference", type=abs_path, required=True, metavar="DIR",
+                   help="the reference model folder (e.g. bf16 experts)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--candidate", type=abs_path, metavar="DIR",
+                   help="the candidate model folder (e.g. MXFP4 experts)")
+    g.add_argument("--candidate-experts", choices=("mxfp4",),
+                   help="quantize the reference's routed experts on the fly instead")
+    p.add_argument("--prompts", type=abs_path, required=True, help="JSONL, kdsa generate format")
+    p.add_argument("--out", type=abs_path, required=True, help="the JSON report")
+    p.add_argument("--html", type=abs_path, default=None, help="also an HTML page")
+    p.add_argument("--tokenizer", type=abs_path, default=None,
+                   help="default: the reference folder's, else the byte tokenizer")
+    p.add_argument("--chat-format", default="xtml", choices=("xtml", "k2"))
+    p.add_argument("--effort", default="high", choices=("low", "high", "max"),
+                   help="thinking effort for chat lines without reasoning_effort")
+    p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens per prompt")
+    p.add_argument("--top-k", type=int, default=1024,
+                   help="the reference's tokens kept per position for the KL (exact when >= "
+                        "the vocabulary; otherwise the KL of top-k + rest, a lower bound)")
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--mesh", default=None, help="generate-layout mesh axes, as kdsa generate")
+    add_layout_args(p)
+    p.set_defaults(run=run, config=None)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from kdsa.cli.config_args import layout_override
+    from kdsa.infer.generate import load_checkpoint
+    from kdsa.infer.quant_check import run_quant_check, with_mxfp4_experts
+    from kdsa.model.checkpoint import read_info
+    from kdsa.sharding.mesh import fit_layout
+    from kdsa.sharding.rules import layout_shardings
+
+    if args.max_tokens < 1 or args.top_k < 1:
+        raise ValueError("--max-tokens and --top-k must be >= 1")
+    config, _ = read_info(args.reference)  # a clear error for a folder that is no model
+    if args.candidate is not None:
+        read_info(args.candidate)
+    sizes = layout_override(args, "generate")
+    mesh = None
+    if sizes:
+        mesh = fit_layout(config, "generate", override=sizes, batch=args.slots)
+    tok = args.tokenizer
+    if tok is None and any((Path(args.reference) / f).is_file()
+                           for f in ("tiktoken.model", "tokenizer.json")):
+        tok = args.reference
+
+    def load_reference():
+        return load_checkpoint(args.reference, mesh=mesh)
+
+    def load_candidate():
+        if args.candidate is not None:
+            return load_checkpoint(args.candidate, mesh=mesh)
+        cfg, model = load_checkpoint(args.reference, mesh=mesh)
+        return with_mxfp4_experts(cfg, model, layout_shardings(mesh, "generate"))
+
+    engine_kw = dict(num_slots=args.slots, max_len=args.max_len,
+                     prefill_chunk=args.prefill_chunk, tokenizer_path=tok,
+                     chat_format=args.chat_format, mesh=mesh)
+    report = run_quant_check(load_reference, load_candidate, args.prompts, engine_kw=engine_kw,
+                             effort=args.effort, max_tokens=args.max_tokens, top_k=args.top_k,
+                             mesh=mesh, log=lambda m: print(m, file=sys.stderr, flush=True))
+    report["reference"] = str(args.reference)
+    report["candidate"] = str(args.candidate) if args.candidate else "reference, MXFP4 experts"
+    import jax
+
+    if jax.process_index() == 0:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        if args.html is not None:
+            from kdsa.infer.quant_report import write_html
+
+            write_html(report, args.html)
+        s = report["summary"]
+        print(f"quant-check: {s['prompts']} prompts, {s['tokens']} tokens: KL mean "
+              f"{s['kl_mean']:.3g}, top-1 agreement {s['top1_agreement']:.3f}, answers equal "
+              f"{s['answer_match']:.2f}, tool calls equal {s['tool_args_match']:.2f} -> "
+              f"{args.out}")
+    return 0

@@ -1,0 +1,148 @@
+"""``kdsa quant-check`` on a tiny checkpoint: the report's KL and agreement recomputed from two
+plain forward passes and NumPy; identical models give KL 0 / agreement 1; one expert's scales
+shifted by one exponent step are caught exactly on the tokens after that expert first runs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.cli.main import main
+from kdsa.model import checkpoint as ckpt
+from kdsa.model.config import get_preset
+from kdsa.model.moe_mxfp4 import pack_expert_arrays
+from kdsa.model.transformer import Transformer
+
+CONFIG = get_preset("tiny")
+PROMPTS = [{"id": "ids", "prompt_ids": [5, 17, 99, 3, 250, 42, 7]},
+           {"id": "text", "prompt": "Once upon a time"},
+           {"id": "chat", "messages": [{"role": "user", "content": "What is 12 + 30?"}],
+            "reasoning_effort": "low"}]
+ARGS = ["--max-tokens", "10", "--slots", "2", "--max-len", "512", "--prefill-chunk", "128"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """bf16 reference, its MXFP4 version (the export path), and the MXFP4 version with one
+    routed expert's scales (expert 3's w1 in the scanned group of layers 1-2) one exponent step
+    up."""
+    d = tmp_path_factory.mktemp("qc")
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    ckpt.save_model(d / "ref", CONFIG, model)
+    flat = {k: v[...] for k, v in ckpt.flat_variables(nnx.state(model)).items()}
+    packed = jax.jit(pack_expert_arrays)(flat)
+    q = CONFIG.replace(expert_weight_format="mxfp4")
+    ckpt.save_params(d / "mxfp4", q, ((k, (lambda a=a: a)) for k, a in packed.items()))
+    key = "segments.1.layers.0.block_sparse_moe.experts.w1_scale"  # [2 layers, E, N, K/32]
+    bumped = dict(packed)
+    bumped[key] = packed[key].at[:, 3].add(jnp.uint8(1))           # [R, E, N, K/32] codes + 1
+    ckpt.save_params(d / "bumped", q, ((k, (lambda a=a: a)) for k, a in bumped.items()))
+    (d / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return d, key
+
+
+def _report(d, *cand, out="r.json"):
+    rc = main(["quant-check", "--reference", str(d / cand[0]), *cand[1:], "--prompts",
+               str(d / "prompts.jsonl"), "--out", str(d / out), *ARGS])
+    assert rc == 0
+    return json.loads((d / out).read_text())
+
+
+def _log_probs(folder, ids):
+    _, model = ckpt.load_model(folder)
+    return np.asarray(jax.nn.log_softmax(model(jnp.asarray([ids]))[0].astype(jnp.float32)),
+                      np.float64)
+
+
+def test_report_equals_plain_forwards_and_numpy(folders, tmp_path):
+    d, _ = folders
+    rc = main(["quant-check", "--reference", str(d / "ref"), "--candidate", str(d / "mxfp4"),
+               "--prompts", str(d / "prompts.jsonl"), "--out", str(tmp_path / "r.json"),
+               "--html", str(tmp_path / "r.html"), *ARGS])
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    rec = next(p for p in report["prompts"] if p["id"] == "ids")
+    gen = rec["token_ids"]
+    seq = PROMPTS[0]["prompt_ids"] + gen
+    a, b = (_log_probs(d / f, seq)[len(PROMPTS[0]["prompt_ids"]) - 1:-1] for f in ("ref", "mxfp4"))
+    kl = np.sum(np.exp(a) * (a - b), axis=-1)
+    agree = (a.argmax(-1) == b.argmax(-1)).astype(float)
+    np.testing.assert_allclose(rec["tokens"]["kl"], kl, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(rec["tokens"]["agree"], agree)
+    np.testing.assert_allclose(rec["tokens"]["logp_ref"], a[np.arange(len(gen)), gen], atol=1e-5)
+    s = report["summary"]
+    every = np.concatenate([p["tokens"]["kl"] for p in report["prompts"]])
+    assert s["kl_mean"] == pytest.approx(every.mean()) and s["kl_mean"] > 0
+    assert s["tokens"] == sum(len(p["token_ids"]) for p in report["prompts"]) == every.size
+    assert 0 <= s["top1_agreement"] <= 1
+    cats = s["by_category"]
+    assert cats["reasoning"]["kl"]["n"] > 0 and cats["other"]["kl"]["n"] > 0
+    assert set(s["reasoning_tokens_by_effort"]) == {"low", "none"}  # chat line; raw lines
+    assert "<img" in (tmp_path / "r.html").read_text()
+
+
+def test_identical_models_give_zero(folders):
+    d, _ = folders
+    same = _report(d, "ref", "--candidate", str(d / "ref"), out="same.json")["summary"]
+    assert same["kl_mean"] == 0 and same["top1_agreement"] == 1
+    assert same["identical_outputs"] == 1 and same["answer_match"] == 1
+
+
+def test_on_the_fly_mxfp4_is_the_exported_mxfp4(folders):
+    """``--candidate-experts mxfp4`` builds the candidate with ``with_mxfp4_experts``: the same
+    bytes as the MXFP4 folder the export path wrote (so its report is that folder's)."""
+    from kdsa.infer.quant_check import with_mxfp4_experts
+
+    d, _ = folders
+    config, model = ckpt.load_model(d / "ref")
+    q, fly = with_mxfp4_experts(config, model)
+    _, folder = ckpt.load_model(d / "mxfp4")
+    assert q == folder.config
+    a, b = (ckpt.flat_variables(nnx.state(m)) for m in (fly, folder))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k][...]), np.asarray(b[k][...]), err_msg=k)
+    with pytest.raises(ValueError, match="needs a reference with bf16 routed experts"):
+        with_mxfp4_experts(q, folder)
+
+
+def test_one_expert_off_by_one_exponent_is_caught_where_it_runs(folders):
+    d, _ = folders
+    report = _report(d, "mxfp4", "--candidate", str(d / "bumped"), out="bumped.json")
+    rec = next(p for p in report["prompts"] if p["id"] == "ids")
+    prompt = PROMPTS[0]["prompt_ids"]
+    seq = prompt + rec["token_ids"]
+    _, model = ckpt.load_model(d / "mxfp4")
+    ids = np.asarray(model.forward(jnp.asarray([seq]), record_routing=True).expert_ids)
+    assert CONFIG.ffn_kinds[1:3] == ("moe", "moe")  # layers 1-2: the bumped group
+    hit = np.nonzero((ids[1:3, 0] == 3).any(-1).any(0))[0]             # positions using expert 3
+    assert hit.size, "expert 3 never runs on this sequence"
+    first = int(hit[0])
+    kl = np.asarray(rec["tokens"]["kl"])
+    positions = len(prompt) - 1 + np.arange(len(kl))                    # where each is predicted
+    assert np.all(kl[positions < first] == 0), (first, kl)
+    assert kl[positions >= first].max() > 1e-9, (first, kl)
+
+
+def test_token_categories_from_the_engine_events():
+    """Reasoning / answer from their events; the tokens up to a ``tool_call`` event are the
+    call: those over its name ``tool_name``, the rest ``tool_args``; markers ``other``."""
+    from kdsa.infer.chat import ToolCall
+    from kdsa.infer.quant_check import has_digit, token_categories
+    from kdsa.infer.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(384)
+    call = ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris 7"}')
+    think, answer, span = tok.encode("hm"), tok.encode("ok"), tok.encode('<get_weather city="Paris 7">')
+    ids = think + answer + span + [0]
+    deltas = ([[("reasoning", "h")], [("reasoning", "m")], [("content", "o")], [("content", "k")]]
+              + [[] for _ in span[:-1]] + [[("tool_call", call)]] + [[]])
+    cats = token_categories(tok, ids, deltas)
+    assert cats[:4] == ["reasoning"] * 2 + ["answer"] * 2 and cats[-1] == "other"
+    named = [tok.decode([t]) for t, c in zip(ids, cats) if c == "tool_name"]
+    assert "".join(named) == "get_weather"
+    assert cats[4:-1].count("tool_args") == len(span) - len("get_weather")
+    assert [has_digit(tok, t) for t in tok.encode("a7")] == [False, True]
