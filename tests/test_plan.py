@@ -83,16 +83,26 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     assert set(gen.communication) == {"expert", "tensor"}
 
 
-def test_k3_train_on_1024_h200_fits_and_on_256_is_refused(k3_abstract):
-    big = make_plan(K3, "train", dict(data=1, fsdp=16, expert=64, tensor=1, sequence=1),
-                    device_memory=parse_bytes("141GiB"), batch=1024, seq=8192,
-                    model=k3_abstract)
+def test_k3_train_on_1024_h200_fits_with_a_capacity_factor_and_on_256_is_refused(k3_abstract):
+    """Dropless, the expert-parallel receive buffers are sized for every device's assignments
+    landing on one owner (64 x the mean here) and alone exceed the device; with a capacity
+    factor of 1.25 the layout fits."""
+    sizes = dict(data=1, fsdp=16, expert=64, tensor=1, sequence=1)
+    dropless = make_plan(K3, "train", sizes, device_memory=parse_bytes("141GiB"), batch=1024,
+                         seq=8192, model=k3_abstract)
+    assert not dropless.fits and "largest term: moe_dispatch" in dropless.refusal()
+    m = 8192 * K3.num_experts_per_token  # assignments leaving each device (1 row of 8192)
+    de, i = K3.expert_hidden_size, K3.moe_intermediate_size
+    assert dropless.memory["moe_dispatch"] == 2 * 64 * m * (2 * de + 3 * i) * 2
+    big = make_plan(K3, "train", sizes, device_memory=parse_bytes("141GiB"), batch=1024,
+                    seq=8192, moe_capacity_factor=1.25, model=k3_abstract)
     assert big.fits
+    assert big.memory["moe_dispatch"] == 2 * int(1.25 * m) * (2 * de + 3 * i) * 2
     total = count_params(K3).total_params
     assert big.memory["parameters"] == pytest.approx(2 * total / 1024, rel=0.1)
     small = make_plan(K3, "train", dict(data=1, fsdp=4, expert=64, tensor=1, sequence=1),
                       device_memory=parse_bytes("141GiB"), batch=256, seq=8192,
-                      model=k3_abstract)
+                      moe_capacity_factor=1.25, model=k3_abstract)
     assert not small.fits
     assert "largest term: optimizer" in small.refusal()
 
