@@ -272,6 +272,8 @@ def test_reward_curve_figure(tmp_path):
         assert share(rgb) > 1e-3, rgb
     with pytest.raises(ValueError, match="3 steps but 2 metric rows"):
         reward_curve(tmp_path / "d.png", [1, 2, 3], metrics[:2], envs=["a"], efforts=[])
+
+
 def test_demo_environments_build_and_score_their_references():
     """The demo's families build with their rewrites, give short questions, and score their own
     reference answers 1 (so SFT demonstrations and the verifier agree)."""
