@@ -1,6 +1,7 @@
 """``kdsa quant-check`` on a tiny checkpoint: the report's KL and agreement recomputed from two
 plain forward passes and NumPy; identical models give KL 0 / agreement 1; one expert's scales
-shifted by one exponent step are caught exactly on the tokens after that expert first runs."""
+shifted by one exponent step are caught exactly on the tokens after that expert first runs
+(on an 8-device generate mesh)."""
 
 import json
 
@@ -45,8 +46,8 @@ def folders(tmp_path_factory):
 
 
 def _report(d, *cand, out="r.json"):
-    rc = main(["quant-check", "--reference", str(d / cand[0]), *cand[1:], "--prompts",
-               str(d / "prompts.jsonl"), "--out", str(d / out), *ARGS])
+    rc = main(["quant-check", "--reference", str(d / cand[0]), "--prompts",
+               str(d / "prompts.jsonl"), "--out", str(d / out), *ARGS, *cand[1:]])
     assert rc == 0
     return json.loads((d / out).read_text())
 
@@ -124,7 +125,9 @@ def test_on_the_fly_mxfp4_is_the_exported_mxfp4(folders):
 
 def test_one_expert_off_by_one_exponent_is_caught_where_it_runs(folders):
     d, _ = folders
-    report = _report(d, "mxfp4", "--candidate", str(d / "bumped"), out="bumped.json")
+    # on the 8 host devices' generate mesh (experts over 2, requests over 4), as served
+    report = _report(d, "mxfp4", "--candidate", str(d / "bumped"), "--mesh", "expert=2,data=4",
+                     "--slots", "8", out="bumped.json")
     rec = next(p for p in report["prompts"] if p["id"] == "ids")
     prompt = PROMPTS[0]["prompt_ids"]
     seq = prompt + rec["token_ids"]
