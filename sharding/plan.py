@@ -24,8 +24,8 @@ Memory terms (bytes on the busiest device):
   dropless (no ``moe_capacity_factor``) sizes the buffers for the worst case, every device's
   assignments on one owner: ``R = ep * M``; with a factor ``cf``, ``R = cf * M``
   (``model/expert_parallel.py``). Measured against XLA:TPU (a 4-layer K3 slice on v5p 8x8x16,
-  ``expert=64,fsdp=16``, 1024 x 1024 tokens, dropless): 89.9 GiB of temporaries, of which this
-  term is 64 GiB; the other terms had estimated 4.7 GiB in all (docs/sharding.md).
+  ``expert=64,fsdp=16``, 1024 x 1024 tokens): dropless 89.9 GiB of temporaries, with a factor
+  of 1.25 19.7 GiB; this term predicts 62.8 of the 70.1 GiB difference (docs/sharding.md).
 * ``caches`` (generate): ``batch`` sequences over ``act_batch``, ``seq`` tokens each: DSA
   latent + RoPE key + indexer key per token per DSA layer (not head-sharded: one latent per
   token), KDA state per sequence per KDA layer (heads over ``tensor``).
