@@ -9,6 +9,8 @@ what it takes, ``Completion`` / ``Event`` what it gives. ``generate.py`` (the ba
 ``server.py`` (the OpenAI-compatible server) are built on these. infer/ never imports train/.
 """
 
+from kdsa import lazy_exports
+
 _PUBLIC = {
     "Engine": "kdsa.infer.engine",
     "Request": "kdsa.infer.requests",
@@ -18,11 +20,4 @@ _PUBLIC = {
     "GenerationError": "kdsa.infer.requests",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        import importlib
-
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'kdsa.infer' has no attribute {name!r}")
+__getattr__ = lazy_exports("kdsa.infer", _PUBLIC)

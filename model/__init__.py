@@ -9,6 +9,8 @@ Everything else in the package is importable but internal: the pure maths (``kda
 expert-parallel forms, and ``partitioning.py``, the one sharding interface the model calls.
 """
 
+from kdsa import lazy_exports
+
 _PUBLIC = {
     "Transformer": "kdsa.model.transformer",
     "ModelOutput": "kdsa.model.transformer",
@@ -18,11 +20,4 @@ _PUBLIC = {
     "save_model": "kdsa.model.checkpoint",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        import importlib
-
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'kdsa.model' has no attribute {name!r}")
+__getattr__ = lazy_exports("kdsa.model", _PUBLIC)
