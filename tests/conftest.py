@@ -20,7 +20,9 @@ os.environ["XLA_FLAGS"] = flags.strip()
 # collection order, so long files collected last leave one worker running alone at the end.
 SLOW_FIRST = ("test_rl_multihost.py", "test_rl_sharded.py", "test_post_training.py",
               "test_sharded_train.py", "test_rl_routing_replay.py", "test_launch_signals.py",
-              "test_rl_loop.py", "test_rl_step.py", "test_generate_random_sharded.py")
+              "test_rl_loop.py", "test_rl_step.py", "test_generate_random_sharded.py",
+              "test_quant_check.py", "test_convert.py", "test_vision_stack.py",
+              "test_vision_sft.py", "test_sharding.py", "test_engine.py", "test_tpu_compile.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

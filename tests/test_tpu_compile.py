@@ -60,20 +60,20 @@ def test_sparse_mla_mosaic_forward_compiles():
 
 
 def test_plan_compile_tiny_train_step_for_v5e(capsys):
-    """``kdsa plan --compile --topology v5e:2x2``: the real train step of a 2-layer tiny model
-    (KDA + Gated DSA, MoE) compiled with XLA:TPU on ``fsdp=2,expert=2``; XLA's memory beside
+    """``kdsa plan --compile --topology v5e:2x2``: the real train step of a 1-layer tiny model
+    (Gated DSA with its indexer, MoE) compiled with XLA:TPU on ``fsdp=2,expert=2``; XLA's memory beside
     the estimate, and a refusal (exit 3) when the compiled peak exceeds --device-memory although
     the estimate fits. Stated factors at this size: the compiled arguments (state + batch) are
     1-4x the estimated parameters + optimizer state (TPU tiles pad 16-wide dims to 128 lanes),
-    and the peak stays under 40x the estimate (temporaries and code dominate a 0.2M-parameter
+    and the peak stays under 40x the estimate (temporaries and code dominate a 0.1M-parameter
     model; K3-sized comparisons: docs/sharding.md)."""
     import json
 
     from kdsa.cli.main import main
 
-    rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=2",
-               "--set", "linear_attn_config.kda_layers=[1]",
-               "--set", "linear_attn_config.full_attn_layers=[2]",
+    rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=1",
+               "--set", "linear_attn_config.kda_layers=[]",
+               "--set", "linear_attn_config.full_attn_layers=[1]",
                "--set", "first_k_dense_replace=0",
                "--mesh", "fsdp=2,expert=2", "--batch", "4", "--seq", "64", "--compile",
                "--topology", "v5e:2x2", "--device-memory", "10MiB", "--json"])
