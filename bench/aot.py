@@ -24,7 +24,6 @@ Shapes (K3, ``k3-2.8t``):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -106,18 +105,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "aot.json"))
     args = ap.parse_args(argv)
-    try:
-        from jax.experimental import topologies
-        import libtpu  # noqa: F401
-    except ImportError:
-        raise SystemExit("bench/aot.py needs libtpu (pip install -e '.[test]')") from None
+    from kdsa.train.aot import topology_devices
+
     chips = args.chips.split(",")[:1] if args.quick else args.chips.split(",")
+    bad = [c for c in chips if c not in TOPOLOGIES]
+    if bad:
+        raise SystemExit(f"--chips: unknown chip(s) {bad}; choose from {sorted(TOPOLOGIES)}")
+    try:  # libtpu is imported here (a clear message without it)
+        devices = {chip: topology_devices(TOPOLOGIES[chip])[0] for chip in chips}
+    except ValueError as e:
+        raise SystemExit(f"bench/aot.py: {e}") from None
     out = {"jax": jax.__version__, "libtpu": getattr(sys.modules["libtpu"], "__version__", "?"),
            "results": []}
-    for chip in chips:
-        if chip not in TOPOLOGIES:
-            raise SystemExit(f"--chips: unknown chip {chip!r}; choose from {sorted(TOPOLOGIES)}")
-        device = topologies.get_topology_desc(TOPOLOGIES[chip], platform="tpu").devices[0]
+    for chip, device in devices.items():
         for name, fn, shapes in cases(args.quick):
             r = {"chip": chip, "kernel": name, **compile_one(device, fn, shapes)}
             status = (f"ok {r['seconds']}s, temp {r['temp_bytes'] / 2**20:.1f} MiB, code "

@@ -55,6 +55,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from kdsa.cli.config_args import layout_override
+    from kdsa.train.init_from import tokenizer_folder
     from kdsa.infer.generate import load_checkpoint
     from kdsa.infer.quant_check import run_quant_check, with_mxfp4_experts
     from kdsa.model.checkpoint import read_info
@@ -70,10 +71,7 @@ def run(args) -> int:
     mesh = None
     if sizes:
         mesh = fit_layout(config, "generate", override=sizes, batch=args.slots)
-    tok = args.tokenizer
-    if tok is None and any((Path(args.reference) / f).is_file()
-                           for f in ("tiktoken.model", "tokenizer.json")):
-        tok = args.reference
+    tok = args.tokenizer if args.tokenizer is not None else tokenizer_folder(args.reference)
 
     def load_reference():
         return load_checkpoint(args.reference, mesh=mesh)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -198,8 +197,8 @@ def summarize(per_prompt: list[dict], worst: int = 5) -> dict:
     out["reasoning_tokens_by_effort"] = {
         e: {"reference": float(np.mean([r[0] for r in v])),
             "candidate": float(np.mean([r[1] for r in v]))} for e, v in efforts.items()}
-    ranked = sorted(per_prompt, key=lambda p: -float(np.mean(p["tokens"]["kl"] or [0.0])))
-    out["worst_prompts"] = [{"id": p["id"], "kl_mean": float(np.mean(p["tokens"]["kl"] or [0])),
+    ranked = sorted(per_prompt, key=lambda p: -p["kl_mean"])
+    out["worst_prompts"] = [{"id": p["id"], "kl_mean": p["kl_mean"],
                              "first_divergence": p["greedy"]["first_divergence"]}
                             for p in ranked[:worst]]
     return out
@@ -215,10 +214,6 @@ def prompt_record(rid: str, effort, comp_a, comp_b, cats: list[str], digits: lis
             "prompt_tokens": comp_a.prompt_tokens, "token_ids": list(comp_a.token_ids),
             "tokens": tokens,
             "kl_mean": float(np.mean(stats["kl"])) if len(stats["kl"]) else 0.0}
-
-
-def finite(x: float) -> float | None:
-    return x if x is not None and math.isfinite(x) else None
 
 
 # ----------------------------------------------------------------------------- the job

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdsa.kernels_pallas.mxfp4_matmul.decode import (BLOCK, E8M0_BIAS, SCALE_NAN,  # noqa: F401
-                                                     mxfp4_f32_bits)
+                                                     block_bits)
 
 SCALE_RULES = ("floor", "ceil", "even")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -200,7 +200,7 @@ def dequantize_mxfp4(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16, *
     """``(blocks [..., G, 16], scales [..., G])`` -> ``[..., 32 G]`` in ``dtype``.
 
     Exact in bf16 and f32 (every LUT value times a power of two has at most two significant bits;
-    subnormals are produced from bits, see :func:`mxfp4_f32_bits`), except that magnitudes >= 2^128
+    subnormals are produced from bits, see ``decode.mxfp4_f32_bits``), except that magnitudes >= 2^128
     overflow to inf. A scale byte 0xFF raises ``ValueError`` for concrete input (``check=True``);
     under ``jit`` it decodes to NaN.
     """
@@ -211,10 +211,7 @@ def dequantize_mxfp4(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16, *
             idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
             raise ValueError(f"dequantize_mxfp4: scale byte 0xFF (E8M0 NaN) at block {idx} of "
                              f"scales {tuple(scales.shape)}")
-    b = blocks.astype(jnp.int32)
-    codes = jnp.stack([b & 0xF, b >> 4], axis=-1)                        # [..., G, 16, 2]
-    codes = codes.reshape(*blocks.shape[:-1], BLOCK)                     # [..., G, 32]
-    bits = mxfp4_f32_bits(codes, scales.astype(jnp.int32)[..., None])
+    bits = block_bits(blocks, scales)                                     # [..., G, 32]
     return _bits_to_dtype(bits, dtype).reshape(*blocks.shape[:-2], -1)
 
 

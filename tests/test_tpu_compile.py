@@ -19,15 +19,11 @@ from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention  # noqa: E402
 CHIPS = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
 
 
-def device(topology: str):
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(topology, platform="tpu").devices[0]
-
-
 def compile_for(topology: str, fn, *shapes):
     """``fn`` compiled for one abstract device of ``topology`` with the kernels' TPU tiles."""
-    sharding = jax.sharding.SingleDeviceSharding(device(topology))
+    from kdsa.train.aot import topology_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(topology_devices(topology)[0])
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     with common.compile_target("tpu"):
         return jax.jit(fn).lower(*args).compile()

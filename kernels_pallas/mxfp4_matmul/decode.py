@@ -44,3 +44,12 @@ def mxfp4_f32_bits(codes: jax.Array, scale_codes: jax.Array) -> jax.Array:
     bits = jnp.where(big_e >= 255, _INF_BITS, jnp.where(big_e >= 1, normal, subnormal))
     bits = jnp.where(mag == 0, 0, bits) | ((codes & 8) << 28)
     return jnp.where(scale_codes == SCALE_NAN, _NAN_BITS, bits)
+
+
+def block_bits(blocks: jax.Array, scales: jax.Array) -> jax.Array:
+    """``blocks [..., G, 16]`` uint8, ``scales [..., G]`` uint8 -> float32 bit patterns (int32)
+    ``[..., G, 32]``: element ``32 g + 2 j`` from the low nibble of byte ``j``, ``32 g + 2 j + 1``
+    from the high one (the Hugging Face / gpt-oss layout)."""
+    b = blocks.astype(jnp.int32)
+    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
+    return mxfp4_f32_bits(codes, scales.astype(jnp.int32)[..., None])

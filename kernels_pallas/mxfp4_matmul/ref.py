@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, mxfp4_f32_bits
+from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, block_bits
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -51,9 +51,7 @@ def check_group_sizes(group_sizes: jax.Array, num_experts: int, m: int, name: st
 def dequantize_f32(blocks: jax.Array, scales: jax.Array) -> jax.Array:
     """``blocks [..., G, 16]``, ``scales [..., G]`` -> ``[..., 32 G]`` float32, exactly (element
     ``32 g + 2 j`` in the low nibble of byte j, ``32 g + 2 j + 1`` in the high one)."""
-    b = blocks.astype(jnp.int32)
-    codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
-    bits = mxfp4_f32_bits(codes, scales.astype(jnp.int32)[..., None])    # [..., G, 32]
+    bits = block_bits(blocks, scales)                                     # [..., G, 32]
     return jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(*blocks.shape[:-2], -1)
 
 

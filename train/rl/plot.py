@@ -26,8 +26,7 @@ def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def _series(metrics: list[dict], key: str) -> np.ndarray:
-    return np.array([m.get(key, np.nan) if m.get(key) is not None else np.nan for m in metrics],
-                    float)
+    return np.array([np.nan if m.get(key) is None else m[key] for m in metrics], float)
 
 
 def reward_curve(path: str | Path, steps: list[int], metrics: list[dict], *, envs: list[str],
