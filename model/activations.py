@@ -8,7 +8,7 @@
 | ``situ`` | ``beta * tanh(g / beta) * sigmoid(g)`` | ``lb * tanh(u / lb)``, ``u`` if None |
 
 SiTU is from the Kimi K3 reference (``SituAndMul``; paraphrased in sglang-jax
-``kimi_k3_layers.py:situ_and_mul`` and ``shared/reference/kimi_k3.md`` section 3): the
+``kimi_k3_layers.py:situ_and_mul`` and ``docs/reference/kimi_k3.md`` section 3): the
 ``beta * tanh(. / beta)`` factor soft-clips the gate to ``(-beta, beta)``, the sigmoid keeps
 SiLU's gating shape. K3 uses ``beta = 4``, ``lb = linear_beta = 25``. It is used in the dense
 MLP, the shared experts and the routed experts alike.

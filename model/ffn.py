@@ -3,7 +3,7 @@
 ``y = down_proj(act(gate_proj(x), up_proj(x)))`` with ``act`` from
 :func:`kdsa.model.activations.gated_activation` (SiLU or SiTU per ``config.hidden_act``).
 
-Checkpoint names (Kimi K3, ``shared/reference/kimi_k3.md`` section 2): layer 0 ``mlp.gate_proj`` /
+Checkpoint names (Kimi K3, ``docs/reference/kimi_k3.md`` section 2): layer 0 ``mlp.gate_proj`` /
 ``mlp.up_proj`` ``[33792, 7168]``, ``mlp.down_proj`` ``[7168, 33792]``; MoE layers
 ``block_sparse_moe.shared_experts.{gate,up}_proj`` ``[6144, 7168]`` (``moe_intermediate_size *
 num_shared_experts = 3072 * 2``) and ``down_proj`` ``[7168, 6144]``. Our kernels are the

@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA) maths: the recurrence, its chunkwise-parallel WY/UT form, one step.
 
 Per head, the state ``S [K, V]`` (float32) is updated per token (Kimi Linear, arXiv 2510.26692,
-the constrained DPLR transition; fla ``fla/ops/kda/naive.py``; ``shared/reference/kda.md`` §1)::
+the constrained DPLR transition; fla ``fla/ops/kda/naive.py``; ``docs/reference/kda.md`` §1)::
 
     S <- diag(exp(g_t)) S                          g_t [K] log-decay, <= 0
     S <- S + beta_t k_t (v_t - S^T k_t)^T           beta_t in (0, 1)

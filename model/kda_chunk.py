@@ -1,7 +1,7 @@
 """Intra-chunk pieces of the chunkwise KDA form: local cumsum, decayed pair products, UT inverse.
 
 Pure functions on chunk-major float32 tensors ``[..., C, K]`` (one chunk of C tokens per leading
-index), used by ``kdsa.model.kda.kda_chunked``. Maths in ``shared/reference/kda.md`` §1.
+index), used by ``kdsa.model.kda.kda_chunked``. Maths in ``docs/reference/kda.md`` §1.
 
 The pair products ``P_x[r, i] = sum_d x[r,d] k[i,d] exp(cg[r,d] - cg[i,d])`` (i <= r) cannot be
 one matmul for a general gate: a shared reference gate splits the decay into two factors whose

@@ -1,7 +1,7 @@
 """The Kimi Delta Attention layer (Flax NNX) and its decode cache.
 
 Forward (Kimi Linear paper arXiv 2510.26692; fla ``fla/layers/kda.py``; vLLM ``kimi_k3/kda.py``;
-``shared/reference/kda.md`` §2, ``kimi_k3.md`` §3)::
+``docs/reference/kda.md`` §2, ``docs/reference/kimi_k3.md`` §3)::
 
     q, k, v = SiLU(causal depthwise conv_W(x W_q | x W_k | x W_v))     [B, T, H, K]
     q, k    = q / sqrt(sum q^2 + 1e-6), k / sqrt(sum k^2 + 1e-6)     (eps inside the sqrt)

@@ -1,6 +1,6 @@
 """Mixture of experts: sigmoid router with selection bias, dropless routed experts, latent MoE.
 
-One MoE layer (Kimi K3 / Kimi Linear ``block_sparse_moe``; ``shared/reference/kimi_k3.md``
+One MoE layer (Kimi K3 / Kimi Linear ``block_sparse_moe``; ``docs/reference/kimi_k3.md``
 sections 1-3, DeepSeek-V3 report section 2.1.2 for the routing)::
 
     scores  = sigmoid(x @ gate.weight)                  [N, E]  float32, full hidden x

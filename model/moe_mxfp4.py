@@ -30,7 +30,7 @@ class PackedExpertWeight(nnx.Variable):
     Layout = Kimi K3's compressed-tensors ``mxfp4-pack-quantized`` tensors stacked over experts:
     ``*_packed [E, N, K/2]`` (two E2M1 codes per byte, even k in the low nibble) and
     ``*_scale [E, N, K/32]`` (E8M0 bytes), rows N = output features, K = contracting dim
-    (``kdsa.model.mxfp4``; ``shared/reference/kimi_k3.md`` section 2). Metadata ``param_count``
+    (``kdsa.model.mxfp4``; ``docs/reference/kimi_k3.md`` section 2). Metadata ``param_count``
     is the number of weight elements encoded (``E*N*K`` on ``*_packed``, 0 on ``*_scale``), so
     counting by ``param_count`` instead of the byte shape reports the logical parameters.
     """
@@ -130,5 +130,5 @@ def qat_expert_weights(w1: jax.Array, w3: jax.Array, w2: jax.Array
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """QAT: ``dequant(quant(w))`` of each ``[E, in, out]`` weight, blocks of 32 along ``in`` (the
     contracting dim, as the exported MXFP4 tensors), straight-through gradient
-    (``fake_quantize_mxfp4``; ``shared/reference/mxfp4.md`` section 5)."""
+    (``fake_quantize_mxfp4``; ``docs/reference/mxfp4.md`` section 5)."""
     return tuple(fake_quantize_mxfp4(w, axis=-2) for w in (w1, w3, w2))

@@ -8,7 +8,8 @@
 | ``kimi-linear-48b`` | the published ``moonshotai/Kimi-Linear-48B-A3B-Instruct`` ``config.json`` (dense MLA, no indexer) |
 | ``k3-2.8t`` | the published ``moonshotai/Kimi-K3`` text config (``text_config`` of ``kimi_k3``), with DeepSeek-V3.2's indexer (64 heads x 128, top-2048, ``config_671B_v3.2.json``) on its 24 MLA layers |
 
-Facts are collected in ``shared/reference/kimi_k3.md`` (sections 1 and 4) and ``dsa.md`` (1.1).
+Facts are collected in ``docs/reference/kimi_k3.md`` (sections 1 and 4) and
+``docs/reference/dsa.md`` (1.1).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ checkpoint cadence and the seed. It is validated when built, so a bad value is r
 anything compiles. ``kdsa train`` sets fields with ``--train-set key=value`` (value parsed as
 JSON, else a bare string), see :func:`apply_train_overrides`.
 
-Indexer stages (DeepSeek-V3.2-Exp paper section 2.1; ``shared/reference/dsa.md`` 1.3):
+Indexer stages (DeepSeek-V3.2-Exp paper section 2.1; ``docs/reference/dsa.md`` section 2):
 
 | ``indexer_stage`` | model ``indexer_loss`` | trained parameters (optimizer ``wrt``) |
 |---|---|---|

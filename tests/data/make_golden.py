@@ -14,7 +14,7 @@ of at least ``MIN_GAP`` between the k-th and (k+1)-th score: near-ties would mak
 set depend on float rounding order.
 
 Regenerate (a separate Python 3.11 venv, CPU torch; transformers' pure-torch fallbacks need the
-fla kernels hidden, ``shared/reference/kda.md`` section 4)::
+fla kernels hidden, ``docs/reference/kda.md`` section 4)::
 
     python3 -m venv /work/main/.venv-golden
     /work/main/.venv-golden/bin/pip install torch==2.13.0          # CPU wheel from local disk

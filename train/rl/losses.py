@@ -1,6 +1,6 @@
 """RL policy losses: GRPO, DAPO, GSPO, the Kimi K1.5/K2 objective; KL to a reference; TIS.
 
-Sources: ``shared/reference/rl_and_serving.md`` sections 1.2 (tunix formulas) and 2.1 (Kimi).
+Sources: ``docs/reference/rl_and_serving.md`` sections 1.2 (tunix formulas) and 2.1 (Kimi).
 Shapes: ``B`` sequences (a group of ``K`` samples per prompt laid out consecutively), ``T``
 completion tokens. Inputs are per-token log-probabilities of the sampled tokens.
 

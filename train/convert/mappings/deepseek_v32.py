@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 (``deepseek-ai/DeepSeek-V3.2-Exp``, ``model_type: deepseek_v32``).
 
-Names: ``shared/reference/dsa.md`` sections 1.2-1.3 and transformers 5.18
+Names: ``docs/reference/dsa.md`` sections 1.2-1.3 and 5, and transformers 5.18
 ``models/deepseek_v32`` (``save_pretrained`` writes per-expert ``mlp.experts.{e}.{gate,up,down}
 _proj.weight``, the published names). Every layer is (sparse) MLA with q-LoRA and the lightning
 indexer ``self_attn.indexer.{wq_b, wk, k_norm (LayerNorm weight+bias), weights_proj}``; the FFN

@@ -2,7 +2,7 @@
 and our own K3+DSA export (the same names plus ``self_attn.indexer.{wq_b, wk, k_norm,
 weights_proj}`` on the MLA layers).
 
-Names and shapes: ``shared/reference/kimi_k3.md`` section 2. Text tensors carry the
+Names and shapes: ``docs/reference/kimi_k3.md`` section 2. Text tensors carry the
 ``language_model.`` prefix (``language_model.model.layers.{i}.*``, ``language_model.lm_head``).
 Routed experts are MXFP4 compressed-tensors ``experts.{e}.w{1,3,2}.weight_packed [N, K/2]`` /
 ``weight_scale [N, K/32]`` uint8 (bf16 ``.weight`` also accepted). ``A_log`` holds 128 values

@@ -1,6 +1,6 @@
 """Kimi Linear (``moonshotai/Kimi-Linear-48B-A3B-Instruct``, ``model_type: kimi_linear``).
 
-Tensor names and shapes: ``shared/reference/kimi_k3.md`` section 2 (the Kimi Linear 48B notes)
+Tensor names and shapes: ``docs/reference/kimi_k3.md`` section 2 (the Kimi Linear 48B notes)
 and transformers 5.18 ``models/kimi_linear`` (whose ``save_pretrained`` writes these checkpoint
 names: ``conversion_mapping.py`` "kimi_linear"). Shapes are HF ``[out, in]``; our kernels are
 ``[in, out]``. ``A_log`` is ``[1, 1, H, 1]``; conv weights ``[H*K, 1, W]``. K3's extra tensors
