@@ -15,7 +15,11 @@ A checkpoint directory (:class:`SafetensorsCheckpoint`) is ``*.safetensors`` sha
 without ``model.safetensors.index.json``; with an index, every tensor it names must be in the shard
 it names, and no shard may hold tensors the index does not name.
 
-We do not use the ``safetensors`` package here (tests use it as an independent reader/writer).
+This is the only safetensors implementation in the library. The ``safetensors`` package is not
+used here (tests use it as an independent reader/writer): with one open per file it keeps every
+page it read mapped until the file is closed, it has no way to drop those pages, its bounded
+variants are slower, and ``save_file`` takes a whole shard at once. Measured numbers:
+``docs/conversion.md``, "Safetensors: our reader and writer, not the ``safetensors`` package".
 """
 
 from __future__ import annotations
@@ -286,6 +290,7 @@ def write_file(path: str | os.PathLike, specs: list[TensorSpec],
                                  f"expected {np.dtype(s.dtype)}{list(s.shape)}")
             f.write(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
             written += a.nbytes
+            del a                  # not alive while the next tensor is produced
             if on_tensor is not None:
                 on_tensor(s)
     return written
