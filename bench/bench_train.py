@@ -57,7 +57,7 @@ from kdsa.model.count import count_params  # noqa: E402
 from kdsa.sharding.mesh import fit_layout  # noqa: E402
 from kdsa.sharding.train_state import train_state_shardings  # noqa: E402
 from kdsa.train.config import TrainConfig  # noqa: E402
-from kdsa.train.metrics import progress_bar  # noqa: E402
+from kdsa.progress import Progress  # noqa: E402
 from kdsa.train.rl.config import RLConfig  # noqa: E402
 from kdsa.train.rl.loop import Sampler  # noqa: E402
 from kdsa.train.step import train_step  # noqa: E402
@@ -146,25 +146,25 @@ def main() -> int:
                   generate_devices=args.generate_devices)
     load0 = os.getloadavg()
     t_start = time.perf_counter()
-    bar = progress_bar(4, 0, True, lambda b, msg: b.set_description(msg))
+    bar = Progress(4, unit="phase")
 
     roof0 = matmul_flops(args.matmul, reps)
-    bar(1, f"matmul {roof0 / 1e9:.1f} GFLOP/s")
+    bar.advance_to(1, desc=f"matmul {roof0 / 1e9:.1f} GFLOP/s")
     tps, executed, step_s, graphdef, state = train_rate(config, tc, reps)
     roof1 = matmul_flops(args.matmul, reps)  # again right after the step: same load
     roof = max(roof0, roof1)
-    bar(2, f"train {tps:.0f} tokens/s")
+    bar.advance_to(2, desc=f"train {tps:.0f} tokens/s")
     active = count_params(config, preset).active_params
     model_flops = 6.0 * active * tc.batch_size * tc.seq_len / step_s
     exec_flops = executed / step_s
     model = nnx.merge(graphdef, state.params, state.rest)
     sampler = Sampler(model, config, rc, tc.seed)
     roll = rollout_rate(sampler, args.slots, prompt, new)
-    bar(3, f"rollouts {roll:.0f} tokens/s")
+    bar.advance_to(3, desc=f"rollouts {roll:.0f} tokens/s")
     sync_s, tree_bytes, train_mesh = sync_time(sampler, graphdef, state, config,
                                                args.train_devices, reps)
-    bar(4, f"sync {sync_s * 1e3:.1f} ms")
-    bar(None, None)
+    bar.advance_to(4, desc=f"sync {sync_s * 1e3:.1f} ms")
+    bar.close()
     res = {
         "preset": preset, "backend": jax.default_backend(), "devices": len(jax.devices()),
         "quick": args.quick, "load_average_before": load0, "load_average_after": os.getloadavg(),

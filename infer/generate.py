@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from kdsa.infer.engine import Engine, EngineDead, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import load_tokenizer
+from kdsa.progress import Progress
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 
@@ -164,17 +164,13 @@ def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | P
     order: a result row, or ``{"id", "error"}`` for a :class:`BadLine`, a request the engine
     refused or one that failed. Returns the summary (``failed``: error records, ``errors``:
     their first few)."""
-    bar = None
-    if progress and writer:
-        from tqdm import tqdm
-        bar = tqdm(total=len(requests), unit="req", file=sys.stderr, dynamic_ncols=True)
+    bar = Progress(len(requests), unit="req", enabled=progress and writer)
     done: dict[str, object] = {}
 
     def tick(ev):
         if ev.completion is not None:
             done[ev.request_id] = ev.completion
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
 
     records: list = []  # a Request (its completion comes later) or an error record
     t0 = time.perf_counter()
@@ -191,9 +187,8 @@ def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | P
     while engine.has_work():
         engine.step()
     elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.update(len(requests) - bar.n)
-        bar.close()
+    bar.advance_to(len(requests))
+    bar.close()
     rows = []
     for r in records:
         if not isinstance(r, Request):

@@ -109,25 +109,3 @@ def mfu(active_params: int, tokens: float, seconds: float, peak_flops: float,
     if peak_flops <= 0 or seconds <= 0:
         return 0.0
     return 6.0 * active_params * tokens / seconds / (peak_flops * devices)
-
-
-def progress_bar(total: int, initial: int, enabled: bool, show):
-    """A tqdm bar on stderr, or a no-op when not ``enabled``. ``bar(step, payload)`` moves it to
-    ``step`` and calls ``show(tqdm_bar, payload)`` to write the payload (loss, reward, ...);
-    ``bar(None, None)`` closes it."""
-    if not enabled:
-        return lambda step, payload: None
-    import sys
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
-
-    def update(step, payload):
-        if step is None:
-            bar.close()
-            return
-        bar.update(step - bar.n)
-        show(bar, payload)
-
-    return update

@@ -37,7 +37,8 @@ from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
 from kdsa.train.init_from import export_run, initial_state
-from kdsa.train.metrics import MetricsWriter, mfu, progress_bar
+from kdsa.progress import Progress
+from kdsa.train.metrics import MetricsWriter, mfu
 from kdsa.train.optim import make_optimizer
 from kdsa.train.placement import Placement
 from kdsa.train.run_dir import check_run_dir, state_bytes
@@ -188,7 +189,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     layout = abstract.segment_layout
     losses: dict[int, float] = {}
     stopped = False
-    bar = _progress(tc.steps, start, progress)
+    bar = Progress(tc.steps, initial=start, enabled=progress)
     step = start
     devices = jax.device_count() if mesh is None else mesh.size
     step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())))
@@ -205,7 +206,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                      mfu=mfu(active, m["tokens"], dt, tc.peak_flops, devices))
             losses[step] = m["loss"]
             writer.write(step, m)
-            bar(step, m)
+            _show_step(bar, step, m)
             meta = {"data_index": data_index, "train_config": tc.to_dict(),
                     "model_config": config.to_hf_config()}
             why = stop_reason(flag, stop_at, step, tc.steps)
@@ -219,7 +220,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
             ckpt.save(step, state, meta, force=step == tc.steps)
     ckpt.close()
     writer.close()
-    bar(None, None)
+    bar.close()
     if not stopped:
         export_run(run_dir, config, graphdef, state, step=step, init_from=init_from,
                    export_experts=export_experts, log=log)
@@ -227,8 +228,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                      resumed_from=None if restored is None else start)
 
 
-def _progress(total: int, initial: int, enabled: bool):
-    """The progress bar of a training run: step, loss, tokens/s, learning rate."""
-    return progress_bar(total, initial, enabled, lambda bar, m: bar.set_postfix(
-        loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}",
-        lr=f"{m['learning_rate']:.2e}", refresh=False))
+def _show_step(bar: Progress, step: int, m: dict) -> None:
+    """A training run's bar: step, loss, tokens/s, learning rate."""
+    bar.advance_to(step, loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:,.0f}",
+                   lr=f"{m['learning_rate']:.2e}")

@@ -36,6 +36,7 @@ from flax import nnx
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import check_destination, locate
+from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
 from kdsa.train.convert.export import NP_OF, Loader, export_specs
@@ -79,32 +80,6 @@ class Summary:
             lines.append(f"skipped (not part of the text model): {len(self.ignored)} tensors, "
                          f"e.g. {self.ignored[:3]}")
         return "\n".join(lines)
-
-
-class Progress:
-    """A plain stderr progress bar (no dependency), redrawn at most every 0.2 s."""
-
-    def __init__(self, total_bytes: int, total_items: int, enabled: bool = True):
-        self.total, self.items, self.enabled = max(total_bytes, 1), total_items, enabled
-        self.done = self.count = 0
-        self.t0 = self.last = time.perf_counter()
-
-    def update(self, nbytes: int) -> None:
-        self.done += nbytes
-        self.count += 1
-        now = time.perf_counter()
-        if self.enabled and (now - self.last > 0.2 or self.count == self.items):
-            self.last = now
-            frac = min(self.done / self.total, 1.0)
-            bar = "#" * int(30 * frac)
-            print(f"\r  [{bar:<30}] {100 * frac:5.1f}%  {self.count}/{self.items}  "
-                  f"{self.done / 1e6:.1f} MB  "
-                  f"{self.done / 1e6 / max(now - self.t0, 1e-9):.1f} MB/s",
-                  end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.count:
-            print(file=sys.stderr, flush=True)
 
 
 def _rss_now() -> int:
@@ -184,8 +159,8 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
             return jax.make_array_from_callback(
                 p.shape, sh, lambda idx: host_slice(p, st, lay, config, idx, stats))
 
-        bar = Progress(sum(math.prod(p.shape) * p.dtype.itemsize for p in params), len(params),
-                       progress)
+        bar = Progress(sum(math.prod(p.shape) * p.dtype.itemsize for p in params), unit="B",
+                       unit_scale=True, enabled=progress)
         src_experts = next((p.src_part for p in params if isinstance(p.rule, mp.ExpertRule)),
                            None)
         meta = {"source": {"layout": name, "path": str(src),
@@ -200,7 +175,7 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
                              sources=[src], extra_files=ckpt.tokenizer_files(src))
         finally:
             bar.close()
-        summary.bytes_written = bar.done
+        summary.bytes_written = bar.count
         summary.bytes_sliced = stats.bytes_sliced
     summary.seconds = time.perf_counter() - t0
     summary.peak_rss_delta = max(_peak_rss() - rss0, 0)
@@ -255,7 +230,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
         tmp = dst.parent / f"{dst.name}.kdsa-tmp"
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted run
         tmp.mkdir(parents=True)
-        bar = Progress(sum(s.nbytes for s in specs), len(specs), progress)
+        bar = Progress(sum(s.nbytes for s in specs), unit="B", unit_scale=True, enabled=progress)
         try:
             summary.bytes_written = write_checkpoint(
                 tmp, specs, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"},

@@ -59,7 +59,8 @@ from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.init_from import export_run, initial_state, tokenizer_folder
-from kdsa.train.metrics import MetricsWriter, progress_bar
+from kdsa.progress import Progress
+from kdsa.train.metrics import MetricsWriter
 from kdsa.train.placement import Placement
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
@@ -244,7 +245,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     rewards, lines = {}, {}
     pending: list = []  # partial rollouts: groups cut by the step cap, continued next step
     stopped, step = False, start
-    bar = _progress(total, start, progress)
+    bar = Progress(total, initial=start, enabled=progress)
     on_every = writes or place.collective  # who calls save (a sharded state: every process)
 
     def save(force: bool):
@@ -276,7 +277,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 step += 1
                 m["step_time_s"] = time.perf_counter() - t0
                 sft_writer.write(step, m)
-                bar(step, f"sft ce {m['ce']:.3f}")
+                bar.advance_to(step, desc=f"sft ce {m['ce']:.3f}")
             else:  # ---- RL ----
                 if ref_ckpt is not None and ref_params is None:
                     ref_params = state.params
@@ -310,7 +311,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                 m["step_time_s"] = time.perf_counter() - t0
                 writer.write(rl_i, m)
                 rewards[rl_i], lines[rl_i] = m["reward"], m
-                bar(step, f"rl step {rl_i} reward {m['reward']:.3f}")
+                bar.advance_to(step, desc=f"rl step {rl_i} reward {m['reward']:.3f}")
             why = stop_reason(flag, stop_at, step, total)
             if why:
                 save(True)
@@ -339,7 +340,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     writer.close()
     if sft_writer is not None:
         sft_writer.close()
-    bar(None, None)
+    bar.close()
     result = RLResult(rewards, lines, before, after, before_d, after_d, step, stopped,
                       None if restored is None else start)
     result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
@@ -409,9 +410,3 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
 
 def _fmt_domains(d: dict) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in d.items())
-
-
-def _progress(total: int, initial: int, enabled: bool):
-    """The progress bar of an RL run: the text names the phase and its main metric."""
-    return progress_bar(total, initial, enabled,
-                        lambda bar, text: bar.set_description(text, refresh=False))
