@@ -10,25 +10,10 @@ Each :meth:`Engine.step`:
 3. runs one decode step for every slot that is generating (rows at their own positions) and
    samples each row with its own parameters and random stream (``sampling.py``).
 
-Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``;
-``Request.answer_prefix``, forced once the answer starts: the tool-call opening of
-``tool_choice``),
-banned tokens (``Request.banned_token_ids``: masked to ``-inf`` in the jitted sampler, a fixed
-``[slots, max_banned_tokens]`` array so nothing recompiles; ``tool_choice: "none"`` bans the
-format's call opener; with bans or a prefix the engine also forces the format's answer opening
-after the model's own end of thinking, as forced tokens are exempt from the ban),
-the chat parser (events ``reasoning`` / ``content`` / ``tool_call``; without a parser raw text
-events), stop token ids (the format's end of message unless ``ignore_eos``), stop strings
-(matched on the content, or the raw text without a parser; the text is cut before the stop and
-content is held back by ``len(stop) - 1`` characters so a stream never shows a partial stop),
-``max_tokens`` and the context (``max_len``). Events go to ``Request.on_event`` from the engine
-thread; :meth:`Engine.generate` is the batch API.
-
-Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) must match its
-``<|media_pad|>`` placeholders (checked in :meth:`Engine.submit`, a ``ValueError``); when the
-request is admitted the runner encodes them once (``ModelRunner.encode_images``) and every
-prefill chunk passes the features of the placeholders it holds. A failure there finishes that
-request with ``abort`` and the engine keeps serving.
+The engine is three files: this one (the thread-safe API, the step loop, failures, metrics),
+``engine_slots.py`` (admission, cancellation, prefill, decode, finishing a request, images) and
+``engine_tokens.py`` (sampling rows and applying each token: forced and banned tokens, the
+chat parser, stops, events). :meth:`Engine.generate` is the batch API.
 
 Failures (``docs/serving.md``, Reliability): no request stops the engine. An exception in one
 request's work (image encoding, a prefill chunk, packing its sampling row, its parser, its
@@ -44,7 +29,6 @@ still held is aborted with that error, and :meth:`Engine.submit` raises :class:`
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -52,6 +36,8 @@ import time
 import numpy as np
 
 from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.engine_slots import SlotScheduling
+from kdsa.infer.engine_tokens import TokenStep
 from kdsa.infer.requests import (Completion, EngineDead, Event, GenerationError,  # noqa: F401
                                  Request, _Active, _describe)
 from kdsa.infer.sampling import sample, sample_jit
@@ -59,7 +45,7 @@ from kdsa.infer.sampling import sample, sample_jit
 log = logging.getLogger("kdsa.engine")
 
 
-class Engine:
+class Engine(SlotScheduling, TokenStep):
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
                  seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3):
@@ -246,254 +232,6 @@ class Engine:
         finally:
             if not stop.is_set() and self.failure is None:
                 self.die("the engine loop ended unexpectedly")
-
-    # ---- scheduling ----
-    def _apply_cancellations(self) -> None:
-        with self._lock:
-            if not self._cancel:
-                return
-            cancel, self._cancel = self._cancel, set()
-            keep = [a for a in self._waiting if a.req.request_id not in cancel]
-            dropped = [a for a in self._waiting if a.req.request_id in cancel]
-            self._waiting = collections.deque(keep)
-        for a in dropped:
-            self._finish(None, a, "abort")
-        for i, a in enumerate(self.slots):
-            if a is not None and a.req.request_id in cancel:
-                self._finish(i, a, "abort")
-
-    def _prefill_some(self) -> bool:
-        budget, did = self.prefill_budget, False
-        with self._lock:
-            for i in range(len(self.slots)):
-                if self.slots[i] is None and self._waiting:
-                    self.slots[i] = self._waiting.popleft()
-                    self.slots[i].metrics.admitted = time.perf_counter()
-        for i, a in enumerate(self.slots):
-            if a is not None and a.req.images and a.features is None and not self._encode(i, a):
-                did, a = True, None
-            if a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
-                try:
-                    budget = self._prefill_slot(i, a, budget, did)
-                except Exception as e:  # noqa: BLE001 -- this request fails, not the engine
-                    log.exception("prefill of %s failed; aborted", a.req.request_id)
-                    self._note("prefill", e)
-                    self._fail(i, a, e)
-                did = True
-        return did
-
-    def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
-        """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
-        budget left. The last chunk samples the first token."""
-        while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
-            chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
-            logits = self.runner.prefill(i, chunk, a.prefilled,
-                                         **self._chunk_images(a, len(chunk)))
-            self._note("prefill")
-            if self._record_routing:
-                a.routing.append(self.runner.last_routing)
-            a.prefilled += len(chunk)
-            budget -= len(chunk)
-            did = True
-            self.stats["prefill_tokens"] += len(chunk)
-            if a.prefilled == len(a.req.prompt):
-                self._sample_and_apply([(0, i)], logits)
-                a = self.slots[i]
-        return budget
-
-    def _encode(self, i: int, a: _Active) -> bool:
-        """Encode a request's images once; a failure aborts that request only."""
-        try:
-            a.features = np.asarray(self.runner.encode_images(a.req.images), np.float32)
-        except Exception:  # noqa: BLE001 -- one bad request must not stop the engine
-            log.exception("encoding the images of %s failed; aborted", a.req.request_id)
-            self._finish(i, a, "abort")
-            return False
-        vc = self.runner.config.vision_config
-        ph = np.asarray(a.req.prompt) == vc.media_placeholder_token_id
-        a.feature_index = np.where(ph, np.cumsum(ph) - 1, -1)
-        return True
-
-    def _chunk_images(self, a: _Active, n: int) -> dict:
-        if a.features is None:
-            return {}
-        idx = a.feature_index[a.prefilled:a.prefilled + n]
-        return {"image_embeds": a.features[np.maximum(idx, 0)], "image_mask": idx >= 0}
-
-    def _decode(self) -> None:
-        s = len(self.slots)
-        rows = [i for i, a in enumerate(self.slots)
-                if a is not None and a.prefilled == len(a.req.prompt)]
-        tokens, pos, active = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool)
-        for i in rows:
-            a = self.slots[i]
-            tokens[i], pos[i], active[i] = a.tokens[-1], len(a.req.prompt) + len(a.tokens) - 1, 1
-        t0 = time.perf_counter()
-        try:
-            logits = self.runner.decode(tokens, pos, active)
-        except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
-            log.exception("decode step failed; its %d requests are aborted", len(rows))
-            self._note("decode", e)
-            for i in rows:
-                self._fail(i, self.slots[i], e)
-            return
-        self._note("decode")
-        if self._record_routing:
-            for i in rows:
-                self.slots[i].routing.append(self.runner.last_routing[i:i + 1])
-        self._sample_and_apply([(i, i) for i in rows], logits)
-        self.stats["decode_steps"] += 1
-        self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["decode_rows"] += len(rows)
-
-    def _sample_and_apply(self, pairs: list[tuple[int, int]], logits) -> None:
-        """Sample every (logits row, slot) pair and apply the tokens. A row that cannot be
-        packed, parsed or delivered fails alone; a failing sampler fails every row."""
-        n, vocab = logits.shape[0], min(self.runner.vocab_size, self.tok.vocab_size)
-        if logits.shape[-1] > vocab:  # a padded embedding: ids the tokenizer lacks are never
-            logits = logits[:, :vocab]  # sampled (log-probs over the tokenizer's ids)
-        temp, top_p, min_p = (np.ones(n, np.float32), np.ones(n, np.float32),
-                              np.zeros(n, np.float32))
-        top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),
-                                  np.zeros(n, np.int32))
-        forced = np.full(n, -1, np.int32)
-        banned = np.full((n, self.max_banned), -1, np.int32)
-        ok = []
-        for r, i in pairs:
-            a, sp = self.slots[i], self.slots[i].req.sampling
-            try:  # top_k past the vocabulary keeps every token: clamped so it fits int32
-                temp[r], top_k[r], top_p[r], min_p[r] = (sp.temperature, min(sp.top_k, vocab),
-                                                         sp.top_p, sp.min_p)
-                seeds[r], counters[r] = a.seed, len(a.tokens)
-                ban = a.req.banned_token_ids
-                banned[r, :len(ban)] = ban
-            except Exception as e:  # noqa: BLE001 -- e.g. a value the arrays cannot hold
-                log.exception("sampling parameters of %s rejected; aborted", a.req.request_id)
-                self._fail(i, a, e)
-                continue
-            if a.forced:
-                forced[r] = a.forced.popleft()
-            ok.append((r, i))
-        if not ok:
-            return
-        try:
-            out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
-                               banned, num_top=self.num_top)
-            tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
-            self._note("sample")
-        except Exception as e:  # noqa: BLE001 -- shared by the rows: they all fail
-            log.exception("sampling failed; %d requests aborted", len(ok))
-            self._note("sample", e)
-            for _, i in ok:
-                self._fail(i, self.slots[i], e)
-            return
-        for r, i in ok:
-            a = self.slots[i]
-            try:
-                self._apply(i, int(tok[r]), float(lp[r]), top_ids[r], top_lp[r])
-            except Exception as e:  # noqa: BLE001 -- its parser or on_event: this one fails
-                log.exception("applying a token to %s failed; aborted", a.req.request_id)
-                self._fail(i, a, e)
-
-    def _apply(self, i: int, token: int, logprob: float, top_ids, top_lp) -> None:
-        a = self.slots[i]
-        req, sp = a.req, a.req.sampling
-        now = time.perf_counter()
-        if a.metrics.first_token is None:
-            a.metrics.first_token = now
-        a.tokens.append(token)
-        a.logprobs.append(logprob)
-        k = sp.top_logprobs
-        top = [(int(t), float(v)) for t, v in zip(top_ids[:k], top_lp[:k])]
-        a.top.append(top)
-        self.stats["generated_tokens"] += 1
-        piece = "" if self.tok.is_special(token) else a.raw.decode(self.tok.token_bytes(token))
-        if a.budget is not None:
-            a.forced.extend(a.budget.observe(token, piece))
-            if a.open_answer and not a.budget.in_reasoning:  # reasoning closed: open the answer
-                a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
-                                + a.prefix)
-                a.prefix, a.open_answer = (), False
-        deltas: list[tuple[str, object]] = []
-        if req.parser is not None:
-            for kind, value in req.parser.feed(token):
-                if kind == "content":
-                    a.text += value
-                else:
-                    deltas.append((kind, value))
-        else:
-            a.text += piece
-        reason = None
-        if token in a.stop_ids:
-            reason = "stop"
-        cut = self._find_stop(a)
-        if cut is not None:
-            a.text, reason = a.text[:cut], "stop"
-        elif len(a.tokens) >= sp.max_tokens or len(req.prompt) + len(a.tokens) >= \
-                self.runner.max_len:
-            reason = reason or "length"
-        if reason is not None and req.parser is not None:
-            for kind, value in req.parser.flush():
-                if kind == "content" and cut is None:
-                    a.text += value
-                elif kind != "content":
-                    deltas.append((kind, value))
-        upto = len(a.text) if reason else max(a.sent, len(a.text) - a.hold)
-        if upto > a.sent:
-            deltas.append(("content" if req.parser is not None else "text", a.text[a.sent:upto]))
-            a.sent = upto
-        ev = Event(req.request_id, token, logprob, top, deltas)
-        if reason is not None:
-            ev.completion = self._finish(i, a, reason, emit=False)
-        if req.on_event is not None:
-            req.on_event(ev)
-
-    def _find_stop(self, a: _Active) -> int | None:
-        stops = a.req.sampling.stop
-        if not stops:
-            return None
-        lo = a.sent  # text before it was checked on earlier tokens
-        hits = [j for j in (a.text.find(s, lo) for s in stops) if j >= 0]
-        return min(hits) if hits else None
-
-    def _fail(self, i: int | None, a: _Active, e: BaseException) -> None:
-        """Abort request ``a`` (in slot ``i``) because of ``e``, unless it already finished."""
-        if a.finish_reason is not None:  # e.g. its on_event failed on the last event
-            if i is not None and self.slots[i] is a:
-                self.slots[i] = None
-            return
-        self.stats["failed"] += 1
-        self._finish(i, a, "abort", error=_describe(e))
-
-    def _finish(self, i: int | None, a: _Active, reason: str, emit: bool = True,
-                error: str | None = None) -> Completion:
-        """Free slot ``i`` and build ``a``'s completion; ``emit``: send the last event (a
-        failing ``on_event`` is only logged: the request is over either way)."""
-        a.metrics.finished = time.perf_counter()
-        a.finish_reason = reason
-        if i is not None:
-            self.slots[i] = None
-        output = None
-        if a.req.parser is not None:
-            try:
-                output = dataclasses.replace(a.req.parser.finish(), content=a.text)
-            except Exception as e:  # noqa: BLE001 -- a broken parser fails this request
-                log.exception("the parser of %s failed", a.req.request_id)
-                reason, error = "abort", error or _describe(e)
-        b = a.budget
-        comp = Completion(a.req.request_id, len(a.req.prompt), a.tokens, a.logprobs, a.top,
-                          a.text, output, reason, b.reasoning_tokens if b else 0,
-                          bool(b and b.forced_close), a.metrics,
-                          np.concatenate(a.routing) if a.routing else None, error)
-        self.stats["finished"] += 1
-        self.stats[f"finish_{reason}"] += 1
-        self._record(comp)
-        if emit and a.req.on_event is not None:
-            try:
-                a.req.on_event(Event(a.req.request_id, None, None, [], [], comp))
-            except Exception:  # noqa: BLE001
-                log.exception("on_event of %s failed on its last event", a.req.request_id)
-        return comp
 
     # ---- metrics ----
     def _record(self, c: Completion) -> None:

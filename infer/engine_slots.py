@@ -1,0 +1,172 @@
+"""The engine's slots (mixed into :class:`~kdsa.infer.engine.Engine`): admission, cancellation,
+chunked prefill, the batched decode step, and finishing a request (its slot freed, its
+``Completion`` built).
+
+Waiting requests move into free slots in arrival order and are prefilled chunk by chunk, at most
+``prefill_tokens_per_step`` prompt tokens per step (at least one chunk); the last chunk samples
+the request's first token from the prefill logits. The decode step runs every slot that is
+generating at once, each row at its own position. Tokens then go to ``engine_tokens.py``.
+
+Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) must match its
+``<|media_pad|>`` placeholders (checked in :meth:`Engine.submit`, a ``ValueError``); when the
+request is admitted the runner encodes them once (``ModelRunner.encode_images``) and every
+prefill chunk passes the features of the placeholders it holds. A failure there finishes that
+request with ``abort`` and the engine keeps serving.
+
+The methods use the engine's state (``runner``, ``slots``, ``_waiting``, ``_cancel``,
+``_lock``, ``stats``, ``prefill_budget``, ``_record_routing``) and its ``_note`` / ``_record``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from kdsa.infer.requests import Completion, Event, _Active, _describe
+
+log = logging.getLogger("kdsa.engine")
+
+
+class SlotScheduling:
+    """Slots of :class:`Engine`: who runs where, prefill, decode, finishing."""
+
+    def _apply_cancellations(self) -> None:
+        with self._lock:
+            if not self._cancel:
+                return
+            cancel, self._cancel = self._cancel, set()
+            keep = [a for a in self._waiting if a.req.request_id not in cancel]
+            dropped = [a for a in self._waiting if a.req.request_id in cancel]
+            self._waiting = collections.deque(keep)
+        for a in dropped:
+            self._finish(None, a, "abort")
+        for i, a in enumerate(self.slots):
+            if a is not None and a.req.request_id in cancel:
+                self._finish(i, a, "abort")
+
+    def _prefill_some(self) -> bool:
+        budget, did = self.prefill_budget, False
+        with self._lock:
+            for i in range(len(self.slots)):
+                if self.slots[i] is None and self._waiting:
+                    self.slots[i] = self._waiting.popleft()
+                    self.slots[i].metrics.admitted = time.perf_counter()
+        for i, a in enumerate(self.slots):
+            if a is not None and a.req.images and a.features is None and not self._encode(i, a):
+                did, a = True, None
+            if a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+                try:
+                    budget = self._prefill_slot(i, a, budget, did)
+                except Exception as e:  # noqa: BLE001 -- this request fails, not the engine
+                    log.exception("prefill of %s failed; aborted", a.req.request_id)
+                    self._note("prefill", e)
+                    self._fail(i, a, e)
+                did = True
+        return did
+
+    def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
+        """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
+        budget left. The last chunk samples the first token."""
+        while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+            chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
+            logits = self.runner.prefill(i, chunk, a.prefilled,
+                                         **self._chunk_images(a, len(chunk)))
+            self._note("prefill")
+            if self._record_routing:
+                a.routing.append(self.runner.last_routing)
+            a.prefilled += len(chunk)
+            budget -= len(chunk)
+            did = True
+            self.stats["prefill_tokens"] += len(chunk)
+            if a.prefilled == len(a.req.prompt):
+                self._sample_and_apply([(0, i)], logits)
+                a = self.slots[i]
+        return budget
+
+    def _encode(self, i: int, a: _Active) -> bool:
+        """Encode a request's images once; a failure aborts that request only."""
+        try:
+            a.features = np.asarray(self.runner.encode_images(a.req.images), np.float32)
+        except Exception:  # noqa: BLE001 -- one bad request must not stop the engine
+            log.exception("encoding the images of %s failed; aborted", a.req.request_id)
+            self._finish(i, a, "abort")
+            return False
+        vc = self.runner.config.vision_config
+        ph = np.asarray(a.req.prompt) == vc.media_placeholder_token_id
+        a.feature_index = np.where(ph, np.cumsum(ph) - 1, -1)
+        return True
+
+    def _chunk_images(self, a: _Active, n: int) -> dict:
+        if a.features is None:
+            return {}
+        idx = a.feature_index[a.prefilled:a.prefilled + n]
+        return {"image_embeds": a.features[np.maximum(idx, 0)], "image_mask": idx >= 0}
+
+    def _decode(self) -> None:
+        s = len(self.slots)
+        rows = [i for i, a in enumerate(self.slots)
+                if a is not None and a.prefilled == len(a.req.prompt)]
+        tokens, pos, active = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool)
+        for i in rows:
+            a = self.slots[i]
+            tokens[i], pos[i], active[i] = a.tokens[-1], len(a.req.prompt) + len(a.tokens) - 1, 1
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.decode(tokens, pos, active)
+        except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
+            log.exception("decode step failed; its %d requests are aborted", len(rows))
+            self._note("decode", e)
+            for i in rows:
+                self._fail(i, self.slots[i], e)
+            return
+        self._note("decode")
+        if self._record_routing:
+            for i in rows:
+                self.slots[i].routing.append(self.runner.last_routing[i:i + 1])
+        self._sample_and_apply([(i, i) for i in rows], logits)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_rows"] += len(rows)
+
+    def _fail(self, i: int | None, a: _Active, e: BaseException) -> None:
+        """Abort request ``a`` (in slot ``i``) because of ``e``, unless it already finished."""
+        if a.finish_reason is not None:  # e.g. its on_event failed on the last event
+            if i is not None and self.slots[i] is a:
+                self.slots[i] = None
+            return
+        self.stats["failed"] += 1
+        self._finish(i, a, "abort", error=_describe(e))
+
+    def _finish(self, i: int | None, a: _Active, reason: str, emit: bool = True,
+                error: str | None = None) -> Completion:
+        """Free slot ``i`` and build ``a``'s completion; ``emit``: send the last event (a
+        failing ``on_event`` is only logged: the request is over either way)."""
+        a.metrics.finished = time.perf_counter()
+        a.finish_reason = reason
+        if i is not None:
+            self.slots[i] = None
+        output = None
+        if a.req.parser is not None:
+            try:
+                output = dataclasses.replace(a.req.parser.finish(), content=a.text)
+            except Exception as e:  # noqa: BLE001 -- a broken parser fails this request
+                log.exception("the parser of %s failed", a.req.request_id)
+                reason, error = "abort", error or _describe(e)
+        b = a.budget
+        comp = Completion(a.req.request_id, len(a.req.prompt), a.tokens, a.logprobs, a.top,
+                          a.text, output, reason, b.reasoning_tokens if b else 0,
+                          bool(b and b.forced_close), a.metrics,
+                          np.concatenate(a.routing) if a.routing else None, error)
+        self.stats["finished"] += 1
+        self.stats[f"finish_{reason}"] += 1
+        self._record(comp)
+        if emit and a.req.on_event is not None:
+            try:
+                a.req.on_event(Event(a.req.request_id, None, None, [], [], comp))
+            except Exception:  # noqa: BLE001
+                log.exception("on_event of %s failed on its last event", a.req.request_id)
+        return comp
