@@ -80,7 +80,7 @@ class Completion:
     forced_close: bool
     metrics: RequestMetrics
     # runner.record_routing: experts used per token the model ran (prompt, then every sampled
-    # token fed back) [n, L, k] int32 (RL routing replay); None otherwise
+    # token fed back) [n, L_moe, k] int32 (RL routing replay); None otherwise
     routing: np.ndarray | None = None
     error: str | None = None  # why the request failed (finish_reason "abort"); None otherwise
 
@@ -133,4 +133,4 @@ class _Active:
         self.finish_reason: str | None = None
         self.features = None  # [image tokens, D] once encoded
         self.feature_index = None  # [prompt] feature row per placeholder position, -1 elsewhere
-        self.routing: list[np.ndarray] = []  # runner.record_routing: [n, L, k] per step
+        self.routing: list[np.ndarray] = []  # runner.record_routing: [n, L_moe, k] per step

@@ -16,9 +16,9 @@
 Shapes are static, so prefill compiles once per bucket and decode once. The cache is donated to
 each step.
 
-``record_routing`` (RL routing replay): both steps also return the experts every layer used for
-the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L, k]`` int32 for a prefill
-chunk's real tokens, ``[S, L, k]`` for a decode step; -1 in dense-FFN layers).
+``record_routing`` (RL routing replay): both steps also return the experts every MoE layer used
+for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe, k]`` int32 for
+a prefill chunk's real tokens, ``[S, L_moe, k]`` for a decode step; the MoE layers in order).
 
 With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
 
@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kdsa.model.outputs import Collect, ImageInputs
 
 
 def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
@@ -176,7 +178,7 @@ class ModelRunner:
         with self._rules():
             logits, self.cache, *routing = self._prefill(self.state, self.cache, *args)
         if routing:
-            self.last_routing = _host(routing[0])[:n]                     # [n, L, k]
+            self.last_routing = _host(routing[0])[:n]                     # [n, L_moe, k]
         return logits
 
     def encode_images(self, images) -> np.ndarray:
@@ -197,7 +199,7 @@ class ModelRunner:
         with self._rules():
             logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
         if routing:
-            self.last_routing = _host(routing[0])                         # [S, L, k]
+            self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits
 
     def warmup(self) -> None:
@@ -227,22 +229,23 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
     row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
     row = jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
     idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
-    out = model.forward(ids, positions=start + idx,
-                        segment_ids=(idx < length).astype(jnp.int32), cache=row,
-                        image_embeds=embeds, image_mask=mask, record_routing=record_routing)
+    images = None if embeds is None else ImageInputs(embeds=embeds, mask=mask)
+    out = model.forward(ids, start + idx, row, segment_ids=(idx < length).astype(jnp.int32),
+                        images=images, collect=Collect(routing=record_routing))
     last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
     cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
                          cache, out.cache)
-    if record_routing:                                                  # [b, L, k]
-        return last, cache, jnp.transpose(out.expert_ids[:, 0], (1, 0, 2))
+    if record_routing:                                                  # [b, L_moe, k]
+        return last, cache, jnp.transpose(out.stats.expert_ids[:, 0], (1, 0, 2))
     return last, cache                                                  # [1, V]
 
 
 def _decode_step(graphdef, state, cache, tokens, positions, active, *, record_routing=False):
     model = nnx.merge(graphdef, state)
-    out = model.forward(tokens[:, None], positions=positions[:, None],
-                        segment_ids=active[:, None].astype(jnp.int32), cache=cache,
-                        record_routing=record_routing)
-    if record_routing:                                                  # [S, L, k]
-        return out.logits[:, 0], out.cache, jnp.transpose(out.expert_ids[:, :, 0], (1, 0, 2))
+    out = model.forward(tokens[:, None], positions[:, None], cache,
+                        segment_ids=active[:, None].astype(jnp.int32),
+                        collect=Collect(routing=record_routing))
+    if record_routing:                                                  # [S, L_moe, k]
+        return (out.logits[:, 0], out.cache,
+                jnp.transpose(out.stats.expert_ids[:, :, 0], (1, 0, 2)))
     return out.logits[:, 0], out.cache                                  # [S, V]

@@ -25,6 +25,7 @@ from kdsa.model.ffn import DenseFFN
 from kdsa.model.kda_layer import KDA
 from kdsa.model.layers import RMSNorm
 from kdsa.model.moe import MoE
+from kdsa.model.outputs import Collect
 from kdsa.model.partitioning import constrain
 
 ACT = ("act_batch", "act_seq", "act_embed")  # residual stream [B, T, D]; no-op without rules
@@ -47,14 +48,16 @@ class DecoderLayer(nnx.Module):
             self.mlp_res = AttnResScorer(d, eps=eps)
 
     def __call__(self, res: Residual, layer_idx: jax.Array, *, positions: jax.Array,
-                 segment_ids: jax.Array | None, cache, indexer_loss: str,
-                 expert_ids: jax.Array | None = None, record_routing: bool = False):
-        """Returns ``(residual, new_cache, aux)``; aux has ``indexer_kl`` [] and
-        ``expert_load`` [E] (zeros for dense layers and KDA layers respectively),
-        ``replay_agreement`` [2] (sum, count; zeros without replay) and, with
-        ``record_routing``, ``expert_ids`` [B, T, k] (the experts used; -1 for a dense FFN).
-        ``expert_ids`` [B, T, k]: routing replay (``MoE``); ignored by a dense FFN."""
+                 segment_ids: jax.Array | None, cache, collect: Collect,
+                 expert_ids: jax.Array | None = None):
+        """Returns ``(residual, new_cache, stats)``. ``stats`` holds only what this layer has
+        and ``collect`` asks for: ``indexer_kl`` [] (a DSA layer, ``collect.indexer_kl``),
+        ``expert_load`` [E] and under expert parallelism ``moe_dropped`` [] (an MoE layer,
+        ``collect.expert_load``), ``expert_ids`` [B, T, k] (an MoE layer, ``collect.routing``),
+        ``replay_agreement`` [2] (an MoE layer given ``expert_ids`` [B, T, k], routing replay).
+        """
         cfg = self.config
+        stats = {}
         attn_res = cfg.attn_res_block_size is not None
         if attn_res:
             h = self.self_attention_res(res.hidden, res.blocks, res.n_blocks)
@@ -64,34 +67,32 @@ class DecoderLayer(nnx.Module):
         mixer_in = self.input_layernorm(h)
         if self.mixer_kind == "kda":
             out, cache = self.self_attn(mixer_in, segment_ids=segment_ids, cache=cache)
-            kl = jnp.zeros((), jnp.float32)
         else:
             out, cache, mixer_aux = self.self_attn(mixer_in, positions=positions,
                                                    segment_ids=segment_ids, cache=cache,
-                                                   indexer_loss=indexer_loss)
-            kl = mixer_aux["indexer_kl"].astype(jnp.float32)
+                                                   indexer_loss=collect.indexer_kl)
+            if collect.indexer_kl != "none":
+                stats["indexer_kl"] = mixer_aux["indexer_kl"].astype(jnp.float32)
         stream = constrain(res.hidden + out.astype(res.hidden.dtype), ACT)
         h = self.mlp_res(stream, res.blocks, res.n_blocks) if attn_res else stream
         ffn_in = self.post_attention_layernorm(h)
         if self.ffn_kind == "moe":
             token_mask = None if segment_ids is None else segment_ids != 0
-            ffn_out, stats = self.block_sparse_moe(ffn_in, token_mask=token_mask,
-                                                   expert_ids=expert_ids)
-            load = stats["expert_load"].astype(jnp.float32)
-            dropped = stats.get("moe_dropped", jnp.zeros((), jnp.int32))  # expert parallel
+            ffn_out, moe = self.block_sparse_moe(ffn_in, token_mask=token_mask,
+                                                 expert_ids=expert_ids)
+            if collect.expert_load:
+                stats["expert_load"] = moe["expert_load"].astype(jnp.float32)
+                if "moe_dropped" in moe:  # expert parallel
+                    stats["moe_dropped"] = moe["moe_dropped"]
+            if collect.routing:
+                stats["expert_ids"] = moe["expert_ids"]
+            if expert_ids is not None:
+                stats["replay_agreement"] = moe["replay_agreement"]
         else:
             ffn_out = self.mlp(ffn_in)
-            load = jnp.zeros((max(cfg.num_experts, 1),), jnp.float32)
-            dropped = jnp.zeros((), jnp.int32)
-            stats = {}
         res = res.replace(hidden=constrain(stream + ffn_out.astype(stream.dtype), ACT),
                           blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
-        aux = {"indexer_kl": kl, "expert_load": load, "moe_dropped": dropped,
-               "replay_agreement": stats.get("replay_agreement", jnp.zeros((2,), jnp.float32))}
-        if record_routing:  # -1: a dense FFN has no experts
-            aux["expert_ids"] = stats.get("expert_ids", jnp.full(
-                ffn_in.shape[:2] + (max(cfg.num_experts_per_token, 1),), -1, jnp.int32))
-        return res, cache, aux
+        return res, cache, stats
 
 
 class LayerGroup(nnx.Module):
@@ -102,20 +103,15 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, m, f, rngs=rngs) for m, f in kinds])
 
     def __call__(self, res: Residual, first_layer: jax.Array, *, positions, segment_ids, caches,
-                 indexer_loss: str, expert_ids: jax.Array | None = None,
-                 record_routing: bool = False):
-        """``expert_ids`` [P, B, T, k] or None; aux entries stacked over the P layers."""
-        new_caches, auxs = [], []
+                 collect: Collect, expert_ids: tuple | None = None):
+        """``expert_ids``: per layer ``[B, T, k]`` or None (routing replay); returns the
+        per-layer stats as a tuple of dicts (their keys differ by layer kind)."""
+        new_caches, stats = [], []
         for i, layer in enumerate(self.layers):
             cache = None if caches is None else caches[i]
-            res, cache, aux = layer(res, first_layer + i, positions=positions,
-                                    segment_ids=segment_ids, cache=cache,
-                                    indexer_loss=indexer_loss,
-                                    expert_ids=None if expert_ids is None else expert_ids[i],
-                                    record_routing=record_routing)
+            res, cache, st = layer(res, first_layer + i, positions=positions,
+                                   segment_ids=segment_ids, cache=cache, collect=collect,
+                                   expert_ids=None if expert_ids is None else expert_ids[i])
             new_caches.append(cache)
-            auxs.append(aux)
-        # indexer_kl [P], expert_load [P, E], moe_dropped [P], replay_agreement [P, 2],
-        # expert_ids [P, B, T, k]
-        aux = {k: jnp.stack([a[k] for a in auxs]) for k in auxs[0]}
-        return res, (None if caches is None else tuple(new_caches)), aux
+            stats.append(st)
+        return res, (None if caches is None else tuple(new_caches)), tuple(stats)

@@ -38,10 +38,10 @@ from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_ke
 from kdsa.model.config import ModelConfig
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention
 from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
+from kdsa.model.outputs import INDEXER_LOSSES
 from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
 from kdsa.model import sequence_parallel as cp
 
-INDEXER_LOSSES = ("none", "dense", "sparse")
 f32 = jnp.float32
 # q_a_layernorm / kv_a_layernorm eps: fixed 1e-6 whatever rms_norm_eps says (1e-5 for Kimi):
 # DeepSeek-V3's reference MLA (RMSNorm default eps) and transformers 5.18 DeepseekV32Attention /

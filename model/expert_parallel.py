@@ -49,12 +49,12 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.partitioning import ShardingContext, current
 
 
-def routed_experts_fn(default):
-    """``default`` (single-device experts) unless the active rules shard experts or their
-    hidden dim over a mesh axis, then :func:`experts_sharded` bound to the context."""
+def expert_parallel_experts():
+    """:func:`experts_sharded` bound to the active sharding context when its rules shard the
+    experts or their hidden dim over a mesh axis; None otherwise (single-device experts)."""
     ctx = current()
     if ctx is None or not (ctx.axes("experts") or ctx.axes("expert_mlp")):
-        return default
+        return None
     return functools.partial(experts_sharded, ctx=ctx)
 
 

@@ -44,7 +44,7 @@ from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, lecun_init, param
-from kdsa.model.expert_parallel import routed_experts_fn
+from kdsa.model.expert_parallel import expert_parallel_experts
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
@@ -337,12 +337,20 @@ class MoE(nnx.Module):
                  expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """``expert_ids [B, T, k]``: use these experts instead of the router's top-k (routing
         replay); the gate weights still come from the current router."""
-        return self._forward(x, token_mask, routed_experts_fn(experts_ragged), expert_ids)
+        return self._forward(x, token_mask, experts_ragged, expert_ids)
 
     def reference(self, x: jax.Array, *, token_mask: jax.Array | None = None,
                   expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Same layer with the one-hot dense expert computation (tests, debugging)."""
         return self._forward(x, token_mask, experts_one_hot, expert_ids)
+
+    def _routed(self, z, topk_idx, topk_weight, experts_fn: ExpertsFn) -> tuple[jax.Array, dict]:
+        """The routed experts ``[N, De]`` and, under expert parallelism (the active rules shard
+        the experts), ``{"moe_dropped": [] int32}``; ``{}`` on one device."""
+        sharded = expert_parallel_experts() if experts_fn is experts_ragged else None
+        if sharded is None:
+            return self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn), {}
+        return sharded(z, topk_idx, topk_weight, *self.experts.float_weights(), self.config)
 
     def _forward(self, x: jax.Array, token_mask: jax.Array | None, experts_fn: ExpertsFn,
                  expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -361,8 +369,7 @@ class MoE(nnx.Module):
             expert_ids = expert_ids.reshape(b * t, -1).astype(jnp.int32)
         topk_idx, topk_weight, scores = self.gate(xf, expert_ids)  # [N, k], [N, k], [N, E]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
-        r = self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn)  # [N, De]
-        r, ep_metrics = r if isinstance(r, tuple) else (r, {})  # expert parallel: moe_dropped
+        r, ep_metrics = self._routed(z, topk_idx, topk_weight, experts_fn)  # [N, De]
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         if self.routed_expert_up_proj is not None:

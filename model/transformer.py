@@ -11,15 +11,18 @@ Public API::
 
     model = Transformer(config, rngs=nnx.Rngs(0))
     logits = model(input_ids)                       # [B, T] int32 -> [B, T, V] float32
-    out = model.forward(input_ids, cache=model.init_cache(B, max_len), positions=pos)
-    out.logits, out.cache, out.indexer_kl [L], out.expert_load [L, E]
+    out = model.forward(input_ids, pos, model.init_cache(B, max_len))   # prefill / decode
+    out.logits, out.cache
+    out = model.forward(input_ids, collect=Collect(expert_load=True))  # training statistics
+    out.stats.expert_load                           # [L_moe, E]  (model/outputs.py)
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+import numpy as np
+from flax import nnx
 
 from kdsa.model.attn_res import AttnResScorer, Residual, initial_residual
 from kdsa.model.block import ACT, LayerGroup
@@ -27,6 +30,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.dsa_layer import init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
+from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
 from kdsa.model.partitioning import constrain
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
@@ -69,17 +73,6 @@ def default_positions(input_ids: jax.Array, segment_ids: jax.Array | None) -> ja
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
-@struct.dataclass
-class ModelOutput:
-    logits: jax.Array  # [B, T, V] float32
-    cache: tuple | None  # per segment, per period position: stacked layer caches
-    indexer_kl: jax.Array  # [L] float32 (0 for KDA layers)
-    expert_load: jax.Array  # [L, E] float32 (0 for dense-FFN layers)
-    moe_dropped: jax.Array | None = None  # [L] int32: expert-parallel assignments over capacity
-    expert_ids: jax.Array | None = None  # [L, B, T, k] int32 with record_routing (-1: dense FFN)
-    replay_agreement: jax.Array | None = None  # [2] float32: sum, count over replayed tokens
-
-
 class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -110,25 +103,23 @@ class Transformer(nnx.Module):
                  segment_ids: jax.Array | None = None) -> jax.Array:
         return self.forward(input_ids, positions=positions, segment_ids=segment_ids).logits
 
-    def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
-                segment_ids: jax.Array | None = None, cache: tuple | None = None,
-                indexer_loss: str = "none", image_embeds: jax.Array | None = None,
-                image_mask: jax.Array | None = None, expert_ids: jax.Array | None = None,
-                record_routing: bool = False) -> ModelOutput:
+    def forward(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                cache: tuple | None = None, segment_ids: jax.Array | None = None,
+                images: ImageInputs | None = None, *, collect: Collect | None = None,
+                replay: RoutingReplay | None = None) -> Output:
         """Full forward (cache None), prefill or decode (cache from ``init_cache``).
 
-        ``positions`` [B, T] int32 (default: 0..T-1, restarting per segment); with a cache they
-        are the absolute slots the tokens are written to. ``segment_ids`` [B, T] int32: packed
-        documents (no cache) or padding marks (0 = pad, right padding). ``image_embeds``
-        [B, T, D] replace the token embeddings where ``image_mask`` [B, T] is set (image
-        placeholders, ``model/vision/assemble.py : image_inputs``).
+        ``input_ids`` [B, T] int32. ``positions`` [B, T] int32 (default: 0..T-1, restarting per
+        segment); with a cache they are the absolute slots the tokens are written to.
+        ``segment_ids`` [B, T] int32: packed documents (no cache) or padding marks (0 = pad,
+        right padding). ``images``: features placed at the image placeholders.
 
-        MoE routing replay (RL): ``expert_ids`` [L, B, T, k] int32 are the experts each MoE
-        layer uses instead of its router's top-k (rows starting with -1, and dense layers'
-        rows, are ignored); ``out.replay_agreement`` says how often the router agreed.
-        ``record_routing``: ``out.expert_ids`` [L, B, T, k] are the experts every layer used.
+        ``collect`` asks for training statistics and ``replay`` applies MoE routing replay
+        (``model/outputs.py``); with either, ``out.stats`` holds what was asked for, stacked
+        over the layers that have it. Without, ``out.stats`` is None.
         """
         cfg = self.config
+        collect = Collect() if collect is None else collect
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if positions is None:
@@ -136,70 +127,68 @@ class Transformer(nnx.Module):
                 raise ValueError("positions are required with a cache (the slots to write)")
             positions = default_positions(input_ids, segment_ids)
         h = self.embed_tokens(input_ids)
-        if image_embeds is not None:
-            h = jnp.where(image_mask[..., None], image_embeds.astype(h.dtype), h)
+        if images is not None:
+            h = jnp.where(images.mask[..., None], images.embeds.astype(h.dtype), h)
         res = initial_residual(constrain(h, ACT), cfg.num_attn_res_blocks)
         res = res.replace(blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
-        b, t = input_ids.shape
-        if expert_ids is not None and (expert_ids.ndim != 4 or expert_ids.shape[:3] != (
-                cfg.num_hidden_layers, b, t)):
-            raise ValueError(f"expert_ids must be [L={cfg.num_hidden_layers}, B={b}, T={t}, k], "
-                             f"got {expert_ids.shape}")
-        new_caches, kls, loads, drops, agree, used = [], [], [], [], [], []
+        moe_rows = {layer: row for row, layer in enumerate(layers_of(cfg, ffn="moe"))}
+        replayed = None if replay is None else _check_replay(replay.expert_ids, input_ids.shape,
+                                                             len(moe_rows))
+        new_caches, pieces = [], {}  # pieces[name]: (layer indices, values [R, ...]) per slot
         for seg_i, (start, period, repeats) in enumerate(self.segment_layout):
-            seg_cache = None if cache is None else cache[seg_i]
-            seg_ids = None if expert_ids is None else expert_ids[
-                start:start + period * repeats].reshape((repeats, period) + expert_ids.shape[1:])
-            res, seg_cache, aux = self._run_segment(
+            rows = [start + j + period * np.arange(repeats) for j in range(period)]
+            seg_ids = None if replayed is None else tuple(
+                replayed[np.asarray([moe_rows[int(i)] for i in r])] if int(r[0]) in moe_rows
+                else None for r in rows)  # per period position: [R, B, T, k] or None
+            res, seg_cache, stats = self._run_segment(
                 self.segments[seg_i], res, start, period, repeats, positions=positions,
-                segment_ids=segment_ids, caches=seg_cache, indexer_loss=indexer_loss,
-                expert_ids=seg_ids, record_routing=record_routing)
+                segment_ids=segment_ids, caches=None if cache is None else cache[seg_i],
+                collect=collect, expert_ids=seg_ids)
             new_caches.append(seg_cache)
-            kls.append(aux["indexer_kl"].reshape(period * repeats))
-            loads.append(aux["expert_load"].reshape(period * repeats, -1))
-            drops.append(aux["moe_dropped"].reshape(period * repeats))
-            agree.append(aux["replay_agreement"].reshape(-1, 2))
-            if record_routing:
-                used.append(aux["expert_ids"].reshape((period * repeats,) +
-                                                      aux["expert_ids"].shape[2:]))
+            for layer_rows, st in zip(rows, stats):
+                for name, value in st.items():
+                    pieces.setdefault(name, []).append((layer_rows, value))
         h = res.hidden
         if cfg.attn_res_block_size is not None:
             h = self.output_attn_res(res.hidden, res.blocks, res.n_blocks)
         h = self.norm(h)
         logits = self.embed_tokens.attend(h) if cfg.tie_word_embeddings else self.lm_head(h)
         logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))
-        return ModelOutput(logits=logits.astype(jnp.float32),
-                           cache=None if cache is None else tuple(new_caches),
-                           indexer_kl=jnp.concatenate(kls), expert_load=jnp.concatenate(loads),
-                           moe_dropped=jnp.concatenate(drops),
-                           expert_ids=jnp.concatenate(used) if record_routing else None,
-                           replay_agreement=jnp.sum(jnp.concatenate(agree), axis=0))
+        stats = None
+        if collect.anything or replay is not None:
+            stacked = {name: _in_layer_order(p) for name, p in pieces.items()}
+            if "replay_agreement" in stacked:
+                stacked["replay_agreement"] = jnp.sum(stacked["replay_agreement"], axis=0)
+            stats = Stats(**stacked)
+        return Output(logits=logits.astype(jnp.float32),
+                      cache=None if cache is None else tuple(new_caches), stats=stats)
 
     def _run_segment(self, stack: LayerGroup, res: Residual, start: int, period: int,
-                     repeats: int, *, positions, segment_ids, caches, indexer_loss,
-                     expert_ids=None, record_routing=False):
+                     repeats: int, *, positions, segment_ids, caches, collect, expert_ids):
         graphdef, state = nnx.split(stack)
         firsts = start + period * jnp.arange(repeats, dtype=jnp.int32)
 
         def body(carry, xs):
             st, first, cache, ids = xs
             group = nnx.merge(graphdef, st)
-            carry, cache, aux = group(carry, first, positions=positions, segment_ids=segment_ids,
-                                      caches=cache, indexer_loss=indexer_loss, expert_ids=ids,
-                                      record_routing=record_routing)
-            return carry, (cache, aux)
+            carry, cache, stats = group(carry, first, positions=positions,
+                                        segment_ids=segment_ids, caches=cache, collect=collect,
+                                        expert_ids=ids)
+            return carry, (cache, stats)
 
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat_policy],
                                   prevent_cse=False)
+        xs = (state, firsts, caches, expert_ids)
         if self.config.scan_layers:
-            return _unpack(*jax.lax.scan(body, res, (state, firsts, caches, expert_ids)))
+            res, (caches, stats) = jax.lax.scan(body, res, xs)
+            return res, caches, stats
         outs = []
         for j in range(repeats):
-            xs = jax.tree.map(lambda a: a[j], (state, firsts, caches, expert_ids))
-            res, out = body(res, xs)
+            res, out = body(res, jax.tree.map(lambda a: a[j], xs))
             outs.append(out)
-        return _unpack(res, jax.tree.map(lambda *a: jnp.stack(a), *outs))
+        caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return res, caches, stats
 
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
@@ -219,9 +208,17 @@ class Transformer(nnx.Module):
         return tuple(out)
 
 
-def _unpack(res, ys):
-    caches, aux = ys
-    return res, caches, aux
+def _check_replay(expert_ids: jax.Array, ids_shape: tuple, num_moe: int) -> jax.Array:
+    if expert_ids.ndim != 4 or expert_ids.shape[:3] != (num_moe,) + tuple(ids_shape):
+        raise ValueError(f"RoutingReplay.expert_ids must be [L_moe={num_moe}, B={ids_shape[0]}, "
+                         f"T={ids_shape[1]}, k], got {expert_ids.shape}")
+    return expert_ids
+
+
+def _in_layer_order(pieces: list) -> jax.Array:
+    """``(layer indices [R], values [R, ...])`` pieces -> values stacked in layer order."""
+    order = np.argsort(np.concatenate([rows for rows, _ in pieces]), kind="stable")
+    return jnp.concatenate([v for _, v in pieces])[order]
 
 
 def _stacked_group(config: ModelConfig, kinds, repeats: int, rngs: nnx.Rngs) -> LayerGroup:

@@ -15,6 +15,7 @@ from kdsa.cli.main import main
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import get_preset
 from kdsa.model.moe_mxfp4 import pack_expert_arrays
+from kdsa.model.outputs import Collect, layers_of
 from kdsa.model.transformer import Transformer
 
 CONFIG = get_preset("tiny")
@@ -50,9 +51,10 @@ def folders(tmp_path_factory):
 
 def _first_use(model, seq) -> np.ndarray:
     """``[E]``: the first position at which layer 1 or 2 routes a token to each expert."""
-    assert CONFIG.ffn_kinds[1:3] == ("moe", "moe")  # layers 1-2: the scanned MoE group
-    ids = np.asarray(model.forward(jnp.asarray([seq]), record_routing=True).expert_ids)
-    used = (ids[1:3, 0, :, :, None] == np.arange(CONFIG.num_experts)).any((0, 2))  # [T, E]
+    assert layers_of(CONFIG, ffn="moe")[:2] == (1, 2)  # layers 1-2: the scanned MoE group
+    ids = np.asarray(model.forward(jnp.asarray([seq]), collect=Collect(routing=True))
+                     .stats.expert_ids)                             # [L_moe, 1, T, k]
+    used = (ids[0:2, 0, :, :, None] == np.arange(CONFIG.num_experts)).any((0, 2))  # [T, E]
     return np.where(used.any(0), used.argmax(0), len(seq))
 
 

@@ -76,6 +76,7 @@ from kdsa.infer.runner import ModelRunner  # noqa: E402
 from kdsa.infer.sampling import SamplingParams  # noqa: E402
 from kdsa.infer.tokenizer import ByteTokenizer  # noqa: E402
 from kdsa.model.transformer import Transformer  # noqa: E402
+from kdsa.model.outputs import Collect, layers_of  # noqa: E402
 from kdsa.train.config import TrainConfig  # noqa: E402
 from kdsa.train.rl.config import RLConfig  # noqa: E402
 
@@ -91,7 +92,7 @@ def small_model():
 
 def test_engine_records_the_routing_of_the_full_forward(small_model):
     """Chunked prefill + decode record, per token the model ran, the experts an uncached full
-    forward over the same tokens picks (-1 in the dense layer)."""
+    forward over the same tokens picks, for every MoE layer."""
     runner = ModelRunner(small_model, num_slots=2, max_len=64, prefill_chunk=8, min_bucket=8,
                          record_routing=True)
     eng = Engine(runner, ByteTokenizer(SMALL.vocab_size), max_top_logprobs=0)
@@ -101,10 +102,12 @@ def test_engine_records_the_routing_of_the_full_forward(small_model):
                                                    ignore_eos=True)) for p in prompts])
     for p, c in zip(prompts, outs):
         seq = p + c.token_ids[:-1]  # the last sampled token was never run
-        assert c.routing.shape == (len(seq), SMALL.num_hidden_layers, SMALL.num_experts_per_token)
-        want = small_model.forward(jnp.asarray([seq]), record_routing=True).expert_ids
-        want = np.transpose(np.asarray(want)[:, 0], (1, 0, 2))  # [T, L, k]
-        assert (want[:, 0] == -1).all() and (want[:, 1:] >= 0).all()
+        moe = layers_of(SMALL, ffn="moe")
+        assert moe == tuple(range(1, SMALL.num_hidden_layers))  # layer 0: dense FFN
+        assert c.routing.shape == (len(seq), len(moe), SMALL.num_experts_per_token)
+        want = small_model.forward(jnp.asarray([seq]), collect=Collect(routing=True))
+        want = np.transpose(np.asarray(want.stats.expert_ids)[:, 0], (1, 0, 2))  # [T, L_moe, k]
+        assert (want >= 0).all()
         np.testing.assert_array_equal(c.routing, want)
 
 
@@ -125,8 +128,8 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
              "loss_mask": np.ones((b, t), np.float32), "sampler_logp": np.zeros((b, t), np.float32),
              "advantages": rng.normal(size=b).astype(np.float32)}
     model = nnx.merge(graphdef, state.params, state.rest)
-    own = np.transpose(np.asarray(model.forward(jnp.asarray(batch["inputs"]),
-                                                record_routing=True).expert_ids), (1, 2, 0, 3))
+    own = np.transpose(np.asarray(model.forward(jnp.asarray(batch["inputs"]), collect=Collect(
+        routing=True)).stats.expert_ids), (1, 2, 0, 3))              # [B, T, L_moe, k]
     step = rl_step_with_options(tuple(FAST.items()))
     kw = dict(tc=tc, tx=tx, loss_cfg=rc.loss_config(), layout=abstract.segment_layout)
     s0, m0 = step(graphdef, state, batch, 0.0, None, **kw)

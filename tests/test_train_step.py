@@ -106,10 +106,10 @@ def test_routing_bias_update_per_layer():
     layout = ((0, 1, 1), (1, 2, 3))  # layer 0 alone; layers 1..6 as 3 repeats of period 2
     rest = nnx.State({"segments": {1: {"layers": {1: {"block_sparse_moe": {"gate": {
         "e_score_correction_bias": jnp.zeros((3, 4))}}}}}}})
-    load = np.zeros((7, 4), np.float32)
-    load[2] = [4, 0, 0, 0]  # segment 1, position 1, repeat 0 -> layer 1 + 1 + 0 = 2
-    load[4] = [1, 1, 1, 1]  # repeat 1 -> layer 4 (balanced: no move)
-    load[6] = [0, 0, 2, 2]  # repeat 2 -> layer 6
+    load = np.zeros((3, 4), np.float32)  # [L_moe, E]: the layers with a bias, in layer order
+    load[0] = [4, 0, 0, 0]  # segment 1, position 1, repeat 0 -> layer 1 + 1 + 0 = 2
+    load[1] = [1, 1, 1, 1]  # repeat 1 -> layer 4 (balanced: no move)
+    load[2] = [0, 0, 2, 2]  # repeat 2 -> layer 6
     new = update_routing_biases(rest, jnp.asarray(load), layout, 0.5)
     got = np.asarray(new["segments"][1]["layers"][1]["block_sparse_moe"]["gate"][
         "e_score_correction_bias"])

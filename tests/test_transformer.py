@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from kdsa.model.config import get_preset
+from kdsa.model.outputs import Collect, layers_of
 from kdsa.model.transformer import Transformer, default_positions, layer_segments
 
 B, T = 2, 24
@@ -24,7 +25,7 @@ def ids():
 
 @nnx.jit
 def _forward(model, ids):
-    return model.forward(ids)
+    return model.forward(ids, collect=Collect(expert_load=True))
 
 
 def test_layer_segments_cover_every_layer_once():
@@ -46,11 +47,14 @@ def test_forward_shapes_finite_deterministic(tiny_model, ids):
     out = _forward(tiny_model, ids)
     cfg = tiny_model.config
     assert out.logits.shape == (B, T, cfg.vocab_size) and out.logits.dtype == jnp.float32
-    assert out.expert_load.shape == (cfg.num_hidden_layers, cfg.num_experts)
+    moe = layers_of(cfg, ffn="moe")
+    assert moe == (1, 2, 3)  # the dense first layer has no MoE statistics
+    assert out.stats.expert_load.shape == (len(moe), cfg.num_experts)
+    assert out.stats.indexer_kl is None and out.stats.expert_ids is None  # not asked for
     assert bool(jnp.isfinite(out.logits).all())
-    # every MoE layer routes B*T*k assignments; the dense first layer routes none
-    loads = np.asarray(out.expert_load).sum(-1)
-    assert loads[0] == 0 and np.all(loads[1:] == B * T * cfg.num_experts_per_token)
+    # every MoE layer routes B*T*k assignments
+    loads = np.asarray(out.stats.expert_load).sum(-1)
+    assert np.all(loads == B * T * cfg.num_experts_per_token)
     np.testing.assert_array_equal(np.asarray(_forward(tiny_model, ids).logits),
                                   np.asarray(out.logits))
     model2 = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))

@@ -16,7 +16,7 @@ from PIL import Image
 from kdsa.infer.chat import get_format
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
-from kdsa.model.vision.assemble import image_batch, image_inputs
+from kdsa.model.vision.assemble import batch_image_inputs
 from kdsa.model.vision.inputs import to_data_url
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
@@ -157,7 +157,7 @@ def test_tiny_vl_learns_stripe_direction_by_sft(tmp_path):
     def first_answer_token(state, batch):
         m = nnx.merge(graphdef, state.params, state.rest)
         logits = m.forward(batch["inputs"], segment_ids=batch["segment_ids"],
-                           **image_inputs(m, batch["inputs"], image_batch(batch))).logits
+                           images=batch_image_inputs(m, batch)).logits
         pos = jnp.argmax(batch["loss_mask"], axis=1)                 # the answer letter
         pred = jnp.take_along_axis(logits, pos[:, None, None], 1)[:, 0].argmax(-1)
         return pred, jnp.take_along_axis(batch["targets"], pos[:, None], 1)[:, 0]

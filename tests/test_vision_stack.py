@@ -21,6 +21,7 @@ from kdsa.infer.server import start_server
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer
+from kdsa.model.outputs import ImageInputs
 from kdsa.model.vision.assemble import image_inputs, pack_images
 from kdsa.model.vision.inputs import ImageLimits, to_data_url
 from kdsa.model.vision.patching import patchify
@@ -59,7 +60,7 @@ MAX_LEN = 224
 
 @nnx.jit
 def _full_padded(model, ids, embeds, mask):
-    return model.forward(ids, image_embeds=embeds, image_mask=mask).logits
+    return model.forward(ids, images=ImageInputs(embeds=embeds, mask=mask)).logits
 
 
 def _full(model, seq, feats):
@@ -93,7 +94,7 @@ def test_prefill_with_images_then_decode_equals_full_forward(model, runner):
     ids[0, :len(seq)] = seq
     kw = nnx.jit(image_inputs)(model, jnp.asarray(ids), jax.tree.map(
         jnp.asarray, pack_images([ims], 64)))
-    np.testing.assert_allclose(np.asarray(kw["image_embeds"]), manual, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kw.embeds), manual, rtol=1e-5, atol=1e-5)
     # the image changes what follows it, not what precedes it
     where = np.nonzero(seq == ph)[0]
     other, _ = _full(model, seq, feats * 0.5)

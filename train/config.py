@@ -123,7 +123,7 @@ class TrainConfig:
 
     @property
     def indexer_loss(self) -> str:
-        """The model's ``forward(indexer_loss=...)`` for this stage."""
+        """The model's ``Collect(indexer_kl=...)`` for this stage (``model/outputs.py``)."""
         return _INDEXER_LOSS[self.indexer_stage]
 
     @property

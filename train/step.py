@@ -18,7 +18,7 @@ Mixed precision: ``compute_dtype=bfloat16`` with ``param_dtype=float32`` keeps f
 weights and optimizer moments; measured on the 2-layer tiny model (with ``remat_policy=full``):
 loss -6.6e-4 and grad norm x1.002 against float32 compute.
 
-MoE (DeepSeek-V3 aux-loss-free balancing, report section 2.1.2): ``expert_load [L, E]`` is
+MoE (DeepSeek-V3 aux-loss-free balancing, report section 2.1.2): ``expert_load [L_moe, E]`` is
 summed over the micro-batches and every ``e_score_correction_bias`` moves by
 ``update_routing_bias(bias, load, bias_update_rate)`` after the step; the bias is not a
 ``nnx.Param``, so the optimizer never sees it. The dense warm-up stage trains the indexer only
@@ -43,13 +43,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.dsa_layer import indexer_stage_params
 from kdsa.model.moe import max_load_ratio, update_routing_bias
-from kdsa.model.vision.assemble import image_batch, image_inputs
+from kdsa.model.outputs import Collect
+from kdsa.model.vision.assemble import batch_image_inputs
 from kdsa.model.partitioning import constrain, current
 from kdsa.sharding.train_state import BATCH_AXES, train_state_shardings
 from kdsa.train.config import TrainConfig
@@ -106,17 +108,28 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array
 def update_routing_biases(rest, expert_load: jax.Array, layout: tuple, rate: float):
     """Apply ``update_routing_bias`` to every ``e_score_correction_bias`` in the pure ``rest``.
 
-    ``expert_load [L, E]``; ``layout`` = the model's ``segment_layout`` (start, period, repeats).
-    The bias at ``segments/s/layers/j`` is stacked ``[repeats, E]`` and belongs to layers
-    ``start + j + period * r``.
+    ``expert_load [L_moe, E]``: the MoE layers in layer order (``Stats.expert_load``);
+    ``layout`` = the model's ``segment_layout`` (start, period, repeats). The bias at
+    ``segments/s/layers/j`` is stacked ``[repeats, E]`` and belongs to layers
+    ``start + j + period * r``; the layers that have a bias are the MoE layers.
     """
-    def one(path, leaf):
+    def layers(path) -> np.ndarray:
         keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-        if BIAS_NAME not in keys:
-            return leaf
         s, j = int(keys[keys.index("segments") + 1]), int(keys[keys.index("layers") + 1])
         start, period, repeats = layout[s]
-        load = expert_load[start + j + period * jnp.arange(repeats)]  # [R, E]
+        return start + j + period * np.arange(repeats)
+
+    def is_bias(path) -> bool:
+        return BIAS_NAME in [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(rest)[0] if is_bias(p)]
+    moe_layers = np.sort(np.concatenate([layers(p) for p in paths])) if paths else []
+    row = {int(layer): i for i, layer in enumerate(moe_layers)}
+
+    def one(path, leaf):
+        if not is_bias(path):
+            return leaf
+        load = expert_load[np.asarray([row[int(i)] for i in layers(path)])]  # [R, E]
         return jax.vmap(update_routing_bias, in_axes=(0, 0, None))(leaf, load, rate)
 
     return jax.tree_util.tree_map_with_path(one, rest)
@@ -138,7 +151,8 @@ def optimizer_step(graphdef, state: TrainState, batch: Batch, objective, *, tc: 
     ``train/rl/step.py``): micro-batches, exact gradient accumulation, the optimizer update,
     the routing-bias update, the RNG and the state's shardings.
 
-    ``objective(model, micro_batch) -> (loss, (stats, expert_load [L, E]))``: the loss of one
+    ``objective(model, micro_batch) -> (loss, (stats, expert_load [L_moe, E] | None))``: the
+    loss of one
     micro-batch, already divided by any whole-batch denominator the caller took from ``batch``
     (or left as a sum and divided through ``grad_divisor``, applied once to the gradient sums);
     ``stats`` is a dict of per-micro-batch sums, returned summed. ``update_scale`` multiplies
@@ -175,9 +189,9 @@ def optimizer_step(graphdef, state: TrainState, batch: Batch, objective, *, tc: 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     updates = jax.tree.map(lambda u: u * jnp.asarray(update_scale, u.dtype), updates)
     params = optax.apply_updates(state.params, updates)
-    load = jnp.sum(loads, axis=0)  # [L, E]
+    load = None if loads is None else jnp.sum(loads, axis=0)  # [L_moe, E]
     rest = state.rest
-    if tc.indexer_stage != "dense_warmup" and tc.bias_update_rate > 0:
+    if load is not None and tc.indexer_stage != "dense_warmup" and tc.bias_update_rate > 0:
         rest = update_routing_biases(rest, load, layout, tc.bias_update_rate)
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=state.step + 1,
@@ -196,10 +210,12 @@ def replicated(metrics: dict) -> dict:
     return jax.lax.with_sharding_constraint(metrics, NamedSharding(ctx.mesh, P()))
 
 
-def load_balance_metric(load: jax.Array) -> jax.Array:
-    """The largest expert load over the mean load, over the layers that routed anything."""
-    moe = jnp.sum(load, axis=-1) > 0  # [L]
-    return jnp.max(jnp.where(moe, jax.vmap(max_load_ratio)(load), 0.0))
+def load_balance_metric(load: jax.Array | None) -> jax.Array:
+    """The largest expert load over the mean load, over the MoE layers ``load [L_moe, E]``
+    (0 for a layer that routed nothing, and for a model without MoE layers)."""
+    if load is None or load.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return jnp.max(jax.vmap(max_load_ratio)(load))
 
 
 def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
@@ -208,20 +224,21 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
     kl_scale = tc.indexer_loss_weight * jnp.maximum(n_tok, 1.0) / tc.accum_steps
 
     def objective(model, mb):
-        out = model.forward(mb["inputs"], positions=mb.get("positions"),
-                            segment_ids=mb.get("segment_ids"), indexer_loss=tc.indexer_loss,
-                            **image_inputs(model, mb["inputs"], image_batch(mb)))
+        out = model.forward(mb["inputs"], mb.get("positions"),
+                            segment_ids=mb.get("segment_ids"), images=batch_image_inputs(model, mb),
+                            collect=Collect(indexer_kl=tc.indexer_loss, expert_load=True))
         ce_sum, _ = token_cross_entropy(out.logits, mb["targets"], mb["loss_mask"])
-        kl = jnp.sum(out.indexer_kl)
-        return ce_sum + kl_scale * kl, ({"ce_sum": ce_sum, "kl": out.indexer_kl},
-                                        out.expert_load)
+        # the indexer's KL summed over DSA layers; no term when the stage trains no indexer
+        kl = jnp.zeros((), jnp.float32) if out.stats.indexer_kl is None else jnp.sum(
+            out.stats.indexer_kl)
+        return ce_sum + kl_scale * kl, ({"ce_sum": ce_sum, "kl": kl}, out.stats.expert_load)
 
     new_state, grads, stats, load, lr = optimizer_step(
         graphdef, state, batch, objective, tc=tc, tx=tx, layout=layout,
         grad_divisor=jnp.maximum(n_tok, 1.0))
     metrics = {
         "loss": stats["ce_sum"] / jnp.maximum(n_tok, 1.0),
-        "indexer_kl": jnp.sum(stats["kl"]) / tc.accum_steps,  # per micro-batch mean, [L] summed
+        "indexer_kl": stats["kl"] / tc.accum_steps,  # per micro-batch mean, DSA layers summed
         "grad_norm": optax.tree.norm(grads),
         "learning_rate": lr,
         "tokens": n_tok,

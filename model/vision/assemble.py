@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kdsa.model.outputs import ImageInputs
 from kdsa.model.vision.patching import ImagePatches
 from kdsa.model.vision.projector import merge_patches
 
@@ -108,18 +109,17 @@ def batch_arrays(images: ImageBatch) -> dict:
     return {k: getattr(images, f) for f, k in BATCH_KEYS.items()}
 
 
-def image_inputs(model, input_ids: jax.Array, images: ImageBatch | None) -> dict:
-    """``forward`` keyword arguments for a token batch with images (``{}`` without)."""
+def image_inputs(model, input_ids: jax.Array, images: ImageBatch | None) -> ImageInputs | None:
+    """``forward``'s ``images`` for a token batch with images (None without)."""
     if images is None:
-        return {}
+        return None
     mask = input_ids == model.config.vision_config.media_placeholder_token_id
-    return {"image_embeds": scatter_features(encode_images(model, images), mask),
-            "image_mask": mask}
+    return ImageInputs(embeds=scatter_features(encode_images(model, images), mask), mask=mask)
 
 
-def image_kwargs(model, batch: dict) -> dict:
-    """``forward`` keyword arguments for a training batch dict (its ``image_*`` arrays, if
-    any): ``model.forward(batch["inputs"], **image_kwargs(model, batch))``."""
+def batch_image_inputs(model, batch: dict) -> ImageInputs | None:
+    """``forward``'s ``images`` for a training batch dict (its ``image_*`` arrays, if any):
+    ``model.forward(batch["inputs"], images=batch_image_inputs(model, batch))``."""
     return image_inputs(model, batch["inputs"], image_batch(batch))
 
 

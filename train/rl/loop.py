@@ -24,9 +24,9 @@ at the rollout temperature) is measured after the warm-up and at the end. Checkp
 the train state and, in the metadata, the task counter, the held-out reward before RL and the
 configs; ``resume`` continues from the newest readable one. ``rl.routing_replay``: the engine
 records the experts every MoE layer used for every token it ran, and the update trains each
-token with those experts (``Transformer.forward(expert_ids=...)``; the gate weights still come
-from the current router); ``routing_replay_agreement`` logs how often the training router
-would have chosen the same experts.
+token with those experts (``Transformer.forward(replay=RoutingReplay(...))``; the gate weights
+still come from the current router); ``routing_replay_agreement`` logs how often the training
+router would have chosen the same experts.
 
 Multi-host (the same command on every process, e.g. under ``kdsa launch-local``): each process
 plays its share of every step's groups on its own engine and the episodes are exchanged; the
@@ -54,6 +54,7 @@ from kdsa.infer.engine import Engine
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.config import ModelConfig
+from kdsa.model.outputs import layers_of
 from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer
@@ -348,8 +349,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
 
 
 def _routing_dims(config: ModelConfig) -> tuple[int, int]:
-    """``(L, k)`` of the routing-replay arrays."""
-    return config.num_hidden_layers, max(config.num_experts_per_token, 1)
+    """``(L_moe, k)`` of the routing-replay arrays: the MoE layers, the experts per token."""
+    return len(layers_of(config, ffn="moe")), max(config.num_experts_per_token, 1)
 
 
 def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter, rows,

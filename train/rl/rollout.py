@@ -53,7 +53,7 @@ class Episode:
     turn_tokens: list[int] = dataclasses.field(default_factory=list)  # a cut turn's tokens
     paused: bool = False  # cut by the step cap (partial rollouts), continued by a later play()
     born: int = 0  # RL step whose play() started it
-    # routing replay: experts the engine used for tokens[:len(routing)] [n, L, k] (the latest
+    # routing replay: experts the engine used for tokens[:len(routing)] [n, L_moe, k] (the latest
     # turn's request re-ran the whole row, so its record covers every earlier token)
     routing: "np.ndarray | None" = None
     index: int | None = None  # position in the step's whole episode list (its sampling seed)
@@ -281,7 +281,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
     the groups are padding (mask 0, advantage 0). Advantages are group-relative (GRPO
     ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi).
 
-    ``routing_dims = (L, k)`` (routing replay): also ``expert_ids [rows, seq_len, L, k]``, the
+    ``routing_dims = (L_moe, k)`` (routing replay): also ``expert_ids [rows, seq_len, L_moe, k]``, the
     experts the engine used for each input token, -1 where there is no record (the router
     then chooses)."""
     b = {"inputs": np.zeros((rows, seq_len), np.int32),
@@ -315,7 +315,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
 
 
 def no_routing(rows: int, seq_len: int, routing_dims: tuple[int, int]) -> np.ndarray:
-    """``expert_ids [rows, seq_len, L, k]`` all -1: every token routed by the router."""
+    """``expert_ids [rows, seq_len, L_moe, k]`` all -1: every token routed by the router."""
     return np.full((rows, seq_len) + tuple(routing_dims), -1, np.int32)
 
 

@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from kdsa.model.vision.assemble import image_kwargs
+from kdsa.model.outputs import Collect, RoutingReplay
+from kdsa.model.vision.assemble import batch_image_inputs
 from kdsa.train.config import TrainConfig
 from kdsa.train.rl.losses import RLLossConfig, policy_loss
 from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, optimizer_step,
@@ -56,7 +57,7 @@ from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, op
 # batch: inputs, targets [B, T] int32; loss_mask, sampler_logp [B, T] float32; advantages [B]
 # float32; optional old_logp [B, T] float32 (mini-batches, ``policy_logprobs``);
 # image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md);
-# routing replay: expert_ids [B, T, L, k] int32 (-1: the router chooses)
+# routing replay: expert_ids [B, T, L_moe, k] int32 (-1: the router chooses)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -83,9 +84,10 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
 
 def _policy_forward(model, mb):
     """The policy's forward on one micro-batch: routing replay and image prompts applied."""
-    replay = {} if "expert_ids" not in mb else {  # routing replay: [B, T, L, k] -> [L, ...]
-        "expert_ids": jnp.transpose(mb["expert_ids"], (2, 0, 1, 3))}
-    return model.forward(mb["inputs"], **image_kwargs(model, mb), **replay)
+    replay = None if "expert_ids" not in mb else RoutingReplay(  # [B, T, L_moe, k] -> [L_moe, ..]
+        expert_ids=jnp.transpose(mb["expert_ids"], (2, 0, 1, 3)))
+    return model.forward(mb["inputs"], images=batch_image_inputs(model, mb),
+                         collect=Collect(expert_load=True), replay=replay)
 
 
 def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, update_scale=1.0,
@@ -112,7 +114,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, up
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
             ref = nnx.merge(graphdef, ref_params, state.rest)
             ref_logp = jax.lax.stop_gradient(
-                token_logprobs(ref.forward(mb["inputs"], **image_kwargs(ref, mb)).logits,
+                token_logprobs(ref.forward(mb["inputs"], images=batch_image_inputs(ref, mb)).logits,
                                mb["targets"]))
         pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
                                     sampler_logp=mb["sampler_logp"], ref_logp=ref_logp)
@@ -122,11 +124,12 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, up
                  "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
                  "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk),
                  "kl_num": pm.get("kl_numerator", jnp.float32(0.0)),
-                 "agree": out.replay_agreement,  # [2] sum, count (zeros without replay)
+                 **({} if out.stats.replay_agreement is None else  # [2] sum, count
+                    {"agree": out.stats.replay_agreement}),
                  "ent_num": jax.lax.stop_gradient(ent_num)}
         loss = w * ce_num / ce_den + (1.0 - w) * (pg_num / pg_den
                                                   - loss_cfg.entropy_coef * ent_num / ce_den)
-        return loss, (stats, out.expert_load)
+        return loss, (stats, out.stats.expert_load)
 
     new_state, grads, stats, load, lr = optimizer_step(
         graphdef, state, batch, objective, tc=tc, tx=tx, layout=layout,
