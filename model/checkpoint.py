@@ -22,11 +22,13 @@ variable its target sharding (``shardings``: a function from the abstract state 
 shardings, e.g. ``kdsa.sharding.rules.layout_shardings(mesh, "generate")``; or one device), and
 restores straight into those arrays. Besides a model folder it reads the model
 out of a training checkpoint (``RUN_DIR/checkpoints/N``, or ``RUN_DIR/checkpoints`` / ``RUN_DIR``
-for the newest step; ``kdsa.model.folders.locate``): the ``state`` item holds every variable as
-``params.KEY`` (trained) or ``rest.KEY``, the ``meta`` JSON item the model config. A directory
-that is none of these, an Orbax checkpoint that kdsa did not write, one whose parameters do not
-match its config, or one whose data is damaged raises ``CheckpointError`` (a ``ValueError``)
-naming the path and the problem in one line. Relative paths are made absolute first.
+for the newest step; ``kdsa.model.folders.locate``): the ``state`` checkpointable holds every
+variable as ``params.KEY`` (trained) or ``rest.KEY``, the ``meta`` JSON item
+(``meta/data.json``; ``meta/metadata`` in steps written with Orbax's v0 API) the model config.
+A directory that is none of these, an Orbax checkpoint that kdsa did not write, one whose
+parameters do not match its config, or one whose data is damaged raises ``CheckpointError`` (a
+``ValueError``) naming the path and the problem in one line. Relative paths are made absolute
+first.
 """
 
 from __future__ import annotations
@@ -317,12 +319,22 @@ def _train_info(step: Path) -> tuple[ModelConfig, dict, dict[str, str]]:
     return _train_info_cached(str(step), (step / "_CHECKPOINT_METADATA").stat().st_mtime_ns)
 
 
+# the training checkpoint's ``meta`` item (JSON): Orbax v1's JsonHandler writes data.json; steps
+# written before kdsa's training checkpoints moved to the v1 API (v0 JsonSave) hold "metadata"
+META_FILES = ("data.json", "metadata")
+
+
+def _meta_file(step: Path) -> Path:
+    return next((f for f in (step / "meta" / n for n in META_FILES) if f.is_file()),
+                step / "meta" / META_FILES[0])
+
+
 @functools.lru_cache(maxsize=4)
 def _train_info_cached(step_dir: str, stamp: int) -> tuple[ModelConfig, dict, dict[str, str]]:
     step = Path(step_dir)
     what = f"{step}: a kdsa training checkpoint"
     try:
-        meta = json.loads((step / "meta" / "metadata").read_text())
+        meta = json.loads(_meta_file(step).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{what} whose meta item cannot be read (damaged?): "
                               f"{one_line(str(e))}") from None

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from kdsa.model.config import get_preset
@@ -163,6 +162,7 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
     for s in (1, 2):
         ck.save(s, _tiny_state(s), {"data_index": s})
     ck.close()
+    assert json.loads((tmp_path / "2" / "meta" / "data.json").read_text())["data_index"] == 2
     _garble(tmp_path / "2")
     messages = []
     ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
@@ -181,11 +181,79 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
     step, state, meta = ck.restore_latest(template, log=messages.append)
     assert step == 3 and not messages and float(state["w"][0]) == 3.0
     ck.close()
-    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False)
-    got = ck.manager.restore(2, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(flatten_state(template))))
+    from orbax.checkpoint.experimental import v1 as ocp
+
+    got = ocp.load_checkpointables(tmp_path / "2", {"state": flatten_state(template)})
     assert float(got["state"]["w"][0]) == 20.0                # the re-done step 2, readable
+
+
+def test_process_local_saves_prunes_and_falls_back(tmp_path):
+    """``process_local`` (Orbax v1's free functions, this process alone): steps saved, the meta
+    item stored as JSON, keep-N pruning in save order, an unfinished save reported and ignored,
+    a corrupt newest step falls back and is set aside, state restored onto this process's
+    device."""
+    template = jax.eval_shape(lambda: _tiny_state(0.0))
+    ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
+    assert not ck.save(1, _tiny_state(1), {"data_index": 1})  # not due
+    for s in (2, 4, 6):
+        assert ck.save(s, _tiny_state(s), {"data_index": s})
+    assert not ck.save(6, _tiny_state(6), {"data_index": 6}, force=True)  # exists
     ck.close()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4", "6"]
+    meta = json.loads((tmp_path / "ck" / "6" / "meta" / "data.json").read_text())
+    assert meta["data_index"] == 6 and meta["step"] == 6 and set(meta["fingerprint"]) == {
+        "w", "b.v"}
+    _garble(tmp_path / "ck" / "6")
+    (tmp_path / "ck" / "8.orbax-checkpoint-tmp").mkdir()
+    messages = []
+    ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
+    step, state, meta = ck.restore_latest(template, log=messages.append)
+    assert step == 4 and meta["data_index"] == 4 and ck.skipped == [6]
+    assert float(state["w"][0]) == 4.0 and isinstance(state["w"], jax.Array)
+    assert any("unfinished save 8.orbax-checkpoint-tmp" in m for m in messages), messages
+    assert any("step 6" in m and "falling back to step 4" in m for m in messages), messages
+    assert ck.save(6, _tiny_state(60), {"data_index": 6}, force=True)
+    ck.close()
+    ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
+    assert ck.all_steps() == [4, 6] and (tmp_path / "ck" / "6.corrupt").is_dir()
+    step, state, _ = ck.restore_latest(template)
+    assert step == 6 and float(state["w"][0]) == 60.0
+    ck.close()
+
+
+def test_checkpoints_written_with_orbax_v0_still_read(full_run, tmp_path):
+    """A step in the layout of Orbax's v0 ``CheckpointManager`` (``state`` StandardSave, ``meta``
+    JsonSave: ``meta/metadata``), as kdsa wrote before the v1 port, restores and loads as a
+    model."""
+    import orbax.checkpoint as ocp0
+    from flax import nnx
+
+    from kdsa.model import checkpoint as mck
+
+    run_dir, _ = full_run
+    template = jax.eval_shape(prepare(small_config(), TC)[3])
+    ck = Checkpointer(run_dir / "checkpoints", every=3, keep=3)
+    step, state, meta = ck.restore_latest(template)
+    ck.close()
+    flat = flatten_state(state)
+    old = tmp_path / "checkpoints"
+    with ocp0.CheckpointManager(old, item_names=("state", "meta")) as mgr:
+        mgr.save(step, args=ocp0.args.Composite(state=ocp0.args.StandardSave(flat),
+                                                meta=ocp0.args.JsonSave(meta)))
+    assert (old / str(step) / "meta" / "metadata").is_file()
+    ck = Checkpointer(old, every=3, keep=3)
+    messages = []
+    got, state2, meta2 = ck.restore_latest(template, log=messages.append)
+    ck.close()
+    assert got == step and meta2 == meta and not messages
+    for k, v in flatten_state(state2).items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(flat[k]), err_msg=k)
+    config, info = mck.read_info(tmp_path)
+    assert config == small_config() and info["training"]["step"] == step
+    _, model = mck.load_model(tmp_path)
+    for k, v in mck.flat_variables(nnx.state(model)).items():
+        want = flat.get(f"params.{k}", flat.get(f"rest.{k}"))
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(want), err_msg=k)
 
 
 def _copy_run(run_dir: Path, dst: Path) -> Path:

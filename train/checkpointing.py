@@ -1,13 +1,27 @@
-"""Training checkpoints: Orbax ``CheckpointManager``, asynchronous saves, exact resume, fallback.
+"""Training checkpoints on Orbax's v1 API: asynchronous saves, exact resume, fallback.
 
-One checkpoint per saved step under ``run_dir/checkpoints/<step>/`` with two items:
+One checkpoint per saved step under ``run_dir/checkpoints/<step>/`` with two checkpointables:
 
 * ``state``: the whole ``TrainState`` (trainable parameters, the rest of the model incl. the
   routing biases ``e_score_correction_bias``, optimizer state, step, RNG) as a flat dict
   ``{"params.segments.0...": array}`` (plain keys, restored into the abstract target's
-  structure and shardings);
-* ``meta``: JSON: the data iterator position (batches consumed), the configs, and a fingerprint
-  of the state (per-array float32 sums computed by one jitted function).
+  structure and shardings), an Orbax PyTree in ``<step>/state/``;
+* ``meta``: JSON (``<step>/meta/data.json``; Orbax's ``JsonHandler``, bound to the name ``meta``
+  in a local handler registry): the data iterator position (batches consumed), the configs,
+  and a fingerprint of the state (per-array float32 sums computed by one jitted function).
+  Steps written before the port to the v1 API (v0 ``CheckpointManager``: ``meta/metadata``)
+  read the same.
+
+The one Orbax API is ``orbax.checkpoint.experimental.v1`` (as for model folders,
+``kdsa.model.checkpoint``): its ``training.Checkpointer`` with a ``LatestN(keep)``
+preservation policy; :meth:`Checkpointer.save` decides which steps are saved and passes
+``force`` (the save-decision policy, ``FixedIntervalPolicy(every)``, is only what
+``should_save`` answers: Orbax's own check would also refuse a step at or below the newest one,
+and the re-done step after a corrupt one is exactly that). ``process_local`` (this process
+alone, no barriers) runs on v1's ``save_checkpointables_async`` / ``load_checkpointables``
+instead (:class:`_LocalSteps`): the training ``Checkpointer`` always asks its v0
+``CheckpointManager`` to create the root directory, which Orbax refuses with
+``active_processes`` set.
 
 Saves are asynchronous (Orbax copies the arrays off the device, then writes in a background
 thread; ``wait()`` joins). Orbax writes into a temporary directory and renames it when complete,
@@ -35,6 +49,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +58,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
+from orbax.checkpoint.experimental import v1 as ocp
 
 from kdsa.model.folders import orbax_reason, quiet_orbax
 
@@ -82,32 +97,47 @@ def fingerprint(flat: dict[str, jax.Array]) -> dict[str, float]:
     return {k: float(v) for k, v in jax.device_get(_fingerprint(flat)).items()}
 
 
+def _context(process_local: bool) -> ocp.Context:
+    """The v1 ``Context`` of every call: the ``meta`` item is JSON (``JsonHandler`` bound to that
+    name; unbound, Orbax would pick its PyTree handler for a dict), and ``process_local`` makes
+    this process the only one Orbax waits for."""
+    registry = ocp.handlers.local_registry()
+    registry.add(ocp.handlers.JsonHandler, checkpointable_name="meta")
+    ctx = ocp.Context()
+    ctx.checkpointables.registry = registry
+    if process_local:
+        me = jax.process_index()
+        ctx.multiprocessing.primary_host = me
+        ctx.multiprocessing.active_processes = {me}
+    return ctx
+
+
 class Checkpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``."""
 
     def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True,
                  process_local: bool = False):
         """``process_local``: this process alone (no barriers with the job's other processes);
-        for state replicated per process (``kdsa rl`` multi-host: only process 0 saves)."""
+        for state replicated per process (only one process saves). ``async_save=False``: each
+        :meth:`save` returns once the step is written."""
         self.directory = Path(directory).absolute()
         self.every = every
+        self.async_save = async_save
         self.process_local = process_local
         self.skipped: list[int] = []  # steps restore_latest found unreadable, set aside at save
         self._log = _stderr
-        me = jax.process_index()
-        mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-              if process_local else ocp.options.MultiprocessingOptions())
-        if process_local:  # Orbax creates no root directory with active_processes set
-            self.directory.mkdir(parents=True, exist_ok=True)
-        self.manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, save_interval_steps=every, create=not process_local,
-                enable_async_checkpointing=async_save, multiprocessing_options=mp),
-            item_names=("state", "meta"))
+        ctx = _context(process_local)
+        if process_local:
+            self.manager = _LocalSteps(self.directory, keep, ctx)
+        else:
+            self.manager = ocp.training.Checkpointer(
+                self.directory, context=ctx,
+                save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(
+                    every),
+                preservation_policy=ocp.training.preservation_policies.LatestN(keep))
 
     def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return sorted(c.step for c in self.manager.checkpoints)
 
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
         """Start saving ``state`` at ``step`` (if due, or ``force``); returns whether it does."""
@@ -115,14 +145,21 @@ class Checkpointer:
             return False
         if self.skipped:
             self._set_aside(self.skipped)
-        if step in self.manager.all_steps():
+        if step in self.all_steps():
             return False
         flat = flatten_state(state)
         if self.process_local:  # Orbax refuses host-local jax.Arrays in a multi-process job
             flat = {k: np.asarray(v) for k, v in flat.items()}
-        meta = dict(meta, step=int(step), fingerprint=fingerprint(flat))
-        return self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)), force=True)
+        # as JSON now: a value JSON cannot hold fails here, not in the background write
+        meta = json.loads(json.dumps(dict(meta, step=int(step), fingerprint=fingerprint(flat))))
+        # force: save() has decided (the manager would refuse a step at or below its newest)
+        saving = self.manager.save_checkpointables_async(step, {"state": flat, "meta": meta},
+                                                         force=True)
+        if saving is None:
+            return False
+        if not self.async_save:
+            self.manager.wait()  # written, and older steps pruned
+        return True
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename the unreadable ``steps`` to ``N.corrupt`` (process 0; the others wait), so
@@ -147,10 +184,9 @@ class Checkpointer:
         self.manager.reload()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        self.manager.wait()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
         self.manager.close()
 
     def restore_run(self, template, *, resume: bool, model_config: dict, train_config: dict,
@@ -188,13 +224,17 @@ class Checkpointer:
         local = None
         if self.process_local:  # read as NumPy, then onto this process's first device
             local = jax.local_devices()[0]
-            abstract = {k: np.zeros(v.shape, v.dtype) for k, v in abstract.items()}
+        # a NumPy target (np.zeros: no pages touched) reads as host NumPy; a leaf without a
+        # sharding does too (Orbax v1 would place it by the shardings it was saved with)
+        abstract = {k: np.zeros(v.shape, v.dtype) if local is not None or v.sharding is None
+                    else v for k, v in abstract.items()}
         self.skipped = []
         for step in reversed(self.all_steps()):
             try:
                 with quiet_orbax():
-                    meta = dict(self.manager.restore(step, args=ocp.args.Composite(
-                        meta=ocp.args.JsonRestore()))["meta"])
+                    meta = self.manager.load_checkpointables(step, {"meta": None})["meta"]
+                if not isinstance(meta, dict):
+                    raise ValueError(f"the meta item is a {type(meta).__name__}, not a dict")
             except Exception as e:  # noqa: BLE001 - an unreadable meta item: a corrupt step
                 self._skip(step, e, log)
                 continue
@@ -202,9 +242,8 @@ class Checkpointer:
                 check(self.directory / str(step), meta)
             try:
                 with quiet_orbax(collect=True):
-                    got = self.manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract)))
-                flat = dict(got["state"])
+                    flat = dict(self.manager.load_checkpointables(
+                        step, {"state": abstract})["state"])
                 if local is not None:
                     flat = jax.device_put(flat, local)
                 if set(flat) != set(abstract):
@@ -229,6 +268,60 @@ class Checkpointer:
         nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint"
         log(f"checkpoint: step {step} in {self.directory} is corrupted or unreadable "
             f"({orbax_reason(e)}); {nxt}; it is moved to {step}.corrupt at the next save")
+
+
+class _LocalSteps:
+    """``process_local``'s step manager: the calls :class:`Checkpointer` makes of Orbax's v1
+    ``training.Checkpointer``, on v1's ``save_checkpointables_async`` / ``load_checkpointables``
+    into ``directory/<step>`` (Orbax's temporary directory and atomic rename; a step is a folder
+    named by its number holding ``_CHECKPOINT_METADATA``). Orbax's training ``Checkpointer``
+    cannot do this: it always creates its root directory through a v0 ``CheckpointManager``,
+    which raises ``NotImplementedError`` with ``active_processes`` set. Pruning is the same
+    ``LatestN``: after each save completes, the oldest saves beyond ``keep`` are removed (in save
+    order after the steps found on disk, as Orbax orders them)."""
+
+    def __init__(self, directory: Path, keep: int, context: ocp.Context):
+        self.directory, self.keep, self.context = directory, keep, context
+        directory.mkdir(parents=True, exist_ok=True)
+        self._saving = None
+        self.reload()
+
+    @property
+    def checkpoints(self) -> list[ocp.training.CheckpointMetadata]:
+        return [ocp.training.CheckpointMetadata(s, path=self.directory / str(s), metadata=None)
+                for s in sorted(self._order)]
+
+    def reload(self) -> None:
+        self._order = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()
+                             and (p / "_CHECKPOINT_METADATA").is_file())
+
+    def save_checkpointables_async(self, step: int, checkpointables: dict, *, force: bool):
+        self.wait()
+        with self.context:
+            self._saving = ocp.save_checkpointables_async(self.directory / str(step),
+                                                          checkpointables)
+        self._order.append(step)
+        return self._saving
+
+    def wait(self) -> None:
+        saving, self._saving = self._saving, None
+        if saving is None:
+            return
+        try:
+            saving.result()
+        except BaseException:
+            self.reload()  # the failed step is not listed
+            raise
+        for step in self._order[:-self.keep]:
+            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+        self._order = self._order[-self.keep:]
+
+    def load_checkpointables(self, step: int, abstract: dict) -> dict:
+        with self.context:
+            return ocp.load_checkpointables(self.directory / str(step), abstract)
+
+    def close(self) -> None:
+        self.wait()
 
 
 def _stderr(msg: str) -> None:
