@@ -83,17 +83,20 @@ def reshard_check(argv: list[str]) -> int:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from kdsa.cli.config_args import add_config_args, config_from_args
-    from kdsa.cli.train_cmd import train_config_from_args
+    from kdsa.model.config import get_preset
+    from kdsa.model.overrides import apply_overrides
     from kdsa.sharding.mesh import layout_sizes, make_mesh
     from kdsa.sharding.reshard import reshard_state
     from kdsa.sharding.rules import state_shardings
     from kdsa.sharding.train_state import sharded_template, train_state_shardings
     from kdsa.train.checkpointing import Checkpointer
+    from kdsa.train.config import TrainConfig, apply_train_overrides
     from kdsa.train.trainer import prepare
 
     p = argparse.ArgumentParser(prog="reshard-check", description=__doc__.split("\n\n")[2])
-    add_config_args(p, default_preset="tiny")
+    p.add_argument("--preset", default="tiny", help="the kdsa train run's --preset")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="the kdsa train run's --set arguments")
     p.add_argument("--train-set", dest="train_overrides", action="append", default=[],
                    metavar="KEY=VALUE", help="the kdsa train run's --train-set arguments")
     p.add_argument("--run-dir", type=Path, required=True, help="the kdsa train run")
@@ -101,9 +104,8 @@ def reshard_check(argv: list[str]) -> int:
     p.add_argument("--mesh", required=True, help="generate layout mesh (devices reversed)")
     p.add_argument("--out", type=Path, default=None, help="JSON result (process 0)")
     args = p.parse_args(argv)
-    args.steps = args.seed = None
-    _, config = config_from_args(args)
-    tc = train_config_from_args(args)
+    config = apply_overrides(get_preset(args.preset), args.overrides)
+    tc = apply_train_overrides(TrainConfig(), args.train_overrides)
 
     _, graphdef, _, build = prepare(config, tc)
     train_mesh = make_mesh(layout_sizes(None, "train", args.train_mesh))
