@@ -24,6 +24,13 @@ def add_engine_args(p) -> None:
     g.add_argument("--slots", type=int, default=8, help="concurrent sequences (batch rows)")
     g.add_argument("--max-len", type=int, default=1024, help="context per slot (tokens)")
     g.add_argument("--prefill-chunk", type=int, default=256)
+    g.add_argument("--num-pages", type=int, default=None,
+                   help="paged cache: the DSA layers' rows in one pool of this many 64-token "
+                        "pages shared by all requests; a request reserves the pages of its "
+                        "prompt + max_tokens and waits while they are not free (default: a "
+                        "dense --max-len row per slot)")
+    g.add_argument("--cache-memory", default=None,
+                   help="paged cache sized in bytes instead (e.g. 2GiB): as many pages as fit")
     g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
     g.add_argument("--mesh", default=None,
                    help="mesh axes of the layout over every process's devices, e.g. "
@@ -87,10 +94,17 @@ def engine_from_args(args):
             model = build_sharded(make, mesh, args.layout)
     budgets = BudgetConfig(caps={"low": args.budget_low, "high": args.budget_high,
                                  "max": args.budget_max}, grace=args.budget_grace)
+    num_pages = args.num_pages
+    if args.cache_memory is not None:
+        if num_pages is not None:
+            raise ValueError("give --num-pages or --cache-memory, not both")
+        from kdsa.cli.convert_cmd import parse_size
+        from kdsa.infer.page_pool import pages_in
+        num_pages = pages_in(parse_size(args.cache_memory), config)
     engine, fmt = build_engine(model, num_slots=args.slots, max_len=args.max_len,
                                prefill_chunk=args.prefill_chunk, tokenizer_path=tok_path,
                                chat_format=args.chat_format, budgets=budgets, mesh=mesh,
-                               layout=args.layout, seed=args.seed)
+                               layout=args.layout, seed=args.seed, num_pages=num_pages)
     return engine, fmt, name
 
 

@@ -38,9 +38,11 @@ import numpy as np
 from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.engine_slots import SlotScheduling
 from kdsa.infer.engine_tokens import TokenStep
+from kdsa.infer.page_pool import PagePool, pages_needed
 from kdsa.infer.requests import (Completion, EngineDead, Event, GenerationError,  # noqa: F401
                                  Request, _Active, _describe)
 from kdsa.infer.sampling import sample, sample_jit
+from kdsa.model.paged_cache import PAGE_SIZE
 
 log = logging.getLogger("kdsa.engine")
 
@@ -73,6 +75,8 @@ class Engine(SlotScheduling, TokenStep):
         self._waiting: collections.deque[_Active] = collections.deque()
         self._cancel: set[str] = set()
         self.slots: list[_Active | None] = [None] * runner.num_slots
+        num_pages = getattr(runner, "num_pages", None)  # paged cache: infer/page_pool.py
+        self.pages = None if num_pages is None else PagePool(num_pages)
         self.stats = collections.Counter()
         self.started = time.perf_counter()
 
@@ -96,6 +100,13 @@ class Engine(SlotScheduling, TokenStep):
                 not 0 <= int(t) < self.runner.vocab_size for t in banned):
             raise ValueError(f"banned_token_ids {tuple(banned)!r}: at most "
                              f"{self.max_banned} ids in [0, {self.runner.vocab_size})")
+        if self.pages is not None:
+            need = pages_needed(n, req.sampling.max_tokens, limit)
+            if need > self.pages.num_pages:
+                raise ValueError(
+                    f"the request needs {need} cache pages of {PAGE_SIZE} tokens (prompt {n} + "
+                    f"max_tokens {req.sampling.max_tokens}, context {limit}) but the pool has "
+                    f"{self.pages.num_pages} (--num-pages / --cache-memory)")
         if req.sampling.top_logprobs > self.num_top:
             raise ValueError(f"top_logprobs={req.sampling.top_logprobs} exceeds the engine's "
                              f"{self.num_top}")
@@ -258,4 +269,6 @@ class Engine(SlotScheduling, TokenStep):
             "finish_reasons": {k[7:]: v for k, v in st.items() if k.startswith("finish_")},
             "failed_requests": st["failed"], "engine_failure": self.failure,
             "uptime_s": elapsed,
+            "cache": {"kind": "dense_slots"} if self.pages is None else {
+                "kind": "paged", **self.pages.usage()},
         }

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from kdsa.infer.page_pool import pages_needed
 from kdsa.infer.requests import Completion, Event, _Active, _describe
 
 log = logging.getLogger("kdsa.engine")
@@ -53,6 +54,8 @@ class SlotScheduling:
         with self._lock:
             for i in range(len(self.slots)):
                 if self.slots[i] is None and self._waiting:
+                    if not self._reserve_pages(i, self._waiting[0]):
+                        break  # the pool is full: the queue waits for finished requests
                     self.slots[i] = self._waiting.popleft()
                     self.slots[i].metrics.admitted = time.perf_counter()
         for i, a in enumerate(self.slots):
@@ -67,6 +70,19 @@ class SlotScheduling:
                     self._fail(i, a, e)
                 did = True
         return did
+
+    def _reserve_pages(self, i: int, a: _Active) -> bool:
+        """Paged cache: give slot ``i`` the pages of ``a``'s whole length, if they are free
+        (``infer/page_pool.py``); always True with dense slots."""
+        if self.pages is None:
+            return True
+        need = pages_needed(len(a.req.prompt), a.req.sampling.max_tokens, self.runner.max_len)
+        pages = self.pages.allocate(need)
+        if pages is None:
+            return False
+        a.pages = pages
+        self.runner.set_pages(i, pages)
+        return True
 
     def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
         """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
@@ -149,6 +165,11 @@ class SlotScheduling:
         a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
+        if a.pages:  # paged cache: the pages go back to the pool
+            self.pages.release(a.pages)
+            a.pages = []
+            if i is not None:
+                self.runner.set_pages(i, [])
         output = None
         if a.req.parser is not None:
             try:

@@ -109,6 +109,7 @@ class _Active:
         sp = req.sampling
         self.metrics = RequestMetrics(time.perf_counter())
         self.prefilled = 0
+        self.pages: list[int] = []  # paged cache: the pool pages this request holds
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []

@@ -47,6 +47,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
+from kdsa.model.paged_cache import PagedCache, PagedDSACache, pages_for
 
 
 def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
@@ -64,7 +65,8 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
 class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
-                 compiler_options: dict | None = None, record_routing: bool = False):
+                 compiler_options: dict | None = None, record_routing: bool = False,
+                 num_pages: int | None = None):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -78,7 +80,15 @@ class ModelRunner:
         self.mesh, self.layout, self.reshard_report = mesh, layout, None
         self.record_routing, self.last_routing = record_routing, None
         jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
-        if mesh is None:
+        self.num_pages, self.block_table = num_pages, None
+        if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
+            if mesh is not None:
+                raise ValueError("paged caches run on one device for now: drop --num-pages / "
+                                 "--cache-memory or --mesh")
+            self.max_pages = pages_for(max_len)
+            self.cache = model.init_paged_cache(num_slots, num_pages, self.max_pages).layers
+            self.block_table = np.full((num_slots, self.max_pages), -1, np.int32)
+        elif mesh is None:
             self.cache = model.init_cache(num_slots, max_len)
         else:
             self._place_weights(model)
@@ -173,8 +183,9 @@ class ModelRunner:
                 emb[0, :n], mask[0, :n] = image_embeds, image_mask
         elif image_embeds is not None:
             raise ValueError("this model has no vision tower: no image embeddings")
+        table = None if self.block_table is None else self.block_table[slot].copy()
         args = self._args(np.int32(slot), ids, np.int32(start), np.int32(n),
-                          np.bool_(start == 0), emb, mask)
+                          np.bool_(start == 0), emb, mask, table)
         with self._rules():
             logits, self.cache, *routing = self._prefill(self.state, self.cache, *args)
         if routing:
@@ -195,12 +206,25 @@ class ModelRunner:
     def decode(self, tokens, positions, active) -> jax.Array:
         """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32."""
         args = self._args(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
-                          np.asarray(active, bool))
+                          np.asarray(active, bool),
+                          None if self.block_table is None else self.block_table.copy())
         with self._rules():
             logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
         if routing:
             self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits
+
+    def set_pages(self, slot: int, pages) -> None:
+        """Give ``slot`` these pages (its positions ``[j * 64, (j + 1) * 64)`` live in page
+        ``pages[j]``); the rest of its block-table row becomes -1 (paged cache only)."""
+        if self.block_table is None:
+            raise ValueError("set_pages needs a paged cache (num_pages)")
+        if len(pages) > self.max_pages:
+            raise ValueError(f"{len(pages)} pages exceed the {self.max_pages} of max_len "
+                             f"{self.max_len}")
+        row = np.full(self.max_pages, -1, np.int32)
+        row[:len(pages)] = pages
+        self.block_table[slot] = row
 
     def warmup(self) -> None:
         """Compile every prefill bucket and the decode step (on slot 0, which is then reset by
@@ -222,30 +246,48 @@ def _encode_step(graphdef, state, images):
     return encode_images(nnx.merge(graphdef, state), images)            # [1, P / m, D]
 
 
+def _is_pool(x) -> bool:
+    return isinstance(x, PagedDSACache)
+
+
+def _per_slot(fn, *trees):
+    """``fn`` on every per-slot leaf (``[repeats, slots, ...]``); shared DSA pools are kept
+    from the last tree."""
+    return jax.tree.map(lambda *xs: xs[-1] if _is_pool(xs[0]) else fn(*xs), *trees,
+                        is_leaf=_is_pool)
+
+
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
-                  mask=None, *, record_routing=False):
+                  mask=None, table=None, *, record_routing=False):
+    """``table`` ``[max_pages]``: the slot's pages (paged cache; None: dense slots)."""
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
-    row = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
-    row = jax.tree.map(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
+    row = _per_slot(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
+    row = _per_slot(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
+    if table is not None:
+        row = PagedCache(layers=row, block_table=table[None])
     idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
     images = None if embeds is None else ImageInputs(embeds=embeds, mask=mask)
     out = model.forward(ids, start + idx, row, segment_ids=(idx < length).astype(jnp.int32),
                         images=images, collect=Collect(routing=record_routing))
     last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
-    cache = jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
-                         cache, out.cache)
+    new = out.cache.layers if table is not None else out.cache
+    cache = _per_slot(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
+                      cache, new)
     if record_routing:                                                  # [b, L_moe, k]
         return last, cache, jnp.transpose(out.stats.expert_ids[:, 0], (1, 0, 2))
     return last, cache                                                  # [1, V]
 
 
-def _decode_step(graphdef, state, cache, tokens, positions, active, *, record_routing=False):
+def _decode_step(graphdef, state, cache, tokens, positions, active, table=None, *,
+                 record_routing=False):
+    """``table`` ``[S, max_pages]``: every slot's pages (paged cache; None: dense slots)."""
     model = nnx.merge(graphdef, state)
-    out = model.forward(tokens[:, None], positions[:, None], cache,
+    out = model.forward(tokens[:, None], positions[:, None],
+                        cache if table is None else PagedCache(layers=cache, block_table=table),
                         segment_ids=active[:, None].astype(jnp.int32),
                         collect=Collect(routing=record_routing))
+    new = out.cache if table is None else out.cache.layers
     if record_routing:                                                  # [S, L_moe, k]
-        return (out.logits[:, 0], out.cache,
-                jnp.transpose(out.stats.expert_ids[:, :, 0], (1, 0, 2)))
-    return out.logits[:, 0], out.cache                                  # [S, V]
+        return (out.logits[:, 0], new, jnp.transpose(out.stats.expert_ids[:, :, 0], (1, 0, 2)))
+    return out.logits[:, 0], new                                        # [S, V]

@@ -49,7 +49,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, res: Residual, layer_idx: jax.Array, *, positions: jax.Array,
                  segment_ids: jax.Array | None, cache, collect: Collect,
-                 expert_ids: jax.Array | None = None):
+                 expert_ids: jax.Array | None = None, block_table: jax.Array | None = None):
         """Returns ``(residual, new_cache, stats)``. ``stats`` holds only what this layer has
         and ``collect`` asks for: ``indexer_kl`` [] (a DSA layer, ``collect.indexer_kl``),
         ``expert_load`` [E] and under expert parallelism ``moe_dropped`` [] (an MoE layer,
@@ -70,7 +70,8 @@ class DecoderLayer(nnx.Module):
         else:
             out, cache, mixer_aux = self.self_attn(mixer_in, positions=positions,
                                                    segment_ids=segment_ids, cache=cache,
-                                                   indexer_loss=collect.indexer_kl)
+                                                   indexer_loss=collect.indexer_kl,
+                                                   block_table=block_table)
             if collect.indexer_kl != "none":
                 stats["indexer_kl"] = mixer_aux["indexer_kl"].astype(jnp.float32)
         stream = constrain(res.hidden + out.astype(res.hidden.dtype), ACT)
@@ -103,7 +104,7 @@ class LayerGroup(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, m, f, rngs=rngs) for m, f in kinds])
 
     def __call__(self, res: Residual, first_layer: jax.Array, *, positions, segment_ids, caches,
-                 collect: Collect, expert_ids: tuple | None = None):
+                 collect: Collect, expert_ids: tuple | None = None, block_table=None):
         """``expert_ids``: per layer ``[B, T, k]`` or None (routing replay); returns the
         per-layer stats as a tuple of dicts (their keys differ by layer kind)."""
         new_caches, stats = [], []
@@ -111,7 +112,8 @@ class LayerGroup(nnx.Module):
             cache = None if caches is None else caches[i]
             res, cache, st = layer(res, first_layer + i, positions=positions,
                                    segment_ids=segment_ids, cache=cache, collect=collect,
-                                   expert_ids=None if expert_ids is None else expert_ids[i])
+                                   expert_ids=None if expert_ids is None else expert_ids[i],
+                                   block_table=block_table)
             new_caches.append(cache)
             stats.append(st)
         return res, (None if caches is None else tuple(new_caches)), tuple(stats)

@@ -16,6 +16,7 @@ from flax import nnx
 from kdsa.model.config import ModelConfig
 from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
 from kdsa.model.kda_layer import kda_cache_bytes_per_sequence
+from kdsa.model.paged_cache import PAGE_SIZE
 
 COMPONENTS = (
     "embeddings_and_head", "kda", "dsa_attention", "dsa_indexer", "dense_ffn", "routed_experts",
@@ -138,7 +139,9 @@ def format_report(r: ParamReport, context_len: int | None = None) -> str:
     lines.append(f"weights: {_bytes(r.weight_bytes_bf16)} in bf16, "
                  f"{_bytes(r.weight_bytes_mxfp4_experts)} with MXFP4 routed experts")
     lines.append(f"decode cache: {_bytes(r.cache_bytes_per_token)} per token (DSA layers) + "
-                 f"{_bytes(r.cache_bytes_per_sequence)} per sequence (KDA layers)")
+                 f"{_bytes(r.cache_bytes_per_sequence)} per sequence (KDA layers); paged "
+                 f"(--num-pages): {_bytes(r.cache_bytes_per_token * PAGE_SIZE)} per page of "
+                 f"{PAGE_SIZE} tokens")
     if context_len:
         total = r.cache_bytes_per_token * context_len + r.cache_bytes_per_sequence
         lines.append(f"decode cache at {context_len:,} tokens: {_bytes(total)} per sequence")

@@ -37,9 +37,12 @@ from flax import nnx, struct
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention
-from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of
+from kdsa.model.indexer import LightningIndexer
+from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
-from kdsa.model.rope import mla_softmax_scale, rope_half_split, rope_interleaved, rope_inv_freq
+from kdsa.model import paged_cache as pc
+from kdsa.model.paged_cache import PagedDSACache
+from kdsa.model.rope import mla_softmax_scale, rope_interleaved, rope_inv_freq
 from kdsa.model import sequence_parallel as cp
 
 f32 = jnp.float32
@@ -92,44 +95,6 @@ def _rope_dim(config: ModelConfig) -> int:
     return 0 if config.mla_use_nope else config.qk_rope_head_dim
 
 
-class LightningIndexer(nnx.Module):
-    """DeepSeek-V3.2 lightning indexer (``dsa.md`` 1.3), without the FP8/Hadamard deployment.
-
-    ``wq_b``: ``c_q`` (or x when ``q_lora_rank is None``) -> J x Di queries; ``wk``: x -> one Di
-    key per token, then ``k_norm`` (LayerNorm, eps 1e-6); half-split RoPE on the first
-    ``qk_rope_head_dim`` dims (none with NoPE); ``weights_proj`` in float32, times
-    ``J**-0.5 * Di**-0.5``.
-    """
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        d, j, di = config.hidden_size, config.index_n_heads, config.index_head_dim
-        q_in, q_axis = ((config.q_lora_rank, "q_lora") if config.q_lora_rank is not None
-                        else (d, "embed"))
-        pd, cd = dtype_of(config.param_dtype), dtype_of(config.compute_dtype)
-        self.wq_b = Linear(q_in, j * di, axes=(q_axis, "index_heads"), rngs=rngs,
-                           param_dtype=pd, compute_dtype=cd)
-        self.wk = Linear(d, di, axes=("embed", None), rngs=rngs, param_dtype=pd, compute_dtype=cd)
-        self.k_norm = LayerNorm(di, eps=1e-6, param_dtype=pd)
-        self.weights_proj = Linear(d, j, axes=("embed", None), rngs=rngs, param_dtype=pd,
-                                   compute_dtype=f32)
-
-    def __call__(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array):
-        """x ``[B, T, D]``, q_latent ``[B, T, q_lora | D]`` -> q ``[B, T, J, Di]``,
-        k ``[B, T, Di]``, weights ``[B, T, J]`` (float32)."""
-        c = self.config
-        b, t, _ = x.shape
-        j, di, r = c.index_n_heads, c.index_head_dim, _rope_dim(c)
-        q = self.wq_b(q_latent).reshape(b, t, j, di)
-        k = self.k_norm(self.wk(x))
-        if r:
-            inv_freq = rope_inv_freq(r, c.rope_theta, c.rope_scaling)
-            q = jnp.concatenate([rope_half_split(q[..., :r], positions, inv_freq), q[..., r:]], -1)
-            k = jnp.concatenate([rope_half_split(k[..., :r], positions, inv_freq), k[..., r:]], -1)
-        w = self.weights_proj(x) * (j ** -0.5 * di ** -0.5)
-        return q, k, w
-
-
 class GatedDSA(nnx.Module):
     """Gated (sparse) MLA mixer; see the module docstring. ``indexer`` is None for dense MLA."""
 
@@ -157,7 +122,8 @@ class GatedDSA(nnx.Module):
 
     # ---- the call ----
     def __call__(self, x: jax.Array, *, positions: jax.Array, segment_ids: jax.Array | None = None,
-                 cache: DSACache | None = None, indexer_loss: str = "none"):
+                 cache: DSACache | PagedDSACache | None = None, indexer_loss: str = "none",
+                 block_table: jax.Array | None = None):
         """x ``[B, T, D]``, positions ``[B, T]`` int -> (y ``[B, T, D]``, cache, aux).
 
         ``aux = {"indexer_kl": f32 scalar}``, the mean over valid queries of the indexer KL of
@@ -168,7 +134,9 @@ class GatedDSA(nnx.Module):
 
         With a cache each row is one sequence and ``segment_ids`` only marks padding (0):
         padding tokens are not written to the cache (earlier slots stay intact) and their
-        outputs are 0. Writes at ``positions >= max_len`` are dropped.
+        outputs are 0. Writes at ``positions >= max_len`` are dropped. A
+        :class:`~kdsa.model.paged_cache.PagedDSACache` pool takes the ``block_table``
+        ``[B, max_pages]`` that maps each row's positions to its pages (``model/paged_cache.py``).
         """
         self._check(x, positions, segment_ids, cache, indexer_loss)
         q_nope, q_pe, q_latent = self._queries(x, positions)
@@ -176,6 +144,12 @@ class GatedDSA(nnx.Module):
         if cache is None:
             o, kl = self._attend_sequence(x, q_latent, q_nope, q_pe, c_kv, k_pe, positions,
                                           segment_ids, indexer_loss)
+        elif isinstance(cache, PagedDSACache):
+            if block_table is None:
+                raise ValueError("a paged DSA cache needs the block_table")
+            o, cache = self._attend_pages(x, q_latent, q_nope, q_pe, c_kv, k_pe, positions,
+                                          segment_ids, cache, block_table)
+            kl = jnp.zeros((), f32)
         else:
             o, cache = self._attend_cache(x, q_latent, q_nope, q_pe, c_kv, k_pe, positions,
                                           segment_ids, cache)
@@ -309,6 +283,50 @@ class GatedDSA(nnx.Module):
         new_cache = DSACache(kv_latent=kv_latent, k_rope=k_rope, index_keys=index_keys)
         return self._unabsorb(o_lat), new_cache
 
+    # ---- attention over a paged pool ----
+    def _attend_pages(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
+                      cache: PagedDSACache, block_table):
+        """``_attend_cache`` with the rows in a shared pool: writes go to the tokens' slots,
+        the indexer reads each row's visible keys through the table, and the top-k rows are
+        gathered from the pool (all queries as one batch)."""
+        c = self.config
+        b, t = positions.shape
+        n_rows = cache.num_rows
+        write = pc.token_slots(block_table, positions, n_rows)  # [B, T]; n_rows: dropped
+        q_seg = jnp.ones((b, t), jnp.int32)
+        if segment_ids is not None:
+            write = jnp.where(segment_ids != 0, write, n_rows)
+            q_seg = (segment_ids != 0).astype(jnp.int32)
+        put = lambda pool, new: pool.at[write.reshape(-1)].set(  # noqa: E731
+            new.reshape(b * t, -1).astype(pool.dtype), mode="drop")
+        kv_latent, k_rope = put(cache.kv_latent, c_kv), put(cache.k_rope, k_pe)
+        index_keys = cache.index_keys
+        ctx, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
+        s = ctx.shape[1]
+        vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
+                                                             (b, s)),
+                   q_seg=q_seg, kv_seg=backed.astype(jnp.int32),
+                   chunk_size=c.dsa_query_chunk_size)
+        scale = mla_softmax_scale(c)
+        q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer(x, q_latent, positions)
+            index_keys = put(index_keys, ik)
+            idx = indexer_topk(iq, index_keys[ctx], iw, c.index_topk, **vis)  # positions
+            rows = pc.positions_to_slots(idx, block_table)  # [B, T, K] pool rows, -1 unused
+            n, dk = q_abs.shape[2:]
+            o_lat, _ = _sparse_attention(c.attention_impl)(
+                q_abs.reshape(1, b * t, n, dk), (kv_latent[None], k_rope[None]),
+                rows.reshape(1, b * t, -1), scale, c.kv_lora_rank,
+                chunk_size=c.dsa_query_chunk_size)
+            o_lat = o_lat.reshape(b, t, n, -1)
+        else:
+            lat, rope = kv_latent[ctx], k_rope[ctx]  # [B, S, .]: dense MLA reads every key
+            o_lat, _ = dense_attention(q_abs, (lat[:, :, None], rope[:, :, None]),
+                                       lat[:, :, None], scale, **vis)  # MQA: G = 1
+        new_cache = PagedDSACache(kv_latent=kv_latent, k_rope=k_rope, index_keys=index_keys)
+        return self._unabsorb(o_lat), new_cache
+
     # ---- input checks ----
     def _check(self, x, positions, segment_ids, cache, indexer_loss):
         c = self.config
@@ -325,12 +343,14 @@ class GatedDSA(nnx.Module):
             return
         if indexer_loss != "none":
             raise ValueError(f"indexer_loss={indexer_loss!r} is for training without a cache")
-        want = (x.shape[0], cache.max_len)
+        paged = isinstance(cache, PagedDSACache)
+        want = (cache.num_rows,) if paged else (x.shape[0], cache.max_len)
         for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", c.qk_rope_head_dim),
                         ("index_keys", _index_dim(c))):
             if getattr(cache, name).shape != want + (d,):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
-                                 f"{want + (d,)} (batch {x.shape[0]})")
+                                 f"{want + (d,)} " + ("(pool rows)" if paged else
+                                                      f"(batch {x.shape[0]})"))
 
 
 def _sparse_attention(impl: str):

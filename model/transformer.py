@@ -31,6 +31,7 @@ from kdsa.model.dsa_layer import init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
+from kdsa.model.paged_cache import PagedCache, init_paged_dsa_cache
 from kdsa.model.partitioning import constrain
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
@@ -131,6 +132,9 @@ class Transformer(nnx.Module):
             h = jnp.where(images.mask[..., None], images.embeds.astype(h.dtype), h)
         res = initial_residual(constrain(h, ACT), cfg.num_attn_res_blocks)
         res = res.replace(blocks=constrain(res.blocks, ACT[:2] + (None, ACT[2])))
+        block_table = None
+        if isinstance(cache, PagedCache):  # DSA rows in shared pages (model/paged_cache.py)
+            cache, block_table = cache.layers, cache.block_table
         moe_rows = {layer: row for row, layer in enumerate(layers_of(cfg, ffn="moe"))}
         replayed = None if replay is None else _check_replay(replay.expert_ids, input_ids.shape,
                                                              len(moe_rows))
@@ -143,7 +147,7 @@ class Transformer(nnx.Module):
             res, seg_cache, stats = self._run_segment(
                 self.segments[seg_i], res, start, period, repeats, positions=positions,
                 segment_ids=segment_ids, caches=None if cache is None else cache[seg_i],
-                collect=collect, expert_ids=seg_ids)
+                collect=collect, expert_ids=seg_ids, block_table=block_table)
             new_caches.append(seg_cache)
             for layer_rows, st in zip(rows, stats):
                 for name, value in st.items():
@@ -160,11 +164,14 @@ class Transformer(nnx.Module):
             if "replay_agreement" in stacked:
                 stacked["replay_agreement"] = jnp.sum(stacked["replay_agreement"], axis=0)
             stats = Stats(**stacked)
-        return Output(logits=logits.astype(jnp.float32),
-                      cache=None if cache is None else tuple(new_caches), stats=stats)
+        new_cache = None if cache is None else tuple(new_caches)
+        if block_table is not None:
+            new_cache = PagedCache(layers=new_cache, block_table=block_table)
+        return Output(logits=logits.astype(jnp.float32), cache=new_cache, stats=stats)
 
     def _run_segment(self, stack: LayerGroup, res: Residual, start: int, period: int,
-                     repeats: int, *, positions, segment_ids, caches, collect, expert_ids):
+                     repeats: int, *, positions, segment_ids, caches, collect, expert_ids,
+                     block_table=None):
         graphdef, state = nnx.split(stack)
         firsts = start + period * jnp.arange(repeats, dtype=jnp.int32)
 
@@ -173,7 +180,7 @@ class Transformer(nnx.Module):
             group = nnx.merge(graphdef, st)
             carry, cache, stats = group(carry, first, positions=positions,
                                         segment_ids=segment_ids, caches=cache, collect=collect,
-                                        expert_ids=ids)
+                                        expert_ids=ids, block_table=block_table)
             return carry, (cache, stats)
 
         if self.config.remat_policy != "none":
@@ -196,12 +203,27 @@ class Transformer(nnx.Module):
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
+        return self._caches(lambda: init_kda_cache(cfg, batch_size),
+                            lambda: init_dsa_cache(cfg, batch_size, max_len))
+
+    def init_paged_cache(self, batch_size: int, num_pages: int, max_pages: int) -> PagedCache:
+        """Zeroed paged caches: KDA states for ``batch_size`` running rows, one pool of
+        ``num_pages`` pages per DSA layer, and an empty block table ``[batch_size, max_pages]``
+        (-1: no page)."""
+        cfg = self.config
+        if max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1, got {max_pages}")
+        layers = self._caches(lambda: init_kda_cache(cfg, batch_size),
+                              lambda: init_paged_dsa_cache(cfg, num_pages))
+        return PagedCache(layers=layers,
+                          block_table=jnp.full((batch_size, max_pages), -1, jnp.int32))
+
+    def _caches(self, kda, dsa) -> tuple:
         out = []
         for start, period, repeats in self.segment_layout:
             group = []
             for mixer, _ in self.kinds[start:start + period]:
-                one = (init_kda_cache(cfg, batch_size) if mixer == "kda"
-                       else init_dsa_cache(cfg, batch_size, max_len))
+                one = kda() if mixer == "kda" else dsa()
                 group.append(jax.tree.map(lambda a: jnp.broadcast_to(a, (repeats,) + a.shape),
                                           one))
             out.append(tuple(group))

@@ -200,7 +200,7 @@ def a_log_tails(params: list[Param], layout: mp.Layout, src: SafetensorsCheckpoi
 
 def fresh_param(p: Param, config: ModelConfig, seed: int, cache: dict) -> np.ndarray:
     """A newly initialised indexer parameter, stacked over its layers (seed + layer index)."""
-    from kdsa.model.dsa_layer import LightningIndexer
+    from kdsa.model.indexer import LightningIndexer
 
     sub = p.local.split("self_attn.indexer.", 1)[1]
     out = aligned_empty(p.shape, p.dtype)

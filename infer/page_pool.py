@@ -1,0 +1,72 @@
+"""Host-side bookkeeping of the paged cache (``model/paged_cache.py``): which pages are free,
+and how many a request needs.
+
+A request reserves the pages of its whole possible length when it is admitted to a slot,
+``pages_for(min(len(prompt) + max_tokens, max_len))``, and returns them when it finishes, so a
+running request never runs out of pages mid-stream and nothing is ever preempted. A request
+that cannot get its pages waits in the queue (first come, first served: later requests wait
+behind it); one that needs more pages than the whole pool is refused when it is submitted.
+"""
+
+from __future__ import annotations
+
+from kdsa.model.paged_cache import PAGE_SIZE, pages_for
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` pages, or None (and nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        """Return pages taken by :meth:`allocate`; a page not held (or twice) is an error."""
+        free = set(self._free)
+        if (len(set(pages)) != len(pages)
+                or any(not 0 <= p < self.num_pages or p in free for p in pages)):
+            raise ValueError(f"pages {pages} are not all held")
+        self._free.extend(reversed(pages))
+
+    def usage(self) -> dict:
+        return {"page_size": PAGE_SIZE, "pages_total": self.num_pages, "pages_used": self.used,
+                "pages_free": self.free}
+
+
+def page_bytes(config) -> int:
+    """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token)."""
+    from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+
+    n_dsa = sum(m != "kda" for m in config.mixer_kinds)
+    return n_dsa * PAGE_SIZE * dsa_cache_bytes_per_token(config)
+
+
+def pages_in(cache_bytes: int, config) -> int:
+    """The pages a pool of ``cache_bytes`` holds (``--cache-memory``)."""
+    per = page_bytes(config)
+    if per == 0:
+        raise ValueError("this model has no DSA layers: there is nothing to page")
+    n = cache_bytes // per
+    if n < 1:
+        raise ValueError(f"--cache-memory {cache_bytes} B holds no page ({per} B per page of "
+                         f"{PAGE_SIZE} tokens)")
+    return n
+
+
+def pages_needed(prompt_len: int, max_tokens: int, max_len: int) -> int:
+    """The pages a request reserves: its prompt and every token it may generate."""
+    return pages_for(min(prompt_len + max_tokens, max_len))

@@ -1,0 +1,96 @@
+"""Paged decode caches: the Gated DSA layers' rows live in pages of one pool shared by all
+requests; a block table says which pages hold each request's positions.
+
+Layout (PagedAttention, Kwon et al. 2023, applied to the MLA latent cache and the indexer keys)::
+
+    pool rows        [P * PAGE_SIZE, D]        one array per DSA layer and cache part
+    block_table      [B, max_pages] int32      page id of positions [j * PAGE_SIZE, (j+1) * PAGE_SIZE)
+                                               of row b; -1: no page (positions there are invisible)
+    slot(b, p)     = block_table[b, p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
+
+The same token sits at the same slot in every DSA layer, so one table serves the whole stack.
+KDA layers keep their constant-size state per running request (``[repeats, slots, ...]``, as in
+the dense-slot cache): nothing of theirs grows with the context.
+
+Top-k token positions become slots inside the jitted step (-1 stays -1), so the sparse attention
+(reference or Pallas kernel) gathers its K rows straight from the pool: queries of all rows are
+one batch of ``B * T`` against the pool, with no per-request copy of the cache. The indexer
+reads every visible key of a row once per step, gathered through the table (it scores them
+all in any case); dense MLA (no indexer) gathers the visible rows the same way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+PAGE_SIZE = 64
+
+
+@struct.dataclass
+class PagedDSACache:
+    """One DSA layer's pooled cache, compute dtype: kv_latent ``[R, kv_lora]``, k_rope
+    ``[R, rope]``, index_keys ``[R, Di]`` with ``R = num_pages * PAGE_SIZE`` rows."""
+    kv_latent: jax.Array
+    k_rope: jax.Array
+    index_keys: jax.Array
+
+    @property
+    def num_rows(self) -> int:
+        return self.kv_latent.shape[0]
+
+
+@struct.dataclass
+class PagedCache:
+    """The whole stack's paged cache: ``layers`` has the dense-slot cache's structure (per
+    segment, per period position, stacked over repeats) with :class:`PagedDSACache` pools for the
+    DSA layers; ``block_table`` ``[B, max_pages]`` int32 maps the batch rows' positions to pages."""
+    layers: tuple
+    block_table: jax.Array
+
+
+def pages_for(num_tokens: int) -> int:
+    """Pages that hold ``num_tokens`` positions."""
+    return -(-num_tokens // PAGE_SIZE)
+
+
+def token_slots(block_table: jax.Array, positions: jax.Array, num_rows: int) -> jax.Array:
+    """Pool rows ``[B, T]`` of ``positions`` ``[B, T]``; ``num_rows`` (out of range: a write
+    with ``mode="drop"`` skips it) where the position has no page."""
+    page_idx = positions // PAGE_SIZE
+    inside = (positions >= 0) & (page_idx < block_table.shape[1])
+    page = jnp.take_along_axis(block_table, jnp.clip(page_idx, 0, block_table.shape[1] - 1),
+                               axis=1)
+    ok = inside & (page >= 0)
+    return jnp.where(ok, page * PAGE_SIZE + positions % PAGE_SIZE, num_rows)
+
+
+def context_slots(block_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every position a row can hold: pool rows ``[B, max_pages * PAGE_SIZE]`` (0 where there is
+    no page, so a gather stays in bounds) and whether a page backs it ``[B, max_pages * PAGE_SIZE]``."""
+    b, m = block_table.shape
+    rows = block_table[:, :, None] * PAGE_SIZE + jnp.arange(PAGE_SIZE, dtype=jnp.int32)
+    backed = jnp.broadcast_to(block_table[:, :, None] >= 0, rows.shape)
+    return jnp.where(backed, rows, 0).reshape(b, m * PAGE_SIZE), backed.reshape(b, m * PAGE_SIZE)
+
+
+def positions_to_slots(indices: jax.Array, block_table: jax.Array) -> jax.Array:
+    """Top-k token positions ``[B, T, K]`` (-1 unused) -> pool rows ``[B, T, K]`` (-1 stays -1)."""
+    b, t, k = indices.shape
+    flat = indices.reshape(b, t * k)
+    rows = token_slots(block_table, jnp.maximum(flat, 0), -1)
+    return jnp.where(flat >= 0, rows, -1).reshape(b, t, k)
+
+
+def init_paged_dsa_cache(config, num_pages: int) -> PagedDSACache:
+    """A zero pool of ``num_pages`` pages for one DSA layer."""
+    from kdsa.model.layers import dtype_of
+
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    dt = dtype_of(config.compute_dtype)
+    di = config.index_head_dim if config.use_indexer else 0
+    zeros = lambda d: jnp.zeros((num_pages * PAGE_SIZE, d), dt)  # noqa: E731
+    return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
+                         k_rope=zeros(config.qk_rope_head_dim), index_keys=zeros(di))
