@@ -44,7 +44,7 @@ def run(args) -> int:
     import sys
 
     from kdsa.cli import generate_cmd
-    from kdsa.infer.server import EngineStopped, check_port, serve
+    from kdsa.infer.server_run import EngineStopped, check_port, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     limits = image_limits_from_args(args)  # bad values fail before the model loads

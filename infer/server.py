@@ -1,14 +1,19 @@
-"""OpenAI-compatible HTTP server (aiohttp): the HTTP layer only.
+"""OpenAI- and Anthropic-compatible HTTP server (aiohttp): the HTTP layer only.
 
 Routes: ``POST /v1/chat/completions`` (non-streaming JSON or SSE ``data:`` chunks ending with
-``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (with the engine's metrics). Request
-checking and response bodies live in ``openai_api.py``; generation in the batching engine,
+``data: [DONE]``), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic
+Messages API, ``anthropic_server.py``), ``GET /v1/models``, ``GET /health`` (with the engine's
+metrics). Both APIs take one request path, :func:`run_job`: their bodies become the same
+``openai_api.ChatJob`` (prompt, sampling, effort, tool forcing), submitted as the same engine
+``Request`` s. Request checking and response bodies live in ``openai_api.py`` /
+``anthropic_api.py``; generation in the batching engine,
 which runs in one background thread (``Engine.serve_forever``) shared by every connection.
 Engine events reach each handler through an ``asyncio.Queue`` (``call_soon_threadsafe``). A
 client that disconnects (its stream write fails, or its transport closes while it waits) has
 its requests cancelled, which frees their slots. Every error response (bad input 400, unknown
 route 404, wrong method 405, body too large 413, a failure 500, a dead engine 503) has the
-OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` (middleware ``_errors``).
+OpenAI error body ``{"error": {"message", "type", "param", "code"}}`` (middleware ``_errors``);
+under ``/v1/messages`` the Anthropic one, ``{"type": "error", "error": {"type", "message"}}``.
 A request the engine failed (``Completion.error``) is a 500 naming the error (in a stream: an
 ``error`` event) and the server keeps serving; when the engine is dead (``Engine.failure``, or
 its thread has ended) ``/health`` answers 503, new requests get 503 and ``serve`` returns
@@ -16,24 +21,21 @@ its thread has ended) ``/health`` answers 503, new requests get 503 and ``serve`
 parts (a model with a vision tower) are decoded and checked in ``openai_api`` (400 on a bad or
 oversized image) and go to the engine with the request.
 
-``start_server(engine, chat_format, ...)`` runs the app on its own event-loop thread and returns
-a handle with ``port`` and ``stop()`` (tests, notebooks); ``serve(...)`` blocks (``kdsa serve``);
-``check_port`` tells at once whether ``serve`` could listen (before a model is loaded).
+Running the app (a background thread, the foreground ``kdsa serve`` loop, the port check):
+``server_run.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
-import signal
-import socket
 import threading
 import time
 
 from aiohttp import web
 
+from kdsa.infer import anthropic_api
 from kdsa.infer import openai_api as api
 from kdsa.infer.engine import EngineDead, Request
 
@@ -51,6 +53,9 @@ def build_app(engine, chat_format, *, model_name: str = "kdsa",
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    from kdsa.infer import anthropic_server  # it imports this module
+
+    anthropic_server.add_routes(app)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     return app
@@ -77,6 +82,13 @@ def _error(e: api.ApiError) -> web.Response:
     return web.json_response(e.body(), status=e.status)
 
 
+def _error_body(request: web.Request, e: api.ApiError) -> dict:
+    """The error body in the shape of the API the path belongs to."""
+    if request.path == "/v1/messages" or request.path.startswith("/v1/messages/"):
+        return anthropic_api.error_body(e)
+    return e.body()
+
+
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -94,11 +106,12 @@ async def _errors(request: web.Request, handler):
                            + (f" ({e.text})" if e.status == 413 and e.text else ""),
                            status=e.status, kind=kind, code=_HTTP_CODES.get(e.status))
         headers = {k: v for k, v in e.headers.items() if k in ("Allow",)}
-        return web.json_response(err.body(), status=e.status, headers=headers)
+        return web.json_response(_error_body(request, err), status=e.status, headers=headers)
     except Exception as e:  # noqa: BLE001 -- one request's bug: a 500, the server goes on
         log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error(api.ApiError(f"internal server error ({type(e).__name__}: {e})",
-                                   status=500, kind="server_error", code="internal_error"))
+        err = api.ApiError(f"internal server error ({type(e).__name__}: {e})", status=500,
+                           kind="server_error", code="internal_error")
+        return web.json_response(_error_body(request, err), status=500)
 
 
 def engine_failure(app) -> str | None:
@@ -132,32 +145,60 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": request.app[ENGINE].runner.max_len}]})
 
 
+async def read_json(request: web.Request):
+    """The request body as JSON; a 400 ``ApiError`` when it is not JSON."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise api.ApiError(f"the request body is not valid JSON ({e})") from None
+
+
+def vision_config(engine):
+    """The served model's vision config (``None``: it reads no images)."""
+    return getattr(getattr(engine.runner, "config", None), "vision_config", None)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     app, cfg = request.app, request.app[CONFIG]
-    engine, fmt = app[ENGINE], app[FORMAT]
+    engine = app[ENGINE]
     try:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise api.ApiError(f"the request body is not valid JSON ({e})") from None
-        job = api.parse_chat_request(body, model_name=cfg["model"], chat_format=fmt,
-                                     max_len=engine.runner.max_len,
+        job = api.parse_chat_request(await read_json(request), model_name=cfg["model"],
+                                     chat_format=app[FORMAT], max_len=engine.runner.max_len,
                                      default_max_tokens=cfg["default_max_tokens"],
-                                     vision=getattr(getattr(engine.runner, "config", None),
-                                                    "vision_config", None),
+                                     vision=vision_config(engine),
                                      image_limits=cfg.get("image_limits"))
     except api.ApiError as e:
         return _error(e)
+
+    def respond(queue, pending, n):
+        return (_stream if job.stream else _collect)(request, job, queue, pending, n,
+                                                     cfg["model"], app[TOKENIZER])
+
+    return await run_job(request, job, respond, _error)
+
+
+async def run_job(request: web.Request, job: api.ChatJob, respond, error, *,
+                  budget_tokens: int | None = None) -> web.StreamResponse:
+    """The generation path of both APIs: one engine ``Request`` per choice of ``job``
+    (reasoning cap: the effort's, or ``budget_tokens`` when smaller); ``await respond(queue,
+    pending, n)`` builds the response from the ``(choice, Event)`` pairs on ``queue``. Refusals
+    and ``ApiError`` s become ``error(ApiError)``; what is still pending at the end (a client
+    gone, a failure) is cancelled, freeing its slots."""
+    app = request.app
+    engine, fmt = app[ENGINE], app[FORMAT]
     why = engine_failure(app)
     if why is not None:
-        return _error(_unavailable(why))
+        return error(_unavailable(why))
+    cap = engine.budgets.cap(job.effort) if job.thinking else None
+    if job.thinking and budget_tokens is not None:
+        cap = budget_tokens if cap is None else min(cap, budget_tokens)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     reqs = []
     for i, sp in enumerate(job.sampling):
         reqs.append(Request(
-            list(job.prompt), sp, images=list(job.images), reasoning_cap=engine.budgets.cap(job.effort)
-            if job.thinking else None, in_reasoning=job.thinking,
+            list(job.prompt), sp, images=list(job.images), reasoning_cap=cap,
+            in_reasoning=job.thinking,
             parser=fmt.parser(thinking=job.thinking, strict=False,
                               first_call_index=job.first_call_index),
             request_id=f"{job.id}-{i}", answer_prefix=job.answer_prefix,
@@ -167,17 +208,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         for r in reqs:
             engine.submit(r)
-        if job.stream:
-            return await _stream(request, job, queue, pending, len(reqs), cfg["model"],
-                                 app[TOKENIZER])
-        return await _collect(request, job, queue, pending, len(reqs), cfg["model"],
-                              app[TOKENIZER])
+        return await respond(queue, pending, len(reqs))
     except api.ApiError as e:  # e.g. tool_choice not satisfied (check_tool_output)
-        return _error(e)
+        return error(e)
     except EngineDead as e:
-        return _error(_unavailable(engine.failure or str(e)))
+        return error(_unavailable(engine.failure or str(e)))
     except ValueError as e:  # refused by the engine (e.g. prompt too long)
-        return _error(api.ApiError(str(e)))
+        return error(api.ApiError(str(e)))
     except ConnectionResetError:  # the client left; nobody reads this response
         log.info("client disconnected from %s; cancelled", job.id)
         return web.Response(status=499)
@@ -186,13 +223,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             engine.cancel(rid)
 
 
-async def _next(request, queue):
+async def _next(request, queue, keepalive=None, every: float = 10.0):
     """The next engine event; raises ConnectionResetError when the client has gone and a 503
-    ``ApiError`` when the engine has stopped (its requests would never finish)."""
+    ``ApiError`` when the engine has stopped (its requests would never finish). While it
+    waits, ``await keepalive()`` runs every ``every`` seconds (a stream's ping events)."""
+    last = time.monotonic()
     while True:
         try:
             return await asyncio.wait_for(queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
+            if keepalive is not None and time.monotonic() - last >= every:
+                await keepalive()
+                last = time.monotonic()
             t = request.transport
             if t is None or t.is_closing():
                 raise ConnectionResetError("client disconnected") from None
@@ -284,129 +326,3 @@ async def _stream_events(request, job, queue, pending, n, model, tok, send, done
                 await send(e.body())
             await send(api.chunk(job, model_name=model, index=i, delta={},
                                  finish=api.finish_reason(ev.completion, job)))
-
-
-class ServerHandle:
-    def __init__(self, runner: web.AppRunner, loop, thread, port: int):
-        self._runner, self._loop, self._thread, self.port = runner, loop, thread, port
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float = 30) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-        fut.result(timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
-
-
-def start_server(engine, chat_format, *, host: str = "127.0.0.1", port: int = 0,
-                 **kw) -> ServerHandle:
-    """Serve on a background thread; ``port=0`` picks a free port (see ``handle.port``)."""
-    app = build_app(engine, chat_format, **kw)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, handle_signals=False)
-    ready: dict = {}
-
-    def run():
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, host, port)
-            loop.run_until_complete(site.start())
-            ready["port"] = site._server.sockets[0].getsockname()[1]
-        except Exception as e:  # reported to the caller below
-            ready["error"] = e
-        ready["event"].set()
-        if "error" not in ready:
-            loop.run_forever()
-
-    ready["event"] = threading.Event()
-    t = threading.Thread(target=run, daemon=True, name="kdsa-http")
-    t.start()
-    ready["event"].wait(60)
-    if "error" in ready or "port" not in ready:
-        raise RuntimeError(f"server did not start: {ready.get('error', 'timeout')}")
-    return ServerHandle(runner, loop, t, ready["port"])
-
-
-def check_port(host: str, port: int) -> None:
-    """Raise ``ValueError`` (one line) when ``host:port`` cannot be listened on, e.g. another
-    server holds it: a bind test as asyncio's own (``SO_REUSEADDR``), so ``kdsa serve`` fails
-    before loading a model rather than after its warm-up."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port {port}: must be in [0, 65535]")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host}: {e.strerror}") from None
-    bound, unavailable = 0, None
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(addr)
-                bound += 1
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    raise ValueError(f"port {port} on {host} is in use (another server? "
-                                     f"choose a free one with --port)") from None
-                if e.errno != errno.EADDRNOTAVAIL:
-                    raise ValueError(f"cannot listen on {host} port {port}: "
-                                     f"{e.strerror or e}") from None
-                unavailable = e  # a family not enabled here: asyncio skips it too
-    if not bound and unavailable is not None:
-        raise ValueError(f"cannot listen on {host} port {port}: {unavailable.strerror}")
-
-
-class EngineStopped(RuntimeError):
-    """``serve`` ended because the engine died (the message says why)."""
-
-
-def serve(engine, chat_format, *, host: str = "127.0.0.1", port: int = 8000,
-          health_poll_s: float = 0.5, **kw) -> None:
-    """Serve in the foreground until SIGINT / SIGTERM (then return) or until the engine dies
-    (then raise :class:`EngineStopped`, after ``/health`` has had a moment to answer 503)."""
-    app = build_app(engine, chat_format, **kw)
-    why = asyncio.run(_serve_until_stopped(app, host, port, health_poll_s))
-    if why is not None:
-        raise EngineStopped(why)
-
-
-async def _serve_until_stopped(app, host, port, poll_s) -> str | None:
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    stop = asyncio.Event()
-    loop, installed = asyncio.get_running_loop(), []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        prev = signal.getsignal(sig)
-        try:
-            loop.add_signal_handler(sig, stop.set)
-            installed.append((sig, prev))
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
-    why = None
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        log.info("serving on http://%s:%d", host, port)
-        while not stop.is_set():
-            why = engine_failure(app)
-            if why is not None:
-                log.error("the engine has stopped (%s); shutting down", why)
-                await asyncio.sleep(poll_s)  # clients polling /health see the 503
-                break
-            try:
-                await asyncio.wait_for(stop.wait(), poll_s)
-            except asyncio.TimeoutError:
-                pass
-    finally:
-        for sig, prev in installed:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, prev)
-        await runner.cleanup()
-    return why

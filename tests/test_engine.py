@@ -275,7 +275,7 @@ def test_real_model_over_http(engine):
     import http.client
     import json
 
-    from kdsa.infer.server import start_server
+    from kdsa.infer.server_run import start_server
     fmt = get_format("xtml", engine.tok)
     chat_engine = Engine(engine.runner, engine.tok, chat_format=fmt, max_top_logprobs=3)
     prompt = fmt.render([Message("user", "Hi")], thinking=False)

@@ -18,7 +18,7 @@ from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.chat import Message
 from kdsa.infer.engine import Engine, EngineDead, GenerationError, Request
 from kdsa.infer.sampling import SamplingParams
-from kdsa.infer.server import start_server
+from kdsa.infer.server_run import start_server
 
 from scripted import CAPS, FMT, GRACE, TOK, USER, EosSecond, _answer
 

@@ -14,7 +14,7 @@ import pytest
 from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.chat import Message, get_format
 from kdsa.infer.engine import Engine
-from kdsa.infer.server import start_server
+from kdsa.infer.server_run import start_server
 from kdsa.infer.tokenizer import ByteTokenizer
 
 from scripted import (CALL, CAPS, EOS_LOGIT, FMT, GRACE, TOK, TOOLS, USER, EosSecond,

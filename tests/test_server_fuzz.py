@@ -14,7 +14,7 @@ import pytest
 
 from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.engine import Engine
-from kdsa.infer.server import start_server
+from kdsa.infer.server_run import start_server
 
 from scripted import FMT, TOK, TOOLS, USER, EosSecond, _answer
 

@@ -17,7 +17,7 @@ from kdsa.infer.chat import get_format
 from kdsa.infer.engine import Engine, Request
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
-from kdsa.infer.server import start_server
+from kdsa.infer.server_run import start_server
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model.config import get_preset
 from kdsa.model.transformer import Transformer
