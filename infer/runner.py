@@ -269,8 +269,9 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
     idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
     images = None if embeds is None else ImageInputs(embeds=embeds, mask=mask)
     out = model.forward(ids, start + idx, row, segment_ids=(idx < length).astype(jnp.int32),
-                        images=images, collect=Collect(routing=record_routing))
-    last = jax.lax.dynamic_index_in_dim(out.logits, length - 1, axis=1, keepdims=False)
+                        images=images, collect=Collect(routing=record_routing),
+                        logits_at=jnp.reshape(length - 1, (1, 1)))  # the last real token only
+    last = out.logits[:, 0]
     new = out.cache.layers if table is not None else out.cache
     cache = _per_slot(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
                       cache, new)

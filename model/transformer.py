@@ -107,7 +107,8 @@ class Transformer(nnx.Module):
     def forward(self, input_ids: jax.Array, positions: jax.Array | None = None,
                 cache: tuple | None = None, segment_ids: jax.Array | None = None,
                 images: ImageInputs | None = None, *, collect: Collect | None = None,
-                replay: RoutingReplay | None = None) -> Output:
+                replay: RoutingReplay | None = None,
+                logits_at: jax.Array | None = None) -> Output:
         """Full forward (cache None), prefill or decode (cache from ``init_cache``).
 
         ``input_ids`` [B, T] int32. ``positions`` [B, T] int32 (default: 0..T-1, restarting per
@@ -118,6 +119,10 @@ class Transformer(nnx.Module):
         ``collect`` asks for training statistics and ``replay`` applies MoE routing replay
         (``model/outputs.py``); with either, ``out.stats`` holds what was asked for, stacked
         over the layers that have it. Without, ``out.stats`` is None.
+
+        ``logits_at`` ``[B, n]`` int32: compute the logits at these positions of each row only
+        (``out.logits`` ``[B, n, V]``), e.g. a prompt chunk's last token in prefill, so the
+        vocabulary projection is not paid for every prompt token.
         """
         cfg = self.config
         collect = Collect() if collect is None else collect
@@ -152,9 +157,14 @@ class Transformer(nnx.Module):
             for layer_rows, st in zip(rows, stats):
                 for name, value in st.items():
                     pieces.setdefault(name, []).append((layer_rows, value))
-        h = res.hidden
+        hidden, blocks = res.hidden, res.blocks  # [B, T, D], [B, T, NB, D]
+        if logits_at is not None:  # only these positions go on: [B, n, D], [B, n, NB, D]
+            at = logits_at.astype(jnp.int32)
+            hidden = jnp.take_along_axis(hidden, at[..., None], axis=1)
+            blocks = jnp.take_along_axis(blocks, at[..., None, None], axis=1)
+        h = hidden
         if cfg.attn_res_block_size is not None:
-            h = self.output_attn_res(res.hidden, res.blocks, res.n_blocks)
+            h = self.output_attn_res(hidden, blocks, res.n_blocks)
         h = self.norm(h)
         logits = self.embed_tokens.attend(h) if cfg.tie_word_embeddings else self.lm_head(h)
         logits = constrain(logits, ("act_batch", "act_seq", "act_vocab"))

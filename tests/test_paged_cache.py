@@ -159,3 +159,16 @@ def test_generate_refuses_both_pool_sizes(tmp_path, capsys):
     rc = main(["generate", "--preset", "tiny", "--num-pages", "4", "--cache-memory", "1GiB",
                "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
     assert rc == 2 and "--num-pages or --cache-memory, not both" in capsys.readouterr().err
+
+
+def test_logits_at_equals_the_full_logits_there(model):
+    """``forward(logits_at=...)`` (prefill's lean logits) equals the full logits at those
+    positions."""
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (2, 20)), jnp.int32)
+    at = jnp.asarray([[19, 3], [0, 7]], jnp.int32)
+    full = nnx.jit(lambda m, x: m.forward(x).logits)(model, ids)
+    lean = nnx.jit(lambda m, x, a: m.forward(x, logits_at=a).logits)(model, ids, at)
+    assert lean.shape == (2, 2, CFG.vocab_size)
+    np.testing.assert_allclose(np.asarray(lean),
+                               np.take_along_axis(np.asarray(full), np.asarray(at)[..., None],
+                                                  axis=1), rtol=1e-5, atol=1e-5)
