@@ -30,9 +30,9 @@ def run(args) -> int:
     from kdsa.model.transformer import Transformer
 
     name, config = config_from_args(args)
-    if args.seq > config.max_position_embeddings:
+    if config.context_limit is not None and args.seq > config.context_limit:
         raise ValueError(f"--seq {args.seq} exceeds max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+                         f"{config.context_limit} (this model encodes positions with RoPE)")
     print(f"preset: {name}  devices: {jax.devices()}")
     print(format_report(count_params(config, preset=name)))
     t0 = time.perf_counter()

@@ -70,9 +70,10 @@ class ModelRunner:
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        if not 1 <= max_len <= cfg.max_position_embeddings:
+        limit = cfg.context_limit  # None: NoPE, no position limit
+        if max_len < 1 or (limit is not None and max_len > limit):
             raise ValueError(f"max_len={max_len} must be in [1, max_position_embeddings="
-                             f"{cfg.max_position_embeddings}]")
+                             f"{limit}] (this model encodes positions with RoPE)")
         self.config, self.num_slots, self.max_len = cfg, num_slots, max_len
         self.vocab_size = cfg.vocab_size
         self.prefill_chunk = min(prefill_chunk, max_len)

@@ -249,6 +249,13 @@ class ModelConfig:
         return self.index_topk is not None
 
     @property
+    def context_limit(self) -> int | None:
+        """The longest context positions can encode: ``max_position_embeddings`` with RoPE,
+        None (no limit) with NoPE MLA, where nothing in the stack encodes a position (KDA has
+        none, MLA and the indexer use no RoPE), as in Kimi Linear and K3."""
+        return None if self.mla_use_nope else self.max_position_embeddings
+
+    @property
     def expert_hidden_size(self) -> int:
         """Width the routed experts run in (latent MoE when ``routed_expert_hidden_size``)."""
         return self.routed_expert_hidden_size or self.hidden_size

@@ -210,9 +210,9 @@ class Transformer(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
         cfg = self.config
-        if max_len > cfg.max_position_embeddings:
+        if cfg.context_limit is not None and max_len > cfg.context_limit:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
+                             f"{cfg.context_limit} (this model encodes positions with RoPE)")
         return self._caches(lambda: init_kda_cache(cfg, batch_size),
                             lambda: init_dsa_cache(cfg, batch_size, max_len))
 

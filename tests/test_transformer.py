@@ -174,5 +174,9 @@ def test_bad_inputs():
         model.forward(jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="positions are required"):
         model.forward(jnp.zeros((1, 2), jnp.int32), cache=model.init_cache(1, 8))
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        model.init_cache(1, 10**6)
+    rope = Transformer(get_preset("tiny").replace(mla_use_nope=False), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="max_position_embeddings=1024 .*RoPE"):
+        rope.init_cache(1, 10**6)
+    # NoPE (every preset): nothing encodes positions, so the context is not capped by them
+    assert model.config.context_limit is None and rope.config.context_limit == 1024
+    assert jax.eval_shape(lambda: model.init_cache(1, 4096))[-1][0].kv_latent.shape[2] == 4096

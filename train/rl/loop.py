@@ -90,9 +90,9 @@ def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig,
                      tokenizer_path: str | Path | None = None) -> None:
     """Every cross-check before anything is built or compiled (``tokenizer_path``: the
     model's own tokenizer, else the byte tokenizer)."""
-    if rc.seq_len + 1 > config.max_position_embeddings:
+    if config.context_limit is not None and rc.seq_len + 1 > config.context_limit:
         raise ValueError(f"rl.seq_len={rc.seq_len} exceeds max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+                         f"{config.context_limit}")
     if tc.indexer_stage != "none":
         raise ValueError("kdsa rl trains all parameters: train.indexer_stage must be 'none'")
     if config.expert_weight_format == "mxfp4":
