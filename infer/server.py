@@ -3,11 +3,13 @@
 Routes: ``POST /v1/chat/completions`` (non-streaming JSON or SSE ``data:`` chunks ending with
 ``data: [DONE]``), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (the Anthropic
 Messages API, ``anthropic_server.py``), ``GET /v1/models``, ``GET /health`` (with the engine's
-metrics). Both APIs take one request path, :func:`run_job`: their bodies become the same
-``openai_api.ChatJob`` (prompt, sampling, effort, tool forcing), submitted as the same engine
-``Request`` s. Request checking and response bodies live in ``openai_api.py`` /
-``anthropic_api.py``; generation in the batching engine,
-which runs in one background thread (``Engine.serve_forever``) shared by every connection.
+metrics), ``GET /metrics`` (Prometheus text, ``prometheus.py``: per-request counts, latencies
+and token counts by effort level; the engine's queue, slots, pool and prefix cache). Both APIs
+take one request path, :func:`run_job`: their bodies become the same ``openai_api.ChatJob``
+(prompt, sampling, effort, tool forcing), submitted as the same engine ``Request`` s.
+Request checking and response bodies live in ``openai_api.py`` / ``anthropic_api.py``;
+generation in the batching engine, which runs in one background thread
+(``Engine.serve_forever``) shared by every connection.
 Engine events reach each handler through an ``asyncio.Queue`` (``call_soon_threadsafe``). A
 client that disconnects (its stream write fails, or its transport closes while it waits) has
 its requests cancelled, which frees their slots. Every error response (bad input 400, unknown
@@ -37,11 +39,15 @@ from aiohttp import web
 
 from kdsa.infer import anthropic_api
 from kdsa.infer import openai_api as api
+from kdsa.infer import prometheus
 from kdsa.infer.engine import EngineDead, Request
 
 log = logging.getLogger("kdsa.serve")
 ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
                                      ("engine", "format", "tokenizer", "config"))
+METRICS = web.AppKey("metrics", object)  # prometheus.ServerMetrics: this app's registry
+# the parsed JSON body of a request (read_json), for its tool rounds (aiohttp >= 3.12: a key)
+_BODY = web.RequestKey("body", object) if hasattr(web, "RequestKey") else "kdsa.body"
 
 
 def build_app(engine, chat_format, *, model_name: str = "kdsa",
@@ -50,7 +56,9 @@ def build_app(engine, chat_format, *, model_name: str = "kdsa",
     app[ENGINE], app[FORMAT], app[TOKENIZER] = engine, chat_format, engine.tok
     app[CONFIG] = {"model": model_name, "default_max_tokens": default_max_tokens,
                    "created": int(time.time()), "image_limits": image_limits}
+    app[METRICS] = prometheus.ServerMetrics(engine, failure=lambda: engine_failure(app))
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     from kdsa.infer import anthropic_server  # it imports this module
@@ -138,6 +146,12 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if why is None else 503)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition of this app's registry (``prometheus.py``)."""
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": prometheus.CONTENT_TYPE})
+
+
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     return web.json_response({"object": "list", "data": [
@@ -148,7 +162,8 @@ async def models(request: web.Request) -> web.Response:
 async def read_json(request: web.Request):
     """The request body as JSON; a 400 ``ApiError`` when it is not JSON."""
     try:
-        return await request.json()
+        request[_BODY] = body = await request.json()
+        return body
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise api.ApiError(f"the request body is not valid JSON ({e})") from None
 
@@ -194,6 +209,7 @@ async def run_job(request: web.Request, job: api.ChatJob, respond, error, *,
         cap = budget_tokens if cap is None else min(cap, budget_tokens)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    deliver = _deliver(request, job, queue)
     reqs = []
     for i, sp in enumerate(job.sampling):
         reqs.append(Request(
@@ -203,7 +219,7 @@ async def run_job(request: web.Request, job: api.ChatJob, respond, error, *,
                               first_call_index=job.first_call_index),
             request_id=f"{job.id}-{i}", answer_prefix=job.answer_prefix,
             banned_token_ids=job.banned_token_ids,
-            on_event=lambda ev, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, ev))))
+            on_event=lambda ev, i=i: loop.call_soon_threadsafe(deliver, i, ev)))
     pending = {r.request_id for r in reqs}
     try:
         for r in reqs:
@@ -221,6 +237,23 @@ async def run_job(request: web.Request, job: api.ChatJob, respond, error, *,
     finally:
         for rid in pending:  # disconnected or failed: free the slots
             engine.cancel(rid)
+
+
+def _deliver(request: web.Request, job: api.ChatJob, queue: asyncio.Queue):
+    """``deliver(choice, event)`` on the event loop: the event onto ``queue``; a finished
+    request is recorded in the app's metrics (a metrics bug is logged, never felt)."""
+    obs, api_name = request.app.get(METRICS), prometheus.api_of(request.path)
+    rounds = prometheus.tool_rounds(request.get(_BODY), api_name) if obs is not None else 0
+
+    def deliver(i, ev) -> None:
+        queue.put_nowait((i, ev))
+        if obs is not None and ev.completion is not None:
+            try:
+                obs.observe(ev.completion, job, api=api_name, history_rounds=rounds)
+            except Exception:  # noqa: BLE001
+                log.exception("recording the metrics of %s failed", ev.request_id)
+
+    return deliver
 
 
 async def _next(request, queue, keepalive=None, every: float = 10.0):
