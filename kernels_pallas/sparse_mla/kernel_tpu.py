@@ -5,41 +5,57 @@ Same problem, padded layout (``kernel.to_layout``) and outputs as the Triton ker
 both; only the gather differs. A Mosaic kernel cannot index a ref with a vector of row ids (the
 Triton kernel's ``ka_ref[rows, :]``), so the selected key rows are **copied by DMA**:
 
-* the key parts stay in HBM (``memory_space=pl.ANY``); the query's index row ``[Kp]`` is an SMEM
-  block (scalar reads give the DMA addresses) and also a VMEM block (the tile's validity mask);
+* the key parts stay in HBM, where the caller keeps them (``memory_space=pltpu.HBM`` and
+  ``pltpu.with_memory_space_constraint(.., HBM)``: without the constraint XLA may copy a cache
+  that fits into VMEM before each call); the query's index row ``[Kp]`` is an SMEM block (scalar
+  reads give the DMA addresses) and also a VMEM block (the tile's validity mask);
 * grid ``(B, T, Hp / bh, Kp / bk)``, the last axis walks the slot tiles in order ("arbitrary"),
-  the others are "parallel". At slot tile ``j`` the kernel starts ``bk`` one-row DMAs
-  (``pltpu.make_async_copy(k_hbm.at[b, row], buf.at[slot, i])``) for tile ``j + 1`` into the
-  other half of a double buffer ``[2, bk, D]`` (one DMA semaphore per half and key part; a
-  single wait on the whole half counts all ``bk`` rows, as jax's ``paged_attention`` waits for
-  its pages), then waits for tile ``j`` and computes on it. Tile 0 of each program is started
-  and waited at ``j = 0`` (not hidden behind the previous program).
-* invalid slots (-1 padding, indices >= S) copy row 0 and are masked to -inf, as on GPU.
+  the others are "parallel". At slot tile ``j`` the kernel starts ``bk`` one-row DMAs per key
+  part for tile ``j + 1`` into the other half of a double buffer ``[2, bk, D]`` (one DMA
+  semaphore per half and key part; a single wait on the whole half counts all ``bk`` rows, as
+  jax's ``paged_attention`` waits for its pages), then waits for tile ``j`` and computes on it.
+  Tile 0 of each program is started and waited at ``j = 0`` (not hidden behind the previous
+  program).
+* **the row DMA** (what Mosaic accepts, measured with libtpu 0.0.52 for v5e, v5p and v6e; TPU
+  HBM arrays are stored in ``(8, 128)`` tiles, row-major within a tile): a 32-bit row
+  ``k_hbm.at[b, pl.ds(r, 1)]`` at any offset compiles (a row is a run of whole words, one 512 B
+  granule per 128 lanes), into any row of a ``[bk, D]`` VMEM buffer. A 16-bit row does not: bf16
+  tiles ``(8, 128)(2, 1)`` pack rows ``2k`` and ``2k + 1`` into the two halves of one 32-bit word,
+  so a single row is half of every word ("Offsets along tiled dimensions must be aligned to
+  tiles"). 16-bit parts are therefore read through ``k_hbm.bitcast(uint32)`` (a view, ``[B, S/2,
+  D]`` in ``(4, 128)`` tiles: the same bytes), one word row ``r // 2`` per selected row (the pair
+  holding it: 2x the row's bytes, the minimum for this layout), into a ``uint32 [bk, D]``
+  buffer; after the wait each row is unpacked in registers from the high or low half of its
+  words (``r`` odd or even), exactly (a bf16 is the top half of its float32).
+* invalid slots (-1 padding, indices outside ``[0, S)``) copy row 0; their rows are zeroed
+  after the gather (unused rows of a pool may hold anything, and ``0 * NaN`` would leak into
+  ``p @ V`` and the gradients) and their scores are -inf.
 * forward: online softmax in float32 scratch ``(m, l [bh, 128], acc [bh, Da])`` carried over the
   slot axis, written at the last tile; a query with no valid slot writes out 0 and lse -inf.
 * backward: ``dq`` accumulates in its output block across the slot axis; each tile writes its
   per-slot key/value cotangent rows ``[bk, D]`` (``ds^T q + p^T dO``) as an output block.
 
+What was measured instead and rejected (``bench/aot.py``, docs/kernels.md "TPU compile"): rows
+on a leading dimension (a ``[S, 1, D]`` operand) compile, but XLA re-lays the whole cache into
+``T(2, 128)`` tiles (twice its size) before every call; whole aligned 8-row tiles per selected
+row compile and need no copy but read 8x the bytes. The key parts must reach the kernel
+row-major (``major_to_minor = (0, 1, 2)``): XLA's default layout for a bf16 ``[B, S, 64]``
+array (the RoPE key) is S-minor, and then XLA copies it before each call; a decode step keeps
+the cache in :func:`cache_layout` to avoid that.
+
 Patterns from jax's ``pallas/ops/tpu/paged_attention`` (multi-row async copies on one semaphore,
 waited once) and ``flash_attention`` (``(rows, 128)`` softmax statistics, explicit ``.T`` before
 a matmul); tokamax's TPU ``sparse_mla`` instead gathers rows in a separate SparseCore kernel
-(``csa_gather``). Written without a TPU: the CPU tests run it in TPU interpret mode
-(``pltpu.InterpretParams``: simulated HBM/VMEM/SMEM, DMAs and semaphores) and lower it to Mosaic
-for TPU; the Mosaic compiler (layout passes, run inside libtpu) has not seen it.
-
-Does not compile for TPU yet (libtpu 0.0.52, ``bench/aot.py``, docs/kernels.md "TPU compile"):
-each DMA moves one row ``[1, D]`` out of the ``[S, D]`` HBM cache into row ``i`` of a
-``[bk, D]`` VMEM buffer, a slice of the second-minor (sublane) dimension at an unaligned
-offset, and Mosaic refuses it on both sides ("Offsets along tiled dimensions must be aligned to
-tiles"). Rows on a leading dimension (``[S, 1, D]``) compile, but XLA then re-lays the whole
-cache into the kernel's operand layout before every call. tpu-inference's ``gmm_gather`` (a TPU
-kernel gathering activation rows by DMA) reshapes each row to ``[8, D / 8]`` for the same reason.
+(``csa_gather``). Tested on CPU in interpret mode (the generic interpreter, f32 and bf16; the
+TPU simulator ``pltpu.InterpretParams``, f32 only: it has no ref bitcast), compiled for TPU by
+libtpu on a CPU host (``tests/test_tpu_compile.py``, ``bench/aot.py``); never run on a TPU.
 
 Tile rules (checked in :func:`check_tiles`, sizes chosen in ``kernel.plan``): heads per program
 ``bh`` a multiple of the sublane tile, 8 rows for f32 and 16 for bf16 (or all padded heads); slot
 tile ``bk`` a multiple of it too (the index row arrives as ``(1, bk)`` blocks, the gathered rows
 fill whole ``[bk, D]`` tiles); defaults 128 and 128 (MXU-sized score tiles). Key widths are not
-padded (the HBM cache is never copied; a Triton plan pads them to powers of two). float16 raises
+padded (the HBM cache is never copied; a Triton plan pads them to powers of two); 16-bit parts
+with an odd ``S`` get one zero row (a copy: keep ``S`` even). float16 raises
 ``NotImplementedError``.
 """
 
@@ -76,6 +92,16 @@ def check_tiles(bh: int, bk: int, hp: int, dtype) -> None:
                          f"{sub} for {jnp.dtype(dtype)}")
 
 
+def cache_layout(ndim: int = 3):
+    """The layout a caller should keep the key caches in (row-major, ``(8, 128)`` tiles): pass
+    ``jax.experimental.layout.Format(cache_layout(), sharding)`` as the cache arguments' (and
+    results') format of a jitted decode step. XLA's default for a bf16 ``[B, S, 64]`` array is
+    S-minor, which the kernel's row DMAs cannot read, so XLA would copy it before every call."""
+    from jax.experimental.layout import Layout
+
+    return Layout(major_to_minor=tuple(range(ndim)))
+
+
 def interpret_params(interpret):
     """``pallas_call``'s ``interpret`` for this kernel: ``False`` (compile with Mosaic),
     ``True`` (the generic interpreter: DMAs become plain copies; fast, what most CPU tests use)
@@ -86,13 +112,30 @@ def interpret_params(interpret):
 
 # ----------------------------------------------------------------------------- gather
 
-def _start(idx_smem, hbm, bufs, sems, b, j, slot, p):
-    """Start the one-row DMAs of slot tile ``j`` (every key part) into buffer half ``slot``."""
+def packed(dtype) -> bool:
+    """16-bit keys: HBM packs row pairs into 32-bit words (``T(8,128)(2,1)``), gathered as pairs."""
+    return jnp.dtype(dtype).itemsize == 2
+
+
+def _sources(hbm, dtype):
+    """DMA views of the key parts ``[B, S, D]``: as they are (32-bit: a row is a run of words,
+    any row offset compiles), or 16-bit parts as ``uint32 [B, S / 2, D]`` (word ``[k, d]`` holds
+    rows ``2k`` (low half) and ``2k + 1`` (high half) of column ``d``; a bitcast of the ref, not
+    a copy)."""
+    return [h.bitcast(jnp.uint32) for h in hbm] if packed(dtype) else list(hbm)
+
+
+def _start(idx_smem, srcs, bufs, sems, b, j, slot, p):
+    """Start the one-row DMAs of slot tile ``j`` (every key part) into buffer half ``slot``: row
+    ``r`` (32-bit keys) or the word row ``r // 2`` holding it (16-bit keys)."""
+    shift = 1 if bufs[0].dtype == jnp.uint32 else 0
+
     def row(i, carry):
         r = idx_smem[0, j * p.bk + i]
         r = jnp.where((r >= 0) & (r < p.s), r, 0)                              # invalid: row 0
-        for part in range(len(hbm)):
-            pltpu.make_async_copy(hbm[part].at[b, pl.ds(r, 1)],
+        r = jax.lax.shift_right_logical(r, shift)
+        for part in range(len(srcs)):
+            pltpu.make_async_copy(srcs[part].at[b, pl.ds(r, 1)],
                                   bufs[part].at[slot, pl.ds(i, 1)],
                                   sems.at[part, slot]).start()
         return carry
@@ -105,23 +148,47 @@ def _wait(bufs, sems, slot):
         pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[part, slot]).wait()
 
 
-def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p):
-    """Double-buffered gather of this step's tile: ``(valid [1, bk], rows per part [bk, D])``."""
+def _column(row):
+    """``[1, n]`` -> ``[n, 1]`` (a 2-D transpose of 8 sublane copies: the Mosaic-friendly form)."""
+    return jnp.broadcast_to(row, (8, row.shape[1])).T[:, :1]
+
+
+def _unpack(words, odd, dtype):
+    """``uint32 [bk, D]`` row pairs -> the selected rows ``[bk, D]`` in ``dtype``: the high half
+    where ``odd [bk, 1]``, else the low half (a 16-bit float is the top half of its float32, so
+    the shift or mask is exact)."""
+    hi = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), f32)
+    lo = jax.lax.bitcast_convert_type(jax.lax.shift_left(words, jnp.uint32(16)), f32)
+    return jnp.where(odd, hi, lo).astype(dtype)
+
+
+def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p, dtype):
+    """Double-buffered gather of this step's tile: ``(valid [1, bk], rows per part [bk, D])``.
+    Rows of invalid slots are zeros (they fetch row 0, or rows 0 and 1 for 16-bit keys; garbage
+    there, e.g. an unused pool row, must not turn a zero probability into NaN)."""
     b, j, nk = pl.program_id(0), pl.program_id(3), pl.num_programs(3)
     slot = j % 2
+    srcs = _sources(hbm, dtype)
 
     @pl.when(j == 0)
     def _():
-        _start(idx_smem, hbm, bufs, sems, b, 0, 0, p)
+        _start(idx_smem, srcs, bufs, sems, b, 0, 0, p)
 
     @pl.when(j + 1 < nk)
     def _():
-        _start(idx_smem, hbm, bufs, sems, b, j + 1, 1 - slot, p)
+        _start(idx_smem, srcs, bufs, sems, b, j + 1, 1 - slot, p)
 
     _wait(bufs, sems, slot)
     ids = idx_vmem[...]                                                        # [1, bk]
     valid = (ids >= 0) & (ids < p.s)
-    return valid, [buf[slot] for buf in bufs]
+    col = _column(jnp.where(valid, ids, -1))                                   # [bk, 1]
+    live = col >= 0
+    if packed(dtype):
+        odd = (col & 1) == 1
+        rows = [_unpack(buf[slot], odd, dtype) for buf in bufs]
+    else:
+        rows = [buf[slot] for buf in bufs]
+    return valid, [jnp.where(live, r, jnp.zeros_like(r)) for r in rows]
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
@@ -150,7 +217,7 @@ def _fwd_kernel(idx_smem, idx_vmem, *refs, p, scale):
         l_ref[...] = jnp.zeros(l_ref.shape, f32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, f32)
 
-    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p)
+    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p, hbm[0].dtype)
     s = jnp.where(valid, _scores([r[...] for r in q_refs], rows, scale), -jnp.inf)  # [bh, bk]
     m_prev = m_ref[...]                                                        # [bh, 128]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))             # [bh, 128]
@@ -184,7 +251,7 @@ def _bwd_kernel(idx_smem, idx_vmem, *refs, p, scale):
         for r in dq_refs:
             r[...] = jnp.zeros(r.shape, f32)
 
-    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p)
+    valid, rows = _tile(idx_smem, idx_vmem, hbm, bufs, sems, p, hbm[0].dtype)
     qs = [r[...] for r in q_refs]
     do = do_ref[...]                                                           # [bh, Da] f32
     lse = lse_ref[...]                                                         # [bh, 1]
@@ -210,7 +277,7 @@ def _common_specs(p, widths):
                          memory_space=pltpu.SMEM)
     idx_v = pl.BlockSpec((None, None, None, 1, p.bk), lambda b, t, h, j: (b, t, j, 0, 0))
     q = [pl.BlockSpec((None, None, p.bh, d), lambda b, t, h, j: (b, t, h, 0)) for d in widths]
-    hbm = [pl.BlockSpec(memory_space=pl.ANY) for _ in widths]
+    hbm = [pl.BlockSpec(memory_space=pltpu.HBM) for _ in widths]
     return [idx_s, idx_v] + q + hbm
 
 
@@ -220,8 +287,28 @@ def _tiled(idx, p):
 
 
 def _scratch(p, widths, dtype):
-    return ([pltpu.VMEM((2, p.bk, d), dtype) for d in widths]
+    """Per key part a double buffer ``[2, bk, D]`` of gathered rows (16-bit keys: of their
+    ``uint32`` row pairs) and the DMA semaphores ``[parts, 2]``."""
+    word = jnp.uint32 if packed(dtype) else dtype
+    return ([pltpu.VMEM((2, p.bk, d), word) for d in widths]
             + [pltpu.SemaphoreType.DMA((len(widths), 2))])
+
+
+def _check_interpret(interpret, dtype):
+    if isinstance(interpret, pltpu.InterpretParams) and packed(dtype):
+        raise NotImplementedError(
+            "sparse_mla_attention TPU kernel: 16-bit keys are gathered through a uint32 view of "
+            "the HBM ref, which JAX's TPU simulator (pltpu.InterpretParams) does not implement; "
+            "use interpret=True or float32 keys")
+
+
+def _hbm_parts(ks, p):
+    """The key parts pinned to HBM (else XLA may copy a cache that fits into VMEM before the
+    call); 16-bit parts with an odd row count first get one zero row (a copy of the parts: the
+    ``uint32`` row-pair view needs ``S`` even; keep ``S`` even to avoid it)."""
+    if packed(ks[0].dtype) and p.s % 2:
+        ks = [jnp.pad(k, ((0, 0), (0, 1), (0, 0))) for k in ks]
+    return [pltpu.with_memory_space_constraint(k, pltpu.HBM) for k in ks]
 
 
 def _params():
@@ -239,6 +326,8 @@ def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p, scale: float, interpret):
     widths = (p.da, p.db) if p.two_parts else (p.da,)
     qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
     check_tiles(p.bh, p.bk, p.hp, ka.dtype)
+    _check_interpret(interpret, ka.dtype)
+    ks = _hbm_parts(ks, p)
     row = pl.BlockSpec((None, None, p.bh, p.da), lambda b, t, h, j: (b, t, h, 0))
     col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
     out, lse = pl.pallas_call(
@@ -263,6 +352,8 @@ def sparse_mla_bwd(qa, qb, ka, kb, idx, do, lse, delta, *, p, scale: float, inte
     widths = (p.da, p.db) if p.two_parts else (p.da,)
     qs, ks = ([qa, qb], [ka, kb]) if p.two_parts else ([qa], [ka])
     check_tiles(p.bh, p.bk, p.hp, ka.dtype)
+    _check_interpret(interpret, ka.dtype)
+    ks = _hbm_parts(ks, p)
     row = lambda d: pl.BlockSpec((None, None, p.bh, d),  # noqa: E731
                                  lambda b, t, h, j: (b, t, h, 0))
     col = pl.BlockSpec((None, None, p.bh, 1), lambda b, t, h, j: (b, t, h, 0))
