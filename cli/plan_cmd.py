@@ -6,11 +6,13 @@
 Exit status 0 when the layout fits, 3 when it does not (the message names the largest term),
 2 for a layout that does not divide the model or batch (``kdsa plan`` names the axis).
 
-``--compile --topology v5p:8x8x16`` (train layout; needs libtpu) also compiles the real train
-step (loss, gradients, optimizer update, the configured remat) for that TPU topology with
-XLA:TPU, prints XLA's per-device memory beside the estimate and the compile time, and refuses
-(exit 3) a program whose compiled peak exceeds the chip's HBM (``--device-memory`` when given,
-else the chip's: ``train/aot.py``).
+``--compile --topology v5p:8x8x16`` (needs libtpu) also compiles the real steps for that TPU
+topology with XLA:TPU: with ``--layout train`` the train step (loss, gradients, optimizer
+update, the configured remat; ``train/aot.py``), with ``--layout generate`` the engine's prefill
+chunk and decode step over the dense-slot cache (``--batch`` slots of ``--seq`` tokens,
+``--prefill-chunk``; ``infer/aot.py``). It prints XLA's per-device memory of each beside the
+estimate and the compile time, and refuses (exit 3) a program whose compiled peak exceeds the
+chip's HBM (``--device-memory`` when given, else the chip's: ``sharding/aot.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def register(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--moe-capacity-factor", type=float, default=None)
     p.add_argument("--compile", action="store_true",
-                   help="also compile the train step for --topology with XLA:TPU (libtpu) "
-                        "and compare its memory with the estimate")
+                   help="also compile the layout's steps (train: the train step; generate: a "
+                        "prefill chunk and a decode step) for --topology with XLA:TPU (libtpu) "
+                        "and compare their memory with the estimate")
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="TPU topology for --compile, e.g. v5e:2x2, v5p:8x8x16, v6e:16x16 "
                         "(its device count must equal the mesh's)")
@@ -57,9 +60,8 @@ def run(args) -> int:
     from kdsa.sharding.plan import format_plan, make_plan
     from kdsa.sharding.rules import get_rules
 
-    if args.compile and (args.topology is None or args.layout != "train"):
-        raise ValueError("--compile needs --topology NAME and compiles the train layout "
-                         "(--layout train)")
+    if args.compile and args.topology is None:
+        raise ValueError("--compile needs --topology NAME (e.g. v5e:2x2, v5p:8x8x16)")
     name, config = config_from_args(args)
     sizes = layout_sizes(name, args.layout, layout_override(args, args.layout))
     if -1 in sizes.values():
@@ -75,20 +77,18 @@ def run(args) -> int:
     plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,
                      moe_capacity_factor=args.moe_capacity_factor)
-    compiled = None
-    if args.compile:
-        compiled = _compile(args, config, sizes, batch)
+    compiled = _compile(args, config, sizes, batch) if args.compile else {}
     if args.json:
         out = plan.to_json()
-        if compiled is not None:
-            out["compiled"] = {**compiled.to_dict(), "device_memory": hbm,
-                               "fits": compiled.peak <= hbm}
+        for step, c in compiled.items():
+            out.setdefault("compiled", {})[step] = {**c.to_dict(), "device_memory": hbm,
+                                                    "fits": c.peak <= hbm}
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, name))
-        if compiled is not None:
-            print(_format_compiled(compiled, plan, hbm, args.topology))
-    if compiled is not None and compiled.peak > hbm:
+        for step, c in compiled.items():
+            print(_format_compiled(step, c, plan, hbm, args.topology))
+    if any(c.peak > hbm for c in compiled.values()):
         return 3
     return 0 if plan.fits else 3
 
@@ -96,7 +96,7 @@ def run(args) -> int:
 def _device_memory(args) -> int:
     """``--device-memory``, else the ``--topology`` chip's HBM under ``--compile``, else 141 GiB."""
     from kdsa.sharding.plan import parse_bytes
-    from kdsa.train.aot import chip_hbm
+    from kdsa.sharding.aot import chip_hbm
 
     if args.device_memory is not None:
         return parse_bytes(args.device_memory)
@@ -105,19 +105,27 @@ def _device_memory(args) -> int:
     return parse_bytes("141GiB")
 
 
-def _compile(args, config, sizes, batch):
+def _compile(args, config, sizes, batch) -> dict:
+    """``{step name: CompiledMemory}`` of the layout's steps on ``--topology``."""
+    if args.layout == "generate":
+        from kdsa.infer.aot import compile_generate_steps
+
+        return compile_generate_steps(config, args.topology, sizes, slots=batch,
+                                      max_len=args.seq, prefill_chunk=min(args.prefill_chunk,
+                                                                          args.seq))
     from kdsa.train.aot import compile_train_step
     from kdsa.train.config import TrainConfig
 
-    return compile_train_step(config, TrainConfig(steps=1), args.topology, sizes, batch=batch,
-                              seq=args.seq, moe_capacity_factor=args.moe_capacity_factor)
+    return {"train step": compile_train_step(
+        config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,
+        moe_capacity_factor=args.moe_capacity_factor)}
 
 
-def _format_compiled(c, plan, hbm: int, topology: str) -> str:
+def _format_compiled(step: str, c, plan, hbm: int, topology: str) -> str:
     gib = 1 << 30
     rows = [("arguments", c.arguments), ("outputs", c.outputs), ("aliased", -c.aliased),
             ("temporaries", c.temporaries), ("code", c.code)]
-    lines = [f"compiled train step for {topology} in {c.compile_seconds:.1f} s (XLA:TPU, per "
+    lines = [f"compiled {step} for {topology} in {c.compile_seconds:.1f} s (XLA:TPU, per "
              f"device)", f"{'':<24}{'GiB':>12}"]
     lines += [f"  {k:<22}{v / gib:>12,.3f}" for k, v in rows if v]
     lines.append(f"  {'PEAK':<22}{c.peak / gib:>12,.3f}   of {hbm / gib:,.2f} "

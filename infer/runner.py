@@ -131,12 +131,7 @@ class ModelRunner:
             shard_model(model, self.mesh, self.layout)
 
     def cache_shardings(self, cache):
-        """Every cache leaf ``[repeats, slots, ...]`` with slots over the ``act_batch`` axes."""
-        from kdsa.sharding.rules import get_rules, logical_to_spec
-
-        rules = get_rules(self.layout)
-        return jax.tree.map(lambda a: NamedSharding(self.mesh, logical_to_spec(
-            (None, "act_batch") + (None,) * (a.ndim - 2), a.shape, self.mesh, rules)), cache)
+        return cache_shardings(cache, self.mesh, self.layout)
 
     def _rules(self):
         """The layout's rules while tracing and calling the steps (part of jit's cache key)."""
@@ -234,6 +229,16 @@ class ModelRunner:
             self.prefill(0, [0] * b, 0)
         s = self.num_slots
         self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
+
+
+def cache_shardings(cache, mesh, layout: str):
+    """Every cache leaf ``[repeats, slots, ...]`` with slots over the layout's ``act_batch``
+    axes ("DP attention": each device caches its own requests)."""
+    from kdsa.sharding.rules import get_rules, logical_to_spec
+
+    rules = get_rules(layout)
+    return jax.tree.map(lambda a: NamedSharding(mesh, logical_to_spec(
+        (None, "act_batch") + (None,) * (a.ndim - 2), a.shape, mesh, rules)), cache)
 
 
 def _host(x) -> np.ndarray:

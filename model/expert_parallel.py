@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
+from kdsa.model.layers import inverse_permutation
 from kdsa.model.partitioning import ShardingContext, current
 
 
@@ -127,8 +128,7 @@ def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *
 # ---------------------------------------------------------------------------------------------
 
 def _inverse(order: jax.Array) -> jax.Array:
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                               unique_indices=True)
+    return inverse_permutation(order)
 
 
 def _local_experts(rows, ids, w1, w3, w2, config):

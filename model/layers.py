@@ -121,3 +121,11 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         return jnp.einsum("...d,vd->...v", x.astype(self.compute_dtype),
                           self.embedding[...].astype(self.compute_dtype))
+
+
+def inverse_permutation(order: jax.Array) -> jax.Array:
+    """``inverse[order[i]] = i`` for a permutation ``order`` ``[M]``, as a sort rather than a
+    scatter: XLA combines two such scatters into the same zeros into one variadic scatter,
+    which XLA:TPU (libtpu 0.0.52) aborts on (scatter_emitter "operand_indices.size() == 1"),
+    found compiling the expert-parallel generate step for v5e (``infer/aot.py``)."""
+    return jnp.argsort(order, stable=True).astype(order.dtype)

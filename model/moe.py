@@ -43,7 +43,8 @@ from flax import nnx
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
-from kdsa.model.layers import Linear, RMSNorm, dtype_of, lecun_init, param
+from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, lecun_init,
+                               param)
 from kdsa.model.expert_parallel import expert_parallel_experts
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
@@ -165,8 +166,7 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     up = jax.lax.ragged_dot(rows, w3.astype(dt), group_sizes)  # [M, I]
     h = gated_activation(gate, up, config)  # [M, I]
     out_sorted = jax.lax.ragged_dot(h, w2.astype(dt), group_sizes)  # [M, De]
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                  unique_indices=True)  # [M]
+    inverse = inverse_permutation(order)  # [M]
     out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, de)  # [N, k, De]
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), topk_weight.astype(jnp.float32))
     return y.astype(dt)

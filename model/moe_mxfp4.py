@@ -19,6 +19,7 @@ from flax import nnx
 
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
+from kdsa.model.layers import inverse_permutation
 from kdsa.model.mxfp4 import (dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4,
                               unpack_from_compressed_tensors)
 
@@ -119,8 +120,7 @@ def experts_ragged_mxfp4(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Arr
     up = mm(rows, w3_packed, w3_scale).astype(dt)  # [M, I]
     h = gated_activation(gate, up, config)  # [M, I]
     out_sorted = mm(h, w2_packed, w2_scale)  # [M, De] f32
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype),
-                                                  unique_indices=True)  # [M]
+    inverse = inverse_permutation(order)  # [M]
     out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, de)  # [N, k, De]
     y = jnp.einsum("nkd,nk->nd", out, topk_weight.astype(jnp.float32))
     return y.astype(dt)

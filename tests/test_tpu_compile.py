@@ -88,10 +88,36 @@ def test_plan_compile_tiny_train_step_for_v5e(capsys):
                "--mesh", "fsdp=2,expert=2", "--batch", "4", "--seq", "64", "--compile",
                "--topology", "v5e:2x2", "--device-memory", "10MiB", "--json"])
     out = json.loads(capsys.readouterr().out)
-    c, plan = out["compiled"], out
+    c, plan = out["compiled"]["train step"], out
     assert rc == 3 and plan["fits"] and not c["fits"]  # the estimate fits, the program not
     assert c["device_memory"] == 10 << 20 and c["peak"] > 10 << 20
     state = plan["memory"]["parameters"] + plan["memory"]["optimizer"]
     assert 1.0 <= c["arguments"] / state <= 4.0, (c, plan["memory"])
     assert c["peak"] < 40 * plan["total"], (c, plan["total"])
     assert c["compile_seconds"] > 0 and c["temporaries"] > 0
+
+
+def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
+    """``kdsa plan --compile --layout generate``: the engine's prefill chunk and decode step
+    (``infer/aot.py``: the runner's own step functions) of a 1-layer tiny model compiled with
+    XLA:TPU on ``data=2,tensor=2``. Stated factors at this size: each step's arguments (weights
+    + cache + inputs) are 1-4x the estimated parameters + caches, and its peak stays under 40x
+    the estimate (code and temporaries dominate a 0.2M-parameter model)."""
+    import json
+
+    from kdsa.cli.main import main
+
+    rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=1",
+               "--set", "linear_attn_config.kda_layers=[]",
+               "--set", "linear_attn_config.full_attn_layers=[1]",
+               "--set", "first_k_dense_replace=0", "--layout", "generate",
+               "--mesh", "data=2,tensor=2", "--batch", "4", "--seq", "256",
+               "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and set(out["compiled"]) == {"prefill", "decode"}
+    held = out["memory"]["parameters"] + out["memory"]["caches"]
+    for step, c in out["compiled"].items():
+        assert c["fits"] and c["compile_seconds"] > 0, (step, c)
+        assert 1.0 <= c["arguments"] / held <= 4.0, (step, c, out["memory"])
+        assert c["peak"] < 40 * out["total"], (step, c, out["total"])
+        assert c["aliased"] > 0  # the cache is donated, as the runner does

@@ -10,14 +10,12 @@ layout with XLA:TPU (libtpu). The result is XLA's per-device memory of that prog
 Per-device peak = arguments + outputs - aliased + temporaries (+ code): ``train_step`` does not
 donate its input state, so the state is counted twice (old and new) unless XLA aliases it.
 
-HBM per chip (per TensorCore device, as ``jax.devices()`` sees it), from the public chip specs:
-v4 32 GiB, v5e 16 GiB, v5p 95 GiB, v6e 32 GiB.
+The topologies, the chips' HBM and the memory record are shared with the generate steps'
+compiles (``infer/aot.py``): ``sharding/aot.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 
 import jax
@@ -26,49 +24,8 @@ import jax.numpy as jnp
 from kdsa.model.config import ModelConfig
 from kdsa.train.config import TrainConfig
 
-GiB = 1 << 30
-CHIP_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5litepod": 16 * GiB, "v5p": 95 * GiB,
-            "v6e": 32 * GiB}
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-    """XLA's per-device bytes of one compiled program, and its compile time."""
-    arguments: int
-    outputs: int
-    aliased: int
-    temporaries: int
-    code: int
-    compile_seconds: float
-
-    @property
-    def peak(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temporaries + self.code
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "peak": self.peak}
-
-
-def chip_hbm(topology: str) -> int | None:
-    """HBM bytes per device of a topology name such as ``v5p:8x8x16`` (None: unknown chip)."""
-    return CHIP_HBM.get(topology.split(":", 1)[0].split("-", 1)[0])
-
-
-def topology_devices(topology: str) -> list:
-    """The abstract devices of ``topology`` (``v5e:2x2``, ``v5p:8x8x16``, ...); a clear error
-    without libtpu."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    try:
-        import libtpu  # noqa: F401 - only whether it imports
-    except ImportError:
-        raise ValueError("--compile needs libtpu (the XLA:TPU compiler): pip install libtpu, "
-                         "or the test extra (pip install -e '.[test]')") from None
-    from jax.experimental import topologies
-
-    try:
-        return list(topologies.get_topology_desc(topology, platform="tpu").devices)
-    except Exception as e:  # noqa: BLE001 - libtpu's message names the problem
-        raise ValueError(f"--topology {topology}: {str(e).splitlines()[0]}") from None
+from kdsa.sharding.aot import (CHIP_HBM, CompiledMemory, chip_hbm,  # noqa: F401 - re-exported
+                               compiled_memory, topology_devices)
 
 
 def compile_train_step(config: ModelConfig, tc: TrainConfig, topology: str,
@@ -99,9 +56,4 @@ def compile_train_step(config: ModelConfig, tc: TrainConfig, topology: str,
                                              moe_capacity_factor=moe_capacity_factor):
         compiled = train_step.lower(graphdef, state, data, tc=tc, tx=tx,
                                     layout=abstract.segment_layout).compile()
-    seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    return CompiledMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
-                          aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
-                          code=m.generated_code_size_in_bytes,
-                          compile_seconds=round(seconds, 1))
+    return compiled_memory(compiled, time.perf_counter() - t0)

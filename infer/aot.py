@@ -1,0 +1,78 @@
+"""The engine's generate steps compiled for a named TPU topology on this host (no TPU needed).
+
+``compile_generate_steps(config, topology, sizes, slots=S, max_len=L, prefill_chunk=C)``
+compiles the runner's own two programs (``infer/runner.py``) under the ``generate`` layout
+with XLA:TPU (libtpu), from sharded ``ShapeDtypeStruct``s (nothing is allocated):
+
+* ``prefill``: one chunk of ``C`` tokens of one request into its slot of the dense-slot cache
+  (``[repeats, S, L, ...]``, slots over the layout's batch axes), with the chunk's last logits;
+* ``decode``: one token for every slot at once.
+
+Both donate the cache, as the runner does. The result is XLA's per-device memory of each
+program (``sharding/aot.py``), which ``kdsa plan --compile --layout generate`` prints beside
+the planner's estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kdsa.infer.runner import _decode_step, _prefill_step, cache_shardings
+from kdsa.model.config import ModelConfig
+from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
+
+
+def compile_generate_steps(config: ModelConfig, topology: str, sizes: dict[str, int], *,
+                           slots: int, max_len: int, prefill_chunk: int,
+                           only: tuple[str, ...] = ("prefill", "decode")
+                           ) -> dict[str, CompiledMemory]:
+    """``{"prefill": ..., "decode": ...}`` (the steps named in ``only``): see the module
+    docstring."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from kdsa.kernels_pallas.common import compile_target
+    from kdsa.model.transformer import Transformer
+    from kdsa.sharding.constrain import use_sharding
+    from kdsa.sharding.mesh import check_layout, make_mesh
+    from kdsa.sharding.rules import state_shardings
+
+    if not 1 <= prefill_chunk <= max_len:
+        raise ValueError(f"prefill chunk {prefill_chunk} must be in [1, --seq {max_len}]")
+    check_layout(config, sizes, "generate")
+    mesh = make_mesh(sizes, devices=topology_devices(topology))
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    state = _sharded(state, state_shardings(state, mesh, "generate"))
+    cache = jax.eval_shape(lambda: model.init_cache(slots, max_len))
+    cache = _sharded(cache, cache_shardings(cache, mesh, "generate"))
+    rep = NamedSharding(mesh, P())
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+    i32, scalar = jnp.int32, ()
+    steps = {
+        "prefill": (_prefill_step, (arg(scalar, i32), arg((1, prefill_chunk), i32),
+                                    arg(scalar, i32), arg(scalar, i32), arg(scalar, jnp.bool_))),
+        "decode": (_decode_step, (arg((slots,), i32), arg((slots,), i32),
+                                  arg((slots,), jnp.bool_))),
+    }
+    out = {}
+    for name, (fn, args) in steps.items():
+        if name not in only:
+            continue
+        t0 = time.perf_counter()
+        with compile_target("tpu"), use_sharding(mesh, "generate"):
+            compiled = jax.jit(functools.partial(fn, graphdef), donate_argnums=(1,)).lower(
+                state, cache, *args).compile()
+        out[name] = compiled_memory(compiled, time.perf_counter() - t0)
+    return out
+
+
+def _sharded(tree, shardings):
+    """``tree``'s leaves as ``ShapeDtypeStruct``s with ``shardings`` (a prefix of ``tree``: one
+    sharding per array, or per ``nnx.Variable`` of a model state)."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), sub), shardings, tree)
