@@ -31,6 +31,15 @@ def add_engine_args(p) -> None:
                         "dense --max-len row per slot)")
     g.add_argument("--cache-memory", default=None,
                    help="paged cache sized in bytes instead (e.g. 2GiB): as many pages as fit")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="paged cache without prefix caching (by default a request resumes "
+                        "from the KDA snapshot and DSA pages of the longest cached prefix)")
+    g.add_argument("--prefix-snapshot-every", type=int, default=4, metavar="PAGES",
+                   help="prefix cache: snapshot the KDA states every this many pages of a "
+                        "prefill (default 4 = 256 tokens)")
+    g.add_argument("--prefix-snapshots", type=int, default=None, metavar="N",
+                   help="prefix cache: KDA snapshot slots (default: 2 x --slots; each holds "
+                        "one sequence's KDA states, see kdsa params)")
     g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
     g.add_argument("--mesh", default=None,
                    help="mesh axes of the layout over every process's devices, e.g. "
@@ -104,7 +113,10 @@ def engine_from_args(args):
     engine, fmt = build_engine(model, num_slots=args.slots, max_len=args.max_len,
                                prefill_chunk=args.prefill_chunk, tokenizer_path=tok_path,
                                chat_format=args.chat_format, budgets=budgets, mesh=mesh,
-                               layout=args.layout, seed=args.seed, num_pages=num_pages)
+                               layout=args.layout, seed=args.seed, num_pages=num_pages,
+                               prefix_snapshots=0 if num_pages is None or args.no_prefix_cache
+                               else (args.prefix_snapshots or 2 * args.slots),
+                               prefix_snapshot_every=args.prefix_snapshot_every)
     return engine, fmt, name
 
 

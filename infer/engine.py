@@ -39,6 +39,7 @@ from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.engine_slots import SlotScheduling
 from kdsa.infer.engine_tokens import TokenStep
 from kdsa.infer.page_pool import PagePool, pages_needed
+from kdsa.infer.prefix_cache import PrefixCache
 from kdsa.infer.requests import (Completion, EngineDead, Event, GenerationError,  # noqa: F401
                                  Request, _Active, _describe)
 from kdsa.infer.sampling import sample, sample_jit
@@ -50,7 +51,8 @@ log = logging.getLogger("kdsa.engine")
 class Engine(SlotScheduling, TokenStep):
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
-                 seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3):
+                 seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3,
+                 prefix_snapshot_every: int = 4):
         self.runner, self.tok = runner, tokenizer
         self.max_failures = max_consecutive_failures
         self.failure: str | None = None  # set when the engine is dead (EngineDead)
@@ -77,6 +79,9 @@ class Engine(SlotScheduling, TokenStep):
         self.slots: list[_Active | None] = [None] * runner.num_slots
         num_pages = getattr(runner, "num_pages", None)  # paged cache: infer/page_pool.py
         self.pages = None if num_pages is None else PagePool(num_pages)
+        snapshots = getattr(runner, "num_snapshots", 0)  # prefix cache: infer/prefix_cache.py
+        self.prefix = None if not snapshots else PrefixCache(self.pages, snapshots,
+                                                             prefix_snapshot_every)
         self.stats = collections.Counter()
         self.started = time.perf_counter()
 
@@ -271,4 +276,5 @@ class Engine(SlotScheduling, TokenStep):
             "uptime_s": elapsed,
             "cache": {"kind": "dense_slots"} if self.pages is None else {
                 "kind": "paged", **self.pages.usage()},
+            **({} if self.prefix is None else {"prefix_cache": self.prefix.usage()}),
         }

@@ -27,7 +27,9 @@ import time
 import numpy as np
 
 from kdsa.infer.page_pool import pages_needed
+from kdsa.infer.prefix_cache import page_keys
 from kdsa.infer.requests import Completion, Event, _Active, _describe
+from kdsa.model.paged_cache import PAGE_SIZE
 
 log = logging.getLogger("kdsa.engine")
 
@@ -77,24 +79,64 @@ class SlotScheduling:
         if self.pages is None:
             return True
         need = pages_needed(len(a.req.prompt), a.req.sampling.max_tokens, self.runner.max_len)
-        pages = self.pages.allocate(need)
-        if pages is None:
+        if self.prefix is None:
+            pages = self.pages.allocate(need)
+            if pages is None:
+                return False
+            a.pages = pages
+            self.runner.set_pages(i, pages)
+            return True
+        # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot
+        keys = [] if a.req.images else page_keys(a.req.prompt)
+        j, snapshot, shared = self.prefix.lookup(keys, len(a.req.prompt))
+        fresh = self.prefix.allocate(need - j)
+        if fresh is None:
+            self.prefix.release(shared)
             return False
-        a.pages = pages
-        self.runner.set_pages(i, pages)
+        a.pages, a.page_keys = shared + fresh, keys
+        self.runner.set_pages(i, a.pages)
+        self.prefix.queried_tokens += len(a.req.prompt)
+        if snapshot is not None:  # resume: this slot's own copy of the KDA states
+            self.runner.restore_state(snapshot, i)
+            a.prefilled = j * PAGE_SIZE
+            self.prefix.hit_tokens += a.prefilled
         return True
+
+    def _chunk_length(self, a: _Active) -> int:
+        """Prompt tokens of the next prefill chunk; with the prefix cache a chunk ends at the
+        next snapshot point (every ``snapshot_every`` pages) when the prompt goes past it."""
+        n = self.runner.prefill_chunk
+        if self.prefix is None or not a.page_keys:
+            return n
+        step = self.prefix.every * PAGE_SIZE
+        nxt = (a.prefilled // step + 1) * step
+        return min(n, nxt - a.prefilled) if nxt < len(a.req.prompt) else n
+
+    def _after_chunk(self, i: int, a: _Active, start: int) -> None:
+        """Prefix cache: register the pages this chunk completed; at a snapshot point, save
+        the slot's KDA states there (unless a snapshot of this prefix exists)."""
+        if self.prefix is None or not a.page_keys:
+            return
+        for j in range(start // PAGE_SIZE, min(a.prefilled // PAGE_SIZE, len(a.page_keys))):
+            self.prefix.register(a.page_keys[j], a.pages[j])
+        j = a.prefilled // PAGE_SIZE
+        if (a.prefilled % (self.prefix.every * PAGE_SIZE) == 0 and 0 < j <= len(a.page_keys)
+                and a.prefilled < len(a.req.prompt)
+                and self.prefix.wants_snapshot(a.page_keys[j - 1])):
+            self.runner.save_state(i, self.prefix.add_snapshot(a.page_keys[j - 1]))
 
     def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
         """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
         budget left. The last chunk samples the first token."""
         while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
-            chunk = a.req.prompt[a.prefilled:a.prefilled + self.runner.prefill_chunk]
-            logits = self.runner.prefill(i, chunk, a.prefilled,
-                                         **self._chunk_images(a, len(chunk)))
+            start = a.prefilled
+            chunk = a.req.prompt[start:start + self._chunk_length(a)]
+            logits = self.runner.prefill(i, chunk, start, **self._chunk_images(a, len(chunk)))
             self._note("prefill")
             if self._record_routing:
                 a.routing.append(self.runner.last_routing)
             a.prefilled += len(chunk)
+            self._after_chunk(i, a, start)
             budget -= len(chunk)
             did = True
             self.stats["prefill_tokens"] += len(chunk)
@@ -165,8 +207,8 @@ class SlotScheduling:
         a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
-        if a.pages:  # paged cache: the pages go back to the pool
-            self.pages.release(a.pages)
+        if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
+            (self.pages if self.prefix is None else self.prefix).release(a.pages)
             a.pages = []
             if i is not None:
                 self.runner.set_pages(i, [])

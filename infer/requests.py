@@ -110,6 +110,7 @@ class _Active:
         self.metrics = RequestMetrics(time.perf_counter())
         self.prefilled = 0
         self.pages: list[int] = []  # paged cache: the pool pages this request holds
+        self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []

@@ -66,7 +66,7 @@ class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
                  compiler_options: dict | None = None, record_routing: bool = False,
-                 num_pages: int | None = None):
+                 num_pages: int | None = None, num_snapshots: int = 0):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -101,6 +101,15 @@ class ModelRunner:
             rep = NamedSharding(mesh, P())
             jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
                 (rep,) if record_routing else ()))
+        self.num_snapshots, self.snapshots = num_snapshots, None
+        if num_snapshots:  # KDA states of the prefix cache (infer/prefix_cache.py)
+            if num_pages is None:
+                raise ValueError("KDA state snapshots (prefix caching) need a paged cache")
+            self.snapshots = jax.jit(lambda c: _states(
+                lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
+                self.cache)
+            self._save = jax.jit(_save_state, donate_argnums=(1,))
+            self._restore = jax.jit(_restore_state, donate_argnums=(0,))
         self.graphdef, self.state = nnx.split(model)
         self._prefill = jit(functools.partial(_prefill_step, self.graphdef,
                                               record_routing=record_routing))
@@ -222,6 +231,16 @@ class ModelRunner:
         row[:len(pages)] = pages
         self.block_table[slot] = row
 
+    def save_state(self, slot: int, snapshot: int) -> None:
+        """Copy ``slot``'s KDA states into snapshot ``snapshot`` (prefix caching)."""
+        self.snapshots = self._save(self.cache, self.snapshots, np.int32(slot),
+                                    np.int32(snapshot))
+
+    def restore_state(self, snapshot: int, slot: int) -> None:
+        """Copy snapshot ``snapshot`` into ``slot``'s KDA states (the slot's own copy)."""
+        self.cache = self._restore(self.cache, self.snapshots, np.int32(slot),
+                                   np.int32(snapshot))
+
     def warmup(self) -> None:
         """Compile every prefill bucket and the decode step (on slot 0, which is then reset by
         the next prefill into it)."""
@@ -261,6 +280,28 @@ def _per_slot(fn, *trees):
     from the last tree."""
     return jax.tree.map(lambda *xs: xs[-1] if _is_pool(xs[0]) else fn(*xs), *trees,
                         is_leaf=_is_pool)
+
+
+def _states(fn, cache):
+    """``fn`` of every per-slot (KDA) leaf, None for the shared DSA pools."""
+    return jax.tree.map(lambda x: None if _is_pool(x) else fn(x), cache, is_leaf=_is_pool)
+
+
+def _save_state(cache, snapshots, slot, snapshot):
+    return jax.tree.map(lambda s, a: s.at[:, snapshot].set(a[:, slot]), snapshots,
+                        _states(lambda a: a, cache))
+
+
+def _restore_state(cache, snapshots, slot, snapshot):
+    return _per_slot(lambda a, s: a.at[:, slot].set(s[:, snapshot]), cache,
+                     _states_like(snapshots, cache))
+
+
+def _states_like(snapshots, cache):
+    """``snapshots`` with the cache's pools put back where they were None (for _per_slot)."""
+    flat, _ = jax.tree.flatten(snapshots)
+    it = iter(flat)
+    return jax.tree.map(lambda x: x if _is_pool(x) else next(it), cache, is_leaf=_is_pool)
 
 
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
