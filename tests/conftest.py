@@ -15,17 +15,6 @@ if os.environ.get("KDSA_TEST_XLA_OPT") != "1" and "xla_backend_optimization_leve
     flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
-# One XLA compilation cache per suite run, shared by the xdist workers and every subprocess
-# they launch (multi-process jobs, CLI runs): a program that several test files or processes
-# compile the same way (the tiny model's steps, a job's two ranks) is compiled once. It starts
-# empty in every run (``KDSA_TEST_COMPILE_CACHE`` names a folder to keep instead), so the
-# suite's time on a fresh clone includes every first compile.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get(
-        "KDSA_TEST_COMPILE_CACHE") or tempfile.mkdtemp(prefix="kdsa-test-xla-cache-")
-
 # The files that take longest (minutes of multi-process jobs and mesh compiles) start first:
 # pytest-xdist hands whole files (``--dist loadfile``) to whichever worker is free, in
 # collection order, so long files collected last leave one worker running alone at the end.
