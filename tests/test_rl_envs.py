@@ -245,7 +245,10 @@ def test_cli_config_errors_exit_2(tmp_path, capsys):
 
     for argv, msg in ((["--rl-set", "loss=foo"], "rl.loss"),
                       (["--rl-set", 'envs=["nope"]'], "unknown environment"),
-                      (["--rl-set", "seq_len=4096"], "max_position_embeddings")):
+                      (["--rl-set", "seq_len=0"], "rl.seq_len must be a positive integer"),
+                      # a RoPE model's positions end at max_position_embeddings (NoPE: no limit)
+                      (["--set", "mla_use_nope=false", "--rl-set", "seq_len=4096"],
+                       "max_position_embeddings")):
         assert main(["rl", "--run-dir", str(tmp_path), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0]

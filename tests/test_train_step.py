@@ -236,7 +236,8 @@ def test_cli_reports_config_errors_before_building(tmp_path, capsys):
 
     rc = main(["train", "--run-dir", str(tmp_path), "--train-set", "accum_steps=3"])
     assert rc == 2 and "accum_steps" in capsys.readouterr().err
-    rc = main(["train", "--run-dir", str(tmp_path), "--train-set", "seq_len=5000"])
+    rc = main(["train", "--run-dir", str(tmp_path), "--set", "mla_use_nope=false",
+               "--train-set", "seq_len=5000"])  # RoPE: positions end at the limit
     assert rc == 2 and "max_position_embeddings" in capsys.readouterr().err
     assert not (tmp_path / "checkpoints").exists()
 

@@ -222,11 +222,11 @@ def test_image_limits_are_400(served):
 
 def test_serve_passes_the_image_limit_flags(monkeypatch):
     from kdsa.cli import generate_cmd, serve_cmd
-    from kdsa.infer import server
+    from kdsa.infer import server_run
 
     seen = {}
     monkeypatch.setattr(generate_cmd, "engine_from_args", lambda a: (None, FMT, "m"))
-    monkeypatch.setattr(server, "serve", lambda engine, fmt, **kw: seen.update(kw))
+    monkeypatch.setattr(server_run, "serve", lambda engine, fmt, **kw: seen.update(kw))
     assert serve_cmd.run(_serve_args(SERVE_LIMITS + ["--no-warmup"])) == 0
     assert seen["image_limits"] == ImageLimits(max_images=2, max_pixels=40000, max_bytes=20000)
     with pytest.raises(ValueError, match="max_images must be a positive integer, got 0"):

@@ -57,9 +57,9 @@ class RunResult:
 
 def check_configs(config: ModelConfig, tc: TrainConfig) -> None:
     """Cross-checks of the two configs, before anything is built or compiled."""
-    if tc.seq_len > config.max_position_embeddings:
+    if config.context_limit is not None and tc.seq_len > config.context_limit:
         raise ValueError(f"train.seq_len={tc.seq_len} exceeds max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+                         f"{config.context_limit} (this model encodes positions with RoPE)")
     if tc.indexer_stage != "none" and not config.use_indexer:
         raise ValueError(f"train.indexer_stage={tc.indexer_stage!r} needs a DSA indexer "
                          "(index_topk is None in the model config)")
