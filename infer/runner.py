@@ -293,15 +293,9 @@ def _save_state(cache, snapshots, slot, snapshot):
 
 
 def _restore_state(cache, snapshots, slot, snapshot):
-    return _per_slot(lambda a, s: a.at[:, slot].set(s[:, snapshot]), cache,
-                     _states_like(snapshots, cache))
-
-
-def _states_like(snapshots, cache):
-    """``snapshots`` with the cache's pools put back where they were None (for _per_slot)."""
-    flat, _ = jax.tree.flatten(snapshots)
-    it = iter(flat)
-    return jax.tree.map(lambda x: x if _is_pool(x) else next(it), cache, is_leaf=_is_pool)
+    saved = iter(jax.tree.leaves(snapshots))  # the per-slot leaves, in the cache's order
+    return jax.tree.map(lambda x: x if _is_pool(x) else x.at[:, slot].set(
+        next(saved)[:, snapshot]), cache, is_leaf=_is_pool)
 
 
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
