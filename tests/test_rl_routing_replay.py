@@ -145,37 +145,3 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
     none = np.full_like(own, -1)  # no record anywhere: the router's own choice
     _, m3 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, None, **kw)
     np.testing.assert_allclose(float(m3["ce"]), float(m0["ce"]), rtol=1e-6)
-
-
-def test_rl_loop_with_routing_replay(tmp_path):
-    """``rl.routing_replay``: one SFT and two RL steps run (one compiled update for both), the
-    update replays the rollout's experts, and the training router agrees with them (same
-    weights; the metric is logged)."""
-    from kdsa.infer.chat import Message
-    from kdsa.train.rl.envs import Environment, Outcome, Task, register_env
-    from kdsa.train.rl.loop import run_rl
-
-    @register_env("test_replay_echo")
-    class Echo(Environment):
-        def task(self, index, split="train"):
-            return Task(self.domain, index, (Message("user", "a"),))
-
-        def respond(self, task, output, history):
-            return Outcome(float(output.content[:1] == "a"))
-
-        def demonstration(self, task):
-            return [Message("assistant", "a")]
-
-    zero = {"low": 0, "high": 0, "max": 0}
-    rc = RLConfig(envs=("test_replay_echo",), steps=2, prompts_per_step=2, group_size=4,
-                  seq_len=48, num_slots=8, reasoning_caps=zero,
-                  token_budgets={"low": 3, "high": 3, "max": 3}, max_sampling_rounds=1,
-                  dynamic_sampling=False, sft_steps=1, routing_replay=True)
-    tc = TrainConfig(steps=3, learning_rate=1e-3, schedule="constant", warmup_steps=0, seed=0,
-                     checkpoint_every=100)
-    out = run_rl(SMALL, tc, rc, tmp_path, progress=False, evaluate_heldout=False,
-                 compiler_options=FAST)
-    assert out.final_step == 3
-    for s in (1, 2):
-        m = out.metrics[s]
-        assert m["updated"] == 1.0 and m["routing_replay_agreement"] >= 0.99, m
