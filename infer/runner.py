@@ -108,13 +108,13 @@ class ModelRunner:
             self.snapshots = jax.jit(lambda c: _states(
                 lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
                 self.cache)
-            self._save = jax.jit(_save_state, donate_argnums=(1,))
-            self._restore = jax.jit(_restore_state, donate_argnums=(0,))
+            self._save, self._restore = _save_jit, _restore_jit
         self.graphdef, self.state = nnx.split(model)
-        self._prefill = jit(functools.partial(_prefill_step, self.graphdef,
-                                              record_routing=record_routing))
-        self._decode = jit(functools.partial(_decode_step, self.graphdef,
-                                             record_routing=record_routing))
+        if mesh is None:  # runners of one model structure share their compiled steps
+            self._prefill, self._decode = _shared_steps(
+                self.graphdef, record_routing, tuple(sorted((compiler_options or {}).items())))
+        else:
+            self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
 
     def _place_weights(self, model) -> None:
@@ -296,6 +296,26 @@ def _restore_state(cache, snapshots, slot, snapshot):
     saved = iter(jax.tree.leaves(snapshots))  # the per-slot leaves, in the cache's order
     return jax.tree.map(lambda x: x if _is_pool(x) else x.at[:, slot].set(
         next(saved)[:, snapshot]), cache, is_leaf=_is_pool)
+
+
+def _steps(jit, graphdef, record_routing: bool):
+    """The jitted (prefill, decode) steps of one model structure."""
+    return (jit(functools.partial(_prefill_step, graphdef, record_routing=record_routing)),
+            jit(functools.partial(_decode_step, graphdef, record_routing=record_routing)))
+
+
+@functools.lru_cache(maxsize=16)
+def _shared_steps(graphdef, record_routing: bool, options: tuple):
+    """One-device steps keyed by the model's structure (``GraphDef`` hashes by value): a second
+    runner of the same model (another engine, a new RL sampler, a server restart in-process)
+    reuses the programs compiled for the first instead of compiling them again."""
+    return _steps(functools.partial(jax.jit, donate_argnums=(1,),
+                                    compiler_options=dict(options) or None),
+                  graphdef, record_routing)
+
+
+_save_jit = jax.jit(_save_state, donate_argnums=(1,))
+_restore_jit = jax.jit(_restore_state, donate_argnums=(0,))
 
 
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
