@@ -88,19 +88,32 @@ class SlotScheduling:
             return True
         # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot
         keys = [] if a.req.images else page_keys(a.req.prompt)
-        j, snapshot, shared = self.prefix.lookup(keys, len(a.req.prompt))
-        fresh = self.prefix.allocate(need - j)
+        depth, snapshot, shared, partial = (0, None, [], None) if a.req.images else \
+            self.prefix.lookup(keys, a.req.prompt)
+        held = shared + ([] if partial is None else [partial])
+        fresh = self.prefix.allocate(need - len(shared))
         if fresh is None:
-            self.prefix.release(shared)
+            self.prefix.release(held)
             return False
         a.pages, a.page_keys = shared + fresh, keys
         self.runner.set_pages(i, a.pages)
         self.prefix.queried_tokens += len(a.req.prompt)
+        if partial is not None:  # resuming inside a page: this request's own copy of it
+            self.runner.copy_page(partial, fresh[0])
+            self.prefix.release([partial])
         if snapshot is not None:  # resume: this slot's own copy of the KDA states
             self.runner.restore_state(snapshot, i)
-            a.prefilled = j * PAGE_SIZE
-            self.prefix.hit_tokens += a.prefilled
+            a.prefilled = depth
+            self.prefix.hit_tokens += depth
         return True
+
+    def _snapshot_end(self, i: int, a: _Active) -> None:
+        """Prefix cache: keep the state after everything a finished request fed (its prompt
+        and every generated token but the last), for the next turn of its session."""
+        fed = list(a.req.prompt) + a.tokens[:-1]
+        slot = self.prefix.add_end_snapshot(page_keys(fed), fed, a.pages)
+        if slot is not None:
+            self.runner.save_state(i, slot)
 
     def _chunk_length(self, a: _Active) -> int:
         """Prompt tokens of the next prefill chunk; with the prefix cache a chunk ends at the
@@ -207,6 +220,9 @@ class SlotScheduling:
         a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
+        if (i is not None and self.prefix is not None and reason != "abort" and a.tokens
+                and not a.req.images and a.prefilled == len(a.req.prompt)):
+            self._snapshot_end(i, a)
         if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
             (self.pages if self.prefix is None else self.prefix).release(a.pages)
             a.pages = []

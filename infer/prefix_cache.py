@@ -9,17 +9,26 @@ So the cache keeps two things:
   page j)``: a page written by a prefill is registered under its key once it is full, and any
   later request whose prompt has the same first ``j + 1`` pages shares it (reference counts);
 * **KDA snapshots** taken during prefill at page-aligned points, every ``snapshot_every`` pages
-  (the state after ``j`` pages, keyed by ``key_{j-1}``), in a fixed number of snapshot slots.
+  (the state after ``j`` pages, keyed by ``key_{j-1}``), in a fixed number of snapshot slots;
+* **end-of-request snapshots**: when a request finishes, the state after everything it fed
+  (its prompt and every generated token but the last, which was sampled and never fed), so
+  the next turn of an agent session, whose prompt is that history plus new messages, resumes
+  exactly where the last turn ended. Its full pages (generated rows too) are registered like
+  prompt pages; the rows of its last, partial page stay in that page, held by the snapshot
+  (keyed by the chain key before it and the page's tokens).
 
 A request resumes from the deepest snapshot whose pages are all still cached and that leaves at
 least one prompt token to prefill (its logits give the first output token); it shares those
 pages, gets the snapshot copied into its own state slot (so two requests resuming from one
-snapshot never interfere) and prefills only the rest. Exactness: the shared rows and the state
+snapshot never interfere) and prefills only the rest. Resuming inside a partial page copies
+that page into a fresh page of the request first (copy-on-write: the request writes its next
+rows there, the snapshot's page stays as it was). Exactness: the shared rows and the state
 are those an uncached prefill of the same tokens writes, so outputs equal those without a hit
 up to float rounding of a different chunking (the tests check tokens and log-probs within 1e-5).
 
-Eviction is LRU over pages no running request references, and over snapshots; a page still
-referenced is never evicted. Requests with images do not use the cache (their placeholder
+Eviction is LRU over pages no running request references, and over snapshots (an evicted end
+snapshot gives its partial page back; when the pool runs short, end snapshots are dropped, least
+recently used first, for their pages); a page still referenced is never evicted. Requests with images do not use the cache (their placeholder
 tokens do not identify the image).
 """
 
@@ -55,21 +64,40 @@ class PrefixCache:
         self.snap_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU
         self.free_snaps = list(range(num_snapshots - 1, -1, -1))
         self.num_snapshots = num_snapshots
+        # end-of-request snapshots inside a page: snapshot key -> (chain key before the page,
+        # the page's tokens, the page holding their rows); and chain key -> those snapshot keys
+        self.partial: dict[bytes, tuple[bytes, tuple[int, ...], int]] = {}
+        self.ends_under: collections.defaultdict[bytes, set[bytes]] = \
+            collections.defaultdict(set)
         self.hit_tokens = self.queried_tokens = 0
 
     # ---- lookup and pages ----
-    def lookup(self, keys: list[bytes], prompt_len: int) -> tuple[int, int | None, list[int]]:
-        """``(pages, snapshot slot, shared pages)`` of the deepest usable snapshot for a prompt
-        with these page keys, the shared pages held once more; ``(0, None, [])`` on a miss."""
-        for j in range(min(len(keys), (prompt_len - 1) // PAGE_SIZE), 0, -1):
-            slot = self.snap_of.get(keys[j - 1])
-            if slot is None or any(k not in self.page_of for k in keys[:j]):
+    def lookup(self, keys: list[bytes], prompt) -> tuple[int, int | None, list[int], int | None]:
+        """``(tokens, snapshot slot, shared pages, partial page)`` of the deepest usable
+        snapshot for ``prompt`` with these page keys: the shared full pages are held once more,
+        and so is the partial page to copy (None when the snapshot is page-aligned; release it
+        after the copy); ``(0, None, [], None)`` on a miss."""
+        n = len(prompt)
+        for j in range(min(len(keys), (n - 1) // PAGE_SIZE), -1, -1):
+            if any(k not in self.page_of for k in keys[:j]):
                 continue
-            self.snap_of.move_to_end(keys[j - 1])
+            prev = keys[j - 1] if j else b""
+            best = None  # the longest end snapshot inside page j that the prompt continues
+            for key in self.ends_under.get(prev, ()):
+                _, tail, _ = self.partial[key]
+                lo = j * PAGE_SIZE
+                if (lo + len(tail) < n and (best is None or len(tail) > len(best[1]))
+                        and tuple(int(t) for t in prompt[lo:lo + len(tail)]) == tail):
+                    best = (key, tail)
+            if best is None and (not j or keys[j - 1] not in self.snap_of):
+                continue
+            key = best[0] if best else keys[j - 1]
+            self.snap_of.move_to_end(key)
             pages = [self.page_of[k] for k in keys[:j]]
-            self.acquire(pages)
-            return j, slot, pages
-        return 0, None, []
+            partial = self.partial[key][2] if best else None
+            self.acquire(pages + ([partial] if best else []))
+            return j * PAGE_SIZE + (len(best[1]) if best else 0), self.snap_of[key], pages, partial
+        return 0, None, [], None
 
     def acquire(self, pages: list[int]) -> None:
         for p in pages:
@@ -79,8 +107,12 @@ class PrefixCache:
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh pages (held once), evicting idle cached pages as needed; None (nothing
         taken) when even that is not enough."""
-        if n > self.pool.free + len(self.idle):
-            return None
+        while n > self.pool.free + len(self.idle):  # give up end snapshots for their pages
+            victim = next((k for k in self.snap_of if k in self.partial), None)
+            if victim is None:
+                return None
+            self.free_snaps.append(self.snap_of.pop(victim))
+            self._forget(victim)
         while self.pool.free < n:
             page, _ = self.idle.popitem(last=False)
             del self.page_of[self.key_of.pop(page)]
@@ -119,14 +151,48 @@ class PrefixCache:
         if self.free_snaps:
             slot = self.free_snaps.pop()
         else:
-            _, slot = self.snap_of.popitem(last=False)
+            old, slot = self.snap_of.popitem(last=False)
+            self._forget(old)
         self.snap_of[key] = slot
         return slot
+
+    def add_end_snapshot(self, keys: list[bytes], tokens, pages: list[int]) -> int | None:
+        """A snapshot slot for the state after ``tokens`` (a finished request's fed tokens,
+        whose full pages have the chain ``keys`` and whose rows are in ``pages``), or None when
+        one exists already. The full pages are registered; a last, partial page is held by the
+        snapshot until it is evicted."""
+        for key, page in zip(keys, pages):
+            self.register(key, page)
+        j, r = divmod(len(tokens), PAGE_SIZE)
+        prev = keys[j - 1] if j else b""
+        if r == 0:
+            return self.add_snapshot(prev) if j and self.wants_snapshot(prev) else None
+        tail = tuple(int(t) for t in tokens[j * PAGE_SIZE:])
+        key = hashlib.blake2b(b"end" + prev + ",".join(map(str, tail)).encode(),
+                              digest_size=16).digest()
+        if key in self.snap_of:
+            self.snap_of.move_to_end(key)
+            return None
+        slot = self.add_snapshot(key)
+        self.acquire([pages[j]])
+        self.partial[key] = (prev, tail, pages[j])
+        self.ends_under[prev].add(key)
+        return slot
+
+    def _forget(self, key: bytes) -> None:
+        """A snapshot was given up: an end snapshot's partial page is released."""
+        if key in self.partial:
+            prev, _, page = self.partial.pop(key)
+            self.ends_under[prev].discard(key)
+            if not self.ends_under[prev]:
+                del self.ends_under[prev]
+            self.release([page])
 
     def usage(self) -> dict:
         q = self.queried_tokens
         return {"hit_tokens": self.hit_tokens, "queried_tokens": q,
                 "hit_rate": self.hit_tokens / q if q else 0.0,
                 "cached_pages": len(self.page_of), "idle_pages": len(self.idle),
-                "snapshots": len(self.snap_of), "snapshot_slots": self.num_snapshots,
+                "snapshots": len(self.snap_of), "end_snapshots": len(self.partial),
+                "snapshot_slots": self.num_snapshots,
                 "snapshot_every_pages": self.every}

@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
-from kdsa.model.paged_cache import PagedCache, PagedDSACache, pages_for
+from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
 
 
 def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
@@ -241,6 +241,11 @@ class ModelRunner:
         self.cache = self._restore(self.cache, self.snapshots, np.int32(slot),
                                    np.int32(snapshot))
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page ``src``'s rows into page ``dst`` in every DSA pool (prefix caching's
+        copy-on-write of a partial page)."""
+        self.cache = _copy_page_jit(self.cache, np.int32(src), np.int32(dst))
+
     def warmup(self) -> None:
         """Compile every prefill bucket and the decode step (on slot 0, which is then reset by
         the next prefill into it)."""
@@ -314,6 +319,16 @@ def _shared_steps(graphdef, record_routing: bool, options: tuple):
                   graphdef, record_routing)
 
 
+def _copy_page(cache, src, dst):
+    def copy(pool):  # [..., R, D]: rows on axis -2
+        rows = jax.lax.dynamic_slice_in_dim(pool, src * PAGE_SIZE, PAGE_SIZE, axis=pool.ndim - 2)
+        return jax.lax.dynamic_update_slice_in_dim(pool, rows, dst * PAGE_SIZE,
+                                                   axis=pool.ndim - 2)
+    return jax.tree.map(lambda x: jax.tree.map(copy, x) if _is_pool(x) else x, cache,
+                        is_leaf=_is_pool)
+
+
+_copy_page_jit = jax.jit(_copy_page, donate_argnums=(0,))
 _save_jit = jax.jit(_save_state, donate_argnums=(1,))
 _restore_jit = jax.jit(_restore_state, donate_argnums=(0,))
 

@@ -1,6 +1,8 @@
 """Exact prefix caching (``infer/prefix_cache.py``): with a hit, greedy tokens and log-probs
 equal those without one, for prompts sharing nothing, part of a page, exactly N pages and a
-whole history, for concurrent requests resuming from one snapshot, and under eviction."""
+whole history (resumed from the last turn's end-of-request snapshot, inside a page), for
+concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
+write), and under eviction (no page leaked)."""
 
 import numpy as np
 import pytest
@@ -32,11 +34,11 @@ def test_page_keys_chain_and_lru_eviction():
         pc.register(k, p)
     slot = pc.add_snapshot(ka[1])
     pc.release(pages)  # idle, still cached
-    j, got, shared = pc.lookup(ka, len(a))
-    assert (j, got, shared) == (2, slot, pages[:2])
+    depth, got, shared, partial = pc.lookup(ka, a)
+    assert (depth, got, shared, partial) == (2 * P, slot, pages[:2], None)
     pc.release(shared)
     assert pc.allocate(4) is not None  # evicts the idle pages (LRU) to make room
-    assert pc.lookup(ka, len(a)) == (0, None, [])  # the snapshot's pages are gone
+    assert pc.lookup(ka, a) == (0, None, [], None)  # the snapshot's pages are gone
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +82,23 @@ def test_hits_give_the_outputs_of_no_hit(model):
         _same(_run(cached, prompts), _run(plain, prompts))
         hits.append(cached.metrics()["prefix_cache"]["hit_tokens"])
     assert hits == [0, 0, 128, 128 + 64, 128 + 64 + 2 * 128], hits
-    # a whole history: the last turn's prompt and output, then a new message
+    # a whole history: the last turn's prompt and output, then a new message; the turn ended
+    # inside its fourth page, so the next one resumes from its end-of-request snapshot there:
+    # everything it fed (220 prompt tokens and 5 of its 6 outputs; the last was never fed)
     first = system + tok(70)
     (out, _), = _run(cached, [first])
     before = cached.metrics()["prefix_cache"]["hit_tokens"]
     history = first + out + tok(40)
     _same(_run(cached, [history]), _run(plain, [history]))
-    assert cached.metrics()["prefix_cache"]["hit_tokens"] - before == 3 * P  # first's pages
+    fed = len(first) + len(out) - 1
+    assert cached.metrics()["prefix_cache"]["hit_tokens"] - before == fed
+    # two requests resume from that one snapshot at once and diverge: each writes its own
+    # copy of the partial page (copy-on-write) and of the KDA state
+    before = cached.metrics()["prefix_cache"]["hit_tokens"]
+    forks = [first + out + tok(3), first + out + tok(50)]
+    _same(_run(cached, forks), _run(plain, forks))
+    assert cached.metrics()["prefix_cache"]["hit_tokens"] - before == 2 * fed
+    assert cached.metrics()["prefix_cache"]["end_snapshots"] >= 1
 
 
 def test_eviction_under_memory_pressure_stays_exact(model):
@@ -102,3 +114,26 @@ def test_eviction_under_memory_pressure_stays_exact(model):
     st = cached.metrics()["prefix_cache"]
     assert st["queried_tokens"] == sum(len(p) for p in prompts) + 200
     assert st["hit_tokens"] in (0, 128, 256)  # whatever survived eviction was exact
+    # nothing leaked: every page is free, cached and idle, or held by an end snapshot
+    pc = cached.prefix
+    assert pc.pool.free + len(pc.idle) + len(pc.partial) == pc.pool.num_pages
+    assert not pc.refs.keys() - {page for _, _, page in pc.partial.values()}
+
+
+def test_end_of_request_snapshot_holds_its_partial_page_until_evicted():
+    """The bookkeeping alone: a finished request's state after 100 fed tokens is found by a
+    prompt continuing them (1 shared page + the partial page to copy); it gives its partial
+    page back when evicted, and is dropped for its page when the pool runs short."""
+    fed = list(range(100))
+    pc = PrefixCache(PagePool(4), num_snapshots=1, snapshot_every=1)
+    pages = pc.allocate(2)
+    slot = pc.add_end_snapshot(page_keys(fed), fed, pages)
+    pc.release(pages)  # the request is done: page 0 cached (idle), page 1 held by the snapshot
+    assert (pc.pool.free, len(pc.idle), pc.usage()["end_snapshots"]) == (2, 1, 1)
+    prompt = fed + [7, 8]
+    assert pc.lookup(page_keys(prompt), prompt) == (100, slot, pages[:1], pages[1])
+    pc.release(pages)
+    assert pc.lookup(page_keys(fed[:99] + [1, 2]), fed[:99] + [1, 2])[0] == 0  # diverged inside
+    assert pc.add_end_snapshot(page_keys(fed), fed, pages) is None  # the same state: kept once
+    assert pc.allocate(4) is not None  # short of pages: the end snapshot goes, and its page
+    assert pc.usage()["end_snapshots"] == 0 and pc.pool.free == 0
