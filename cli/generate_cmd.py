@@ -27,10 +27,14 @@ def add_engine_args(p) -> None:
     g.add_argument("--num-pages", type=int, default=None,
                    help="paged cache: the DSA layers' rows in one pool of this many 64-token "
                         "pages shared by all requests; a request reserves the pages of its "
-                        "prompt + max_tokens and waits while they are not free (default: a "
-                        "dense --max-len row per slot)")
+                        "prompt + max_tokens and waits while they are not free (default on "
+                        "one device: --slots x the pages of --max-len, the dense cache's "
+                        "memory)")
     g.add_argument("--cache-memory", default=None,
                    help="paged cache sized in bytes instead (e.g. 2GiB): as many pages as fit")
+    g.add_argument("--dense-cache", action="store_true",
+                   help="a dense --max-len cache row per slot instead of the paged pool (no "
+                        "prefix cache; the only cache on a mesh for now)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="paged cache without prefix caching (by default a request resumes "
                         "from the KDA snapshot and DSA pages of the longest cached prefix)")
@@ -110,6 +114,12 @@ def engine_from_args(args):
         from kdsa.cli.convert_cmd import parse_size
         from kdsa.infer.page_pool import pages_in
         num_pages = pages_in(parse_size(args.cache_memory), config)
+    if args.dense_cache and num_pages is not None:
+        raise ValueError("--dense-cache takes no pool size: drop --num-pages / --cache-memory")
+    if num_pages is None and not args.dense_cache and mesh is None and any(
+            m != "kda" for m in config.mixer_kinds):  # paged + prefix cache by default
+        from kdsa.model.paged_cache import pages_for
+        num_pages = args.slots * pages_for(args.max_len)
     engine, fmt = build_engine(model, num_slots=args.slots, max_len=args.max_len,
                                prefill_chunk=args.prefill_chunk, tokenizer_path=tok_path,
                                chat_format=args.chat_format, budgets=budgets, mesh=mesh,

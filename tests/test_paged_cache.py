@@ -161,6 +161,28 @@ def test_generate_refuses_both_pool_sizes(tmp_path, capsys):
     assert rc == 2 and "--num-pages or --cache-memory, not both" in capsys.readouterr().err
 
 
+def test_generate_and_serve_default_to_the_paged_cache_with_prefix_caching(tmp_path, capsys):
+    """One device: ``--slots`` x the pages of ``--max-len`` with the prefix cache on;
+    ``--dense-cache`` opts out (and takes no pool size)."""
+    import argparse
+
+    from kdsa.cli.generate_cmd import add_engine_args, engine_from_args
+    from kdsa.cli.main import main
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = ["--preset", "tiny", "--slots", "2", "--max-len", "200"]
+    engine, _, _ = engine_from_args(p.parse_args(args))
+    assert engine.pages.num_pages == 2 * 4 and engine.prefix is not None
+    assert engine.metrics()["cache"]["kind"] == "paged"
+    engine, _, _ = engine_from_args(p.parse_args(args + ["--dense-cache"]))
+    assert engine.pages is None and engine.prefix is None
+    (tmp_path / "p.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+    rc = main(["generate", "--preset", "tiny", "--dense-cache", "--num-pages", "4",
+               "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o.jsonl")])
+    assert rc == 2 and "--dense-cache takes no pool size" in capsys.readouterr().err
+
+
 def test_logits_at_equals_the_full_logits_there(model):
     """``forward(logits_at=...)`` (prefill's lean logits) equals the full logits at those
     positions."""
