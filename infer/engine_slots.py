@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from kdsa.infer.page_pool import pages_needed
-from kdsa.infer.prefix_cache import page_keys
+from kdsa.infer.prefix_cache import key_items, page_keys
 from kdsa.infer.requests import Completion, Event, _Active, _describe
 from kdsa.model.paged_cache import PAGE_SIZE
 
@@ -60,6 +60,8 @@ class SlotScheduling:
                         break  # the pool is full: the queue waits for finished requests
                     self.slots[i] = self._waiting.popleft()
                     self.slots[i].metrics.admitted = time.perf_counter()
+        if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device
+            budget, did = self._prefill_together(budget, did)
         for i, a in enumerate(self.slots):
             if a is not None and a.req.images and a.features is None and not self._encode(i, a):
                 did, a = True, None
@@ -87,9 +89,9 @@ class SlotScheduling:
             self.runner.set_pages(i, pages)
             return True
         # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot
-        keys = [] if a.req.images else page_keys(a.req.prompt)
-        depth, snapshot, shared, partial = (0, None, [], None) if a.req.images else \
-            self.prefix.lookup(keys, a.req.prompt)
+        a.key_items = self._key_items(a, a.req.prompt)
+        keys = page_keys(a.key_items)
+        depth, snapshot, shared, partial = self.prefix.lookup(keys, a.key_items)
         held = shared + ([] if partial is None else [partial])
         fresh = self.prefix.allocate(need - len(shared))
         if fresh is None:
@@ -110,10 +112,17 @@ class SlotScheduling:
     def _snapshot_end(self, i: int, a: _Active) -> None:
         """Prefix cache: keep the state after everything a finished request fed (its prompt
         and every generated token but the last), for the next turn of its session."""
-        fed = list(a.req.prompt) + a.tokens[:-1]
+        fed = a.key_items + [int(t) for t in a.tokens[:-1]]
         slot = self.prefix.add_end_snapshot(page_keys(fed), fed, a.pages)
         if slot is not None:
             self.runner.save_state(i, slot)
+
+    def _key_items(self, a: _Active, prompt) -> list:
+        """The prefix cache's view of the prompt: token ids, image placeholders by content."""
+        if not a.req.images:
+            return key_items(prompt)
+        vc = self.runner.config.vision_config
+        return key_items(prompt, a.req.images, vc.media_placeholder_token_id)
 
     def _chunk_length(self, a: _Active) -> int:
         """Prompt tokens of the next prefill chunk; with the prefix cache a chunk ends at the
@@ -137,6 +146,48 @@ class SlotScheduling:
                 and a.prefilled < len(a.req.prompt)
                 and self.prefix.wants_snapshot(a.page_keys[j - 1])):
             self.runner.save_state(i, self.prefix.add_snapshot(a.page_keys[j - 1]))
+
+    def _prefill_together(self, budget: int, did: bool) -> tuple[int, bool]:
+        """Batched prefill: while two or more slots have prompt left, run one chunk of each
+        (slot order, as many as the budget holds) in one step; what is left for one slot alone
+        goes the one-slot way. A failed step aborts the requests of its rows."""
+        while budget > 0 or not did:
+            rows, total = [], 0
+            for i, a in enumerate(self.slots):
+                if a is None or a.prefilled >= len(a.req.prompt):
+                    continue
+                n = min(self._chunk_length(a), len(a.req.prompt) - a.prefilled)
+                if rows and total + n > budget:
+                    break
+                rows.append((i, a, a.prefilled, n))
+                total += n
+            if len(rows) < 2:
+                return budget, did
+            try:
+                logits = self.runner.prefill_batch(
+                    [i for i, *_ in rows], [a.req.prompt[s:s + n] for _, a, s, n in rows],
+                    [s for _, _, s, _ in rows])
+            except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
+                log.exception("batched prefill failed; its %d requests are aborted", len(rows))
+                self._note("prefill", e)
+                for i, a, *_ in rows:
+                    self._fail(i, a, e)
+                return budget, True
+            self._note("prefill")
+            done = []
+            for r, (i, a, start, n) in enumerate(rows):
+                a.prefilled += n
+                self._after_chunk(i, a, start)
+                self.stats["prefill_tokens"] += n
+                if a.prefilled == len(a.req.prompt):
+                    done.append((r, i))
+            self.stats["batched_prefill_steps"] += 1
+            self.stats["batched_prefill_rows"] += len(rows)
+            budget -= total
+            did = True
+            if done:
+                self._sample_and_apply(done, logits)
+        return budget, did
 
     def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
         """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
@@ -221,7 +272,7 @@ class SlotScheduling:
         if i is not None:
             self.slots[i] = None
         if (i is not None and self.prefix is not None and reason != "abort" and a.tokens
-                and not a.req.images and a.prefilled == len(a.req.prompt)):
+                and a.prefilled == len(a.req.prompt)):
             self._snapshot_end(i, a)
         if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
             (self.pages if self.prefix is None else self.prefix).release(a.pages)

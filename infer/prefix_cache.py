@@ -26,10 +26,13 @@ rows there, the snapshot's page stays as it was). Exactness: the shared rows and
 are those an uncached prefill of the same tokens writes, so outputs equal those without a hit
 up to float rounding of a different chunking (the tests check tokens and log-probs within 1e-5).
 
+Pages are keyed by what determines their rows: token ids, and for image placeholders the
+image's content and the position inside it (:func:`key_items`), so requests with images share
+pages and snapshots exactly as far as their tokens and images agree.
+
 Eviction is LRU over pages no running request references, and over snapshots (an evicted end
 snapshot gives its partial page back; when the pool runs short, end snapshots are dropped, least
-recently used first, for their pages); a page still referenced is never evicted. Requests with images do not use the cache (their placeholder
-tokens do not identify the image).
+recently used first, for their pages); a page still referenced is never evicted.
 """
 
 from __future__ import annotations
@@ -37,18 +40,45 @@ from __future__ import annotations
 import collections
 import hashlib
 
+import numpy as np
+
 from kdsa.infer.page_pool import PagePool
 from kdsa.model.paged_cache import PAGE_SIZE
 
 
 def page_keys(tokens) -> list[bytes]:
-    """The hash chain of the full pages of ``tokens``."""
+    """The hash chain of the full pages of ``tokens`` (token ids, or :func:`key_items`)."""
     keys, prev = [], b""
     for j in range(len(tokens) // PAGE_SIZE):
-        page = ",".join(str(int(t)) for t in tokens[j * PAGE_SIZE:(j + 1) * PAGE_SIZE])
+        page = ",".join(map(_item, tokens[j * PAGE_SIZE:(j + 1) * PAGE_SIZE]))
         prev = hashlib.blake2b(prev + page.encode(), digest_size=16).digest()
         keys.append(prev)
     return keys
+
+
+def _item(t) -> str:
+    return t if isinstance(t, str) else str(int(t))
+
+
+def key_items(prompt, images=(), placeholder: int | None = None) -> list:
+    """What identifies each prompt position's cache rows: its token id, and for an image
+    placeholder the image's content and the position inside it (``"<digest>:<k>"``), so two
+    prompts with the same placeholders but different images share nothing from the first
+    image on."""
+    if not images:
+        return [int(t) for t in prompt]
+    digests = [hashlib.blake2b(np.ascontiguousarray(im.patches).tobytes()
+                               + repr((im.grid, im.size, im.merge_size)).encode(),
+                               digest_size=16).hexdigest() for im in images]
+    spans = [(d, k) for d, im in zip(digests, images) for k in range(int(im.num_tokens))]
+    out, it = [], iter(spans)
+    for t in prompt:
+        if int(t) == placeholder:
+            d, k = next(it)
+            out.append(f"{d}:{k}")
+        else:
+            out.append(int(t))
+    return out
 
 
 class PrefixCache:
@@ -87,7 +117,7 @@ class PrefixCache:
                 _, tail, _ = self.partial[key]
                 lo = j * PAGE_SIZE
                 if (lo + len(tail) < n and (best is None or len(tail) > len(best[1]))
-                        and tuple(int(t) for t in prompt[lo:lo + len(tail)]) == tail):
+                        and tuple(prompt[lo:lo + len(tail)]) == tail):
                     best = (key, tail)
             if best is None and (not j or keys[j - 1] not in self.snap_of):
                 continue
@@ -167,8 +197,8 @@ class PrefixCache:
         prev = keys[j - 1] if j else b""
         if r == 0:
             return self.add_snapshot(prev) if j and self.wants_snapshot(prev) else None
-        tail = tuple(int(t) for t in tokens[j * PAGE_SIZE:])
-        key = hashlib.blake2b(b"end" + prev + ",".join(map(str, tail)).encode(),
+        tail = tuple(tokens[j * PAGE_SIZE:])
+        key = hashlib.blake2b(b"end" + prev + ",".join(map(_item, tail)).encode(),
                               digest_size=16).digest()
         if key in self.snap_of:
             self.snap_of.move_to_end(key)

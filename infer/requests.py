@@ -111,6 +111,7 @@ class _Active:
         self.prefilled = 0
         self.pages: list[int] = []  # paged cache: the pool pages this request holds
         self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
+        self.key_items: list = []  # prefix cache: its token ids, images by content
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []

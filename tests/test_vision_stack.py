@@ -295,3 +295,37 @@ def test_rl_with_image_episodes(model, runner):
     before, after = (np.asarray(s.params[path[0]][path[1]][path[2]][path[3]][...])
                      for s in (state, new))
     assert np.abs(after - before).max() > 0                  # gradient reached the tower
+
+
+def test_prefix_cache_keys_images_by_content(model):
+    """Image placeholders are keyed by the image's content: the same prompt and image again
+    resumes from the deepest page snapshot of the first request's prefill (past the image); the
+    same placeholders with another image share only the page before it. Outputs equal a paged
+    engine without the cache."""
+    vc = model.config.vision_config
+    rng = np.random.default_rng(5)
+    px = [rng.integers(0, 256, (30, 45, 3)).astype(np.uint8) for _ in range(2)]
+    ims = [[patchify(p, vc)] for p in px]
+    n = ims[0][0].num_tokens
+    seq = (list(rng.integers(0, 256, 70)) + [vc.media_placeholder_token_id] * n
+           + list(rng.integers(0, 256, 60)))
+
+    def engine(snapshots):
+        r = ModelRunner(model, num_slots=2, max_len=MAX_LEN, prefill_chunk=32, min_bucket=8,
+                        num_pages=12, num_snapshots=snapshots)
+        return Engine(r, TOK, max_top_logprobs=0, prefix_snapshot_every=1)
+
+    def run(eng, images):
+        c, = eng.generate([Request(seq, SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True), images=images)])
+        return c.token_ids, np.asarray(c.logprobs)
+
+    cached, plain = engine(4), engine(0)
+    hits = []
+    for images in (ims[0], ims[0], ims[1]):
+        got, want = run(cached, images), run(plain, images)
+        assert got[0] == want[0]
+        np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+        hits.append(cached.metrics()["prefix_cache"]["hit_tokens"])
+    deep = (len(seq) - 1) // 64 * 64
+    assert deep >= 128 and hits == [0, deep, deep + 64], hits  # the other image: page 0 only
