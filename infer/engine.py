@@ -5,8 +5,10 @@ Each :meth:`Engine.step`:
 1. drops cancelled requests (a finished or cancelled request frees its slot at once);
 2. moves waiting requests into free slots and prefills them chunk by chunk, at most
    ``prefill_tokens_per_step`` prompt tokens per step (at least one chunk), so running
-   requests keep decoding while long prompts come in; a request whose last chunk is done samples
-   its first token from the prefill logits;
+   requests keep decoding while long prompts come in; while two or more slots have prompt
+   left, one chunk of each runs in one batched step (``ModelRunner.prefill_batch``; one
+   device, text only); a request whose last chunk is done samples its first token from the
+   prefill logits;
 3. runs one decode step for every slot that is generating (rows at their own positions) and
    samples each row with its own parameters and random stream (``sampling.py``).
 
@@ -271,6 +273,9 @@ class Engine(SlotScheduling, TokenStep):
             "decode_steps": st["decode_steps"],
             "mean_decode_step_s": st["decode_s"] / max(st["decode_steps"], 1),
             "mean_batch": st["decode_rows"] / max(st["decode_steps"], 1),
+            "batched_prefill_steps": st["batched_prefill_steps"],
+            "mean_batched_prefill_rows": st["batched_prefill_rows"] / max(
+                st["batched_prefill_steps"], 1),
             "finish_reasons": {k[7:]: v for k, v in st.items() if k.startswith("finish_")},
             "failed_requests": st["failed"], "engine_failure": self.failure,
             "uptime_s": elapsed,

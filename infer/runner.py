@@ -66,7 +66,8 @@ class ModelRunner:
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
                  compiler_options: dict | None = None, record_routing: bool = False,
-                 num_pages: int | None = None, num_snapshots: int = 0):
+                 num_pages: int | None = None, num_snapshots: int = 0,
+                 batch_prefill: bool = True):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -80,6 +81,7 @@ class ModelRunner:
         self.buckets = length_buckets(min(min_bucket, self.prefill_chunk), self.prefill_chunk)
         self.mesh, self.layout, self.reshard_report = mesh, layout, None
         self.record_routing, self.last_routing = record_routing, None
+        self.batch_prefill = batch_prefill
         jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
         self.num_pages, self.block_table = num_pages, None
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
@@ -111,8 +113,9 @@ class ModelRunner:
             self._save, self._restore = _save_jit, _restore_jit
         self.graphdef, self.state = nnx.split(model)
         if mesh is None:  # runners of one model structure share their compiled steps
-            self._prefill, self._decode = _shared_steps(
-                self.graphdef, record_routing, tuple(sorted((compiler_options or {}).items())))
+            options = tuple(sorted((compiler_options or {}).items()))
+            self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
+            self._prefill_batch = _shared_batch_step(self.graphdef, options)
         else:
             self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
@@ -197,6 +200,53 @@ class ModelRunner:
             self.last_routing = _host(routing[0])[:n]                     # [n, L_moe, k]
         return logits
 
+    @property
+    def batched_prefill(self) -> bool:
+        """Whether :meth:`prefill_batch` can run several slots' chunks in one step: one device,
+        text only, no routing records (otherwise the engine prefills one slot at a time)."""
+        return (self.batch_prefill and self.mesh is None and self.num_slots > 1
+                and self.config.vision_config is None and not self.record_routing)
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """Row counts a batched prefill pads to: powers of two from 2, and ``num_slots``."""
+        return tuple(sorted({min(1 << k, self.num_slots)
+                             for k in range(1, max(1, self.num_slots - 1).bit_length() + 1)}))
+
+    def prefill_batch(self, slots, chunks, starts) -> jax.Array:
+        """Prompt chunks of several slots in one step: ``chunks[r]`` into ``slots[r]`` at
+        positions ``starts[r]..`` -> last-token logits ``[rows, V]``, row ``r < n`` for
+        ``slots[r]`` (the rest are padding: the sampler sees few shapes). Rows pad to a
+        :attr:`row_buckets` count (padding rows read zeros and write nothing) and tokens to the
+        longest chunk's length bucket, so shapes compile once per (rows, bucket)."""
+        n = len(slots)
+        if not self.batched_prefill:
+            raise ValueError("batched prefill runs on one device, text only, without routing "
+                             "records")
+        if not 1 <= n <= self.num_slots or len(set(slots)) != n or len(chunks) != n \
+                or len(starts) != n:
+            raise ValueError(f"need 1..{self.num_slots} distinct slots with a chunk and a start "
+                             f"each, got slots {list(slots)}")
+        rows = next(r for r in self.row_buckets if r >= n)
+        b = self.bucket(max(len(c) for c in chunks))
+        ids = np.zeros((rows, b), np.int32)
+        slot_ids = np.full(rows, self.num_slots, np.int32)  # out of range: dropped
+        st, ln = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        for r, (slot, chunk, start) in enumerate(zip(slots, chunks, starts)):
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+            if len(chunk) < 1 or start < 0 or start + len(chunk) > self.max_len:
+                raise ValueError(f"prefill of {len(chunk)} tokens at {start} does not fit "
+                                 f"max_len {self.max_len}")
+            ids[r, :len(chunk)], slot_ids[r], st[r], ln[r] = chunk, slot, start, len(chunk)
+        table = None
+        if self.block_table is not None:
+            table = np.full((rows, self.max_pages), -1, np.int32)
+            table[:n] = self.block_table[list(slots)]
+        logits, self.cache = self._prefill_batch(self.state, self.cache, slot_ids, ids, st, ln,
+                                                 (st == 0) & (ln > 0), table)
+        return logits
+
     def encode_images(self, images) -> np.ndarray:
         """Patched images of one request (prompt order) -> features ``[tokens, D]`` float32:
         tower + merge + projector, patches padded to a power of two (>= 64) so few shapes
@@ -247,10 +297,13 @@ class ModelRunner:
         self.cache = _copy_page_jit(self.cache, np.int32(src), np.int32(dst))
 
     def warmup(self) -> None:
-        """Compile every prefill bucket and the decode step (on slot 0, which is then reset by
-        the next prefill into it)."""
+        """Compile every prefill bucket (one slot, and every row count of a batched prefill)
+        and the decode step (on the first slots, which are then reset by the next prefill into
+        them)."""
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
+            for rows in self.row_buckets if self.batched_prefill else ():
+                self.prefill_batch(list(range(rows)), [[0] * b] * rows, [0] * rows)
         s = self.num_slots
         self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
 
@@ -328,6 +381,12 @@ def _copy_page(cache, src, dst):
                         is_leaf=_is_pool)
 
 
+@functools.lru_cache(maxsize=16)
+def _shared_batch_step(graphdef, options: tuple):
+    return jax.jit(functools.partial(_prefill_batch_step, graphdef), donate_argnums=(1,),
+                   compiler_options=dict(options) or None)
+
+
 _copy_page_jit = jax.jit(_copy_page, donate_argnums=(0,))
 _save_jit = jax.jit(_save_state, donate_argnums=(1,))
 _restore_jit = jax.jit(_restore_state, donate_argnums=(0,))
@@ -354,6 +413,27 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
     if record_routing:                                                  # [b, L_moe, k]
         return last, cache, jnp.transpose(out.stats.expert_ids[:, 0], (1, 0, 2))
     return last, cache                                                  # [1, V]
+
+
+def _prefill_batch_step(graphdef, state, cache, slots, ids, starts, lengths, fresh,
+                        table=None):
+    """Chunks of several slots at once: ``slots`` ``[n]`` (``num_slots``: a padding row, read
+    as zeros, written nowhere), ``ids`` ``[n, b]``, ``starts`` / ``lengths`` ``[n]``, ``fresh``
+    ``[n]`` (a new request: its rows start from zeros), ``table`` ``[n, max_pages]``."""
+    model = nnx.merge(graphdef, state)
+    n, b = ids.shape
+    rows = _per_slot(lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0), cache)
+    rows = _per_slot(lambda a: jnp.where(fresh.reshape((1, n) + (1,) * (a.ndim - 2)),
+                                         jnp.zeros_like(a), a), rows)
+    if table is not None:
+        rows = PagedCache(layers=rows, block_table=table)
+    idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
+    out = model.forward(ids, starts[:, None] + idx, rows,
+                        segment_ids=(idx < lengths[:, None]).astype(jnp.int32),
+                        logits_at=jnp.maximum(lengths - 1, 0)[:, None])
+    new = out.cache.layers if table is not None else out.cache
+    cache = _per_slot(lambda a, r: a.at[:, slots].set(r, mode="drop"), cache, new)
+    return out.logits[:, 0], cache                                      # [n, V]
 
 
 def _decode_step(graphdef, state, cache, tokens, positions, active, table=None, *,
