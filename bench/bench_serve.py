@@ -275,7 +275,7 @@ def main() -> None:
     pages = 2 * a.sessions * (max_len // 64)  # room to keep idle sessions' pages cached
     base = ["--preset", a.preset, "--slots", str(max(a.sessions, a.clients)), "--max-len",
             str(max_len), "--prefill-chunk", str(a.prefill_chunk), "--num-pages", str(pages),
-            "--budget-low", "0"]
+            "--budget-low", "0", "--model-name", "kdsa"]
     result = {"args": vars(a), "max_len": max_len, "num_pages": pages,
               "load_before": os.getloadavg()}
     for name, extra in (("cache", []), ("no_cache", ["--no-prefix-cache"])):
