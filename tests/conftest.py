@@ -2,7 +2,8 @@
 
 XLA's CPU backend runs at optimisation level 0 in tests: these are correctness checks on tiny
 shapes, dominated by compile time, and level 0 about halves it (measured on
-tests/test_transformer.py: 266 -> 150 CPU s). ``KDSA_TEST_XLA_OPT=1`` restores the default.
+tests/test_transformer.py: 266 -> 150 CPU s), and copy insertion skips its region analysis.
+``KDSA_TEST_XLA_OPT=1`` restores the defaults.
 """
 
 import os
@@ -13,6 +14,9 @@ if "xla_force_host_platform_device_count" not in flags:
     flags += " --xla_force_host_platform_device_count=8"
 if os.environ.get("KDSA_TEST_XLA_OPT") != "1" and "xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
+    # copy insertion without region analysis: ~10% less compile time (tests/test_rl_step.py
+    # 33.2 -> 30.2 s, two runs each, side by side); a compile-time choice, numerics unchanged
+    flags += " --xla_cpu_copy_insertion_use_region_analysis=false"
 os.environ["XLA_FLAGS"] = flags.strip()
 
 # The files that take longest (minutes of multi-process jobs and mesh compiles) start first:

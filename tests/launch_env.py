@@ -12,7 +12,8 @@ def launch_env(**extra: str) -> dict[str, str]:
     ``jobcheck`` / ``rl_entry`` import. ``extra`` entries are added last."""
     path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=path,
-               XLA_FLAGS="--xla_backend_optimization_level=0")
+               XLA_FLAGS="--xla_backend_optimization_level=0 "
+               "--xla_cpu_copy_insertion_use_region_analysis=false")
     for k in ("KDSA_COORDINATOR", "KDSA_NUM_PROCESSES", "KDSA_PROCESS_ID"):
         env.pop(k, None)
     env.update(extra)

@@ -39,10 +39,10 @@ def test_sigterm_to_launch_local_checkpoints_every_process_and_exits_143(tmp_pat
     run_dir, mark = tmp_path / "run", uuid.uuid4().hex
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
            "--timeout", "400", "--", "kdsa", "train", "--preset", "tiny", "--steps", "500",
-           "--run-dir", str(run_dir), "--no-progress",  # 2 layers: a shorter compile
-           "--set", "num_hidden_layers=2", "--set", "attn_res_block_size=null",
+           "--run-dir", str(run_dir), "--no-progress",  # 1 KDA layer: a short compile
+           "--set", "num_hidden_layers=1", "--set", "attn_res_block_size=null",
            "--set", "linear_attn_config.kda_layers=[1]",
-           "--set", "linear_attn_config.full_attn_layers=[2]",
+           "--set", "linear_attn_config.full_attn_layers=[]",
            "--train-set", "batch_size=2", "--train-set", "seq_len=16",
            "--train-set", "checkpoint_every=1000"]
     launcher = subprocess.Popen(cmd, env=launch_env(KDSA_TEST_MARK=mark), text=True,
