@@ -44,6 +44,10 @@ def add_engine_args(p) -> None:
     g.add_argument("--prefix-snapshots", type=int, default=None, metavar="N",
                    help="prefix cache: KDA snapshot slots (default: 2 x --slots; each holds "
                         "one sequence's KDA states, see kdsa params)")
+    g.add_argument("--batched-prefill", action="store_true",
+                   help="prefill a chunk of every slot with prompt left in one step (one "
+                        "device, text models; off by default until its speed is measured; "
+                        "every (row count, bucket) compiles in the warm-up)")
     g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
     g.add_argument("--mesh", default=None,
                    help="mesh axes of the layout over every process's devices, e.g. "
@@ -126,7 +130,8 @@ def engine_from_args(args):
                                layout=args.layout, seed=args.seed, num_pages=num_pages,
                                prefix_snapshots=0 if num_pages is None or args.no_prefix_cache
                                else (args.prefix_snapshots or 2 * args.slots),
-                               prefix_snapshot_every=args.prefix_snapshot_every)
+                               prefix_snapshot_every=args.prefix_snapshot_every,
+                               batched_prefill=args.batched_prefill)
     return engine, fmt, name
 
 

@@ -6,8 +6,8 @@ Each :meth:`Engine.step`:
 2. moves waiting requests into free slots and prefills them chunk by chunk, at most
    ``prefill_tokens_per_step`` prompt tokens per step (at least one chunk), so running
    requests keep decoding while long prompts come in; while two or more slots have prompt
-   left, one chunk of each runs in one batched step (``ModelRunner.prefill_batch``; one
-   device, text only); a request whose last chunk is done samples its first token from the
+   left, one chunk of each runs in one batched step (``ModelRunner(batch_prefill=True)``,
+   ``--batched-prefill``; one device, text only); a request whose last chunk is done samples its first token from the
    prefill logits;
 3. runs one decode step for every slot that is generating (rows at their own positions) and
    samples each row with its own parameters and random stream (``sampling.py``).

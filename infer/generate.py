@@ -67,14 +67,16 @@ def build_engine(model, *, num_slots: int, max_len: int, prefill_chunk: int = 25
                  tokenizer_path=None, chat_format: str = "xtml", flavor: str | None = None,
                  budgets: BudgetConfig | None = None, mesh=None, layout: str = "generate",
                  seed: int = 0, num_pages: int | None = None, prefix_snapshots: int = 0,
-                 prefix_snapshot_every: int = 4) -> tuple[Engine, object]:
+                 prefix_snapshot_every: int = 4,
+                 batched_prefill: bool = False) -> tuple[Engine, object]:
     """Runner + tokenizer + chat format + engine for ``model`` -> (engine, chat format)."""
     tok = load_tokenizer(tokenizer_path, vocab_size=model.config.vocab_size,
                          flavor=flavor or ("k2" if chat_format == "k2" else "k3"))
     fmt = get_format(chat_format, tok)
     runner = ModelRunner(model, num_slots=num_slots, max_len=max_len,
                          prefill_chunk=prefill_chunk, mesh=mesh, layout=layout,
-                         num_pages=num_pages, num_snapshots=prefix_snapshots)
+                         num_pages=num_pages, num_snapshots=prefix_snapshots,
+                         batch_prefill=batched_prefill)
     return Engine(runner, tok, chat_format=fmt, budgets=budgets, seed=seed,
                   prefix_snapshot_every=prefix_snapshot_every), fmt
 

@@ -67,7 +67,7 @@ class ModelRunner:
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
                  compiler_options: dict | None = None, record_routing: bool = False,
                  num_pages: int | None = None, num_snapshots: int = 0,
-                 batch_prefill: bool = True):
+                 batch_prefill: bool = False):
         cfg = model.config
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")

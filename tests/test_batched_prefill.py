@@ -28,7 +28,7 @@ def model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
-def _runner(model, paged: bool, batch: bool = True):
+def _runner(model, paged: bool, batch: bool = True):  # batched prefill is opt-in
     return ModelRunner(model, num_slots=SLOTS, max_len=MAX_LEN, prefill_chunk=32, min_bucket=8,
                        num_pages=SLOTS * 3 if paged else None, batch_prefill=batch)
 
