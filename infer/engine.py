@@ -79,6 +79,7 @@ class Engine(SlotScheduling, TokenStep):
         self._waiting: collections.deque[_Active] = collections.deque()
         self._cancel: set[str] = set()
         self.slots: list[_Active | None] = [None] * runner.num_slots
+        self._admissions = 0  # requests given a slot so far (preemption takes the latest)
         num_pages = getattr(runner, "num_pages", None)  # paged cache: infer/page_pool.py
         self.pages = None if num_pages is None else PagePool(num_pages)
         snapshots = getattr(runner, "num_snapshots", 0)  # prefix cache: infer/prefix_cache.py
@@ -163,7 +164,7 @@ class Engine(SlotScheduling, TokenStep):
         try:
             self._apply_cancellations()
             did = self._prefill_some()
-            if any(a is not None and a.prefilled == len(a.req.prompt) for a in self.slots):
+            if any(a is not None and a.prefilled == len(a.feed) for a in self.slots):
                 self._decode()
                 did = True
         except Exception as e:  # noqa: BLE001 -- a fault outside the per-request guards
@@ -278,6 +279,7 @@ class Engine(SlotScheduling, TokenStep):
                 st["batched_prefill_steps"], 1),
             "finish_reasons": {k[7:]: v for k, v in st.items() if k.startswith("finish_")},
             "failed_requests": st["failed"], "engine_failure": self.failure,
+            "preemptions": st["preempted"],
             "uptime_s": elapsed,
             "cache": {"kind": "dense_slots"} if self.pages is None else {
                 "kind": "paged", **self.pages.usage()},

@@ -26,10 +26,9 @@ import time
 
 import numpy as np
 
-from kdsa.infer.page_pool import pages_needed
 from kdsa.infer.prefix_cache import key_items, page_keys
 from kdsa.infer.requests import Completion, Event, _Active, _describe
-from kdsa.model.paged_cache import PAGE_SIZE
+from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 
 log = logging.getLogger("kdsa.engine")
 
@@ -58,14 +57,17 @@ class SlotScheduling:
                 if self.slots[i] is None and self._waiting:
                     if not self._reserve_pages(i, self._waiting[0]):
                         break  # the pool is full: the queue waits for finished requests
-                    self.slots[i] = self._waiting.popleft()
-                    self.slots[i].metrics.admitted = time.perf_counter()
+                    a = self.slots[i] = self._waiting.popleft()
+                    self._admissions += 1
+                    a.admitted = self._admissions
+                    if a.metrics.admitted is None:
+                        a.metrics.admitted = time.perf_counter()
         if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device
             budget, did = self._prefill_together(budget, did)
         for i, a in enumerate(self.slots):
             if a is not None and a.req.images and a.features is None and not self._encode(i, a):
                 did, a = True, None
-            if a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+            if a is not None and a.prefilled < len(a.feed) and (budget > 0 or not did):
                 try:
                     budget = self._prefill_slot(i, a, budget, did)
                 except Exception as e:  # noqa: BLE001 -- this request fails, not the engine
@@ -76,42 +78,104 @@ class SlotScheduling:
         return did
 
     def _reserve_pages(self, i: int, a: _Active) -> bool:
-        """Paged cache: give slot ``i`` the pages of ``a``'s whole length, if they are free
-        (``infer/page_pool.py``); always True with dense slots."""
+        """Paged cache: give slot ``i`` the pages of ``a``'s prefill and its first decoded
+        token, if they are free with a page of growth to spare for each running request
+        (``infer/page_pool.py``; decode takes more pages as it goes, :meth:`_grow_pages`);
+        always True with dense slots."""
         if self.pages is None:
             return True
-        need = pages_needed(len(a.req.prompt), a.req.sampling.max_tokens, self.runner.max_len)
+        need = pages_for(min(len(a.feed) + 1, self.runner.max_len))
+        spare = sum(s is not None for s in self.slots)
         if self.prefix is None:
-            pages = self.pages.allocate(need)
-            if pages is None:
+            if self.pages.free < need + spare:
                 return False
-            a.pages = pages
-            self.runner.set_pages(i, pages)
+            a.pages = self.pages.allocate(need)
+            self.runner.set_pages(i, a.pages)
             return True
-        # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot
-        a.key_items = self._key_items(a, a.req.prompt)
-        keys = page_keys(a.key_items)
-        depth, snapshot, shared, partial = self.prefix.lookup(keys, a.key_items)
+        # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot; a
+        # preempted request resumes from its own snapshot (its prompt and generated tokens)
+        if not a.key_items:
+            a.key_items = self._key_items(a, a.req.prompt)
+        items = a.key_items + [int(t) for t in a.tokens[:-1]]
+        keys = page_keys(items)
+        depth, snapshot, shared, partial = self.prefix.lookup(keys, items,
+                                                              leave=0 if a.tokens else 1)
         held = shared + ([] if partial is None else [partial])
-        fresh = self.prefix.allocate(need - len(shared))
+        fresh = None  # (alone, it may also take end snapshots' pages: allocate drops them)
+        if not spare or self.prefix.available >= need - len(shared) + spare:
+            fresh = self.prefix.allocate(need - len(shared))
         if fresh is None:
             self.prefix.release(held)
             return False
         a.pages, a.page_keys = shared + fresh, keys
         self.runner.set_pages(i, a.pages)
-        self.prefix.queried_tokens += len(a.req.prompt)
+        if not a.tokens:
+            self.prefix.queried_tokens += len(a.feed)
         if partial is not None:  # resuming inside a page: this request's own copy of it
             self.runner.copy_page(partial, fresh[0])
             self.prefix.release([partial])
         if snapshot is not None:  # resume: this slot's own copy of the KDA states
             self.runner.restore_state(snapshot, i)
             a.prefilled = depth
-            self.prefix.hit_tokens += depth
+            if not a.tokens:
+                self.prefix.hit_tokens += depth
         return True
 
+    def _grow_pages(self) -> None:
+        """Paged cache, before a decode step: every generating request whose next position
+        starts a page gets one. When none is free, the most recently admitted request is
+        preempted (:meth:`_preempt`) until one is; a request never waits on a page mid-decode
+        for longer than that, and the oldest always finishes (no request is larger than the
+        pool: ``Engine.submit``)."""
+        if self.pages is None:
+            return
+        pool = self.pages if self.prefix is None else self.prefix
+        for i in sorted((i for i, a in enumerate(self.slots) if a is not None),
+                        key=lambda i: self.slots[i].admitted):
+            a = self.slots[i]
+            if a is None or a.prefilled < len(a.feed):
+                continue
+            if (len(a.req.prompt) + len(a.tokens) - 1) // PAGE_SIZE < len(a.pages):
+                continue
+            page = pool.allocate(1)
+            while page is None:
+                victim = max((j for j, b in enumerate(self.slots) if b is not None),
+                             key=lambda j: self.slots[j].admitted)
+                self._preempt(victim, self.slots[victim])
+                if victim == i:
+                    break
+                page = pool.allocate(1)
+            if page is not None:
+                a.pages = a.pages + page
+                self.runner.set_pages(i, a.pages)
+
+    def _preempt(self, i: int, a: _Active) -> None:
+        """Give slot ``i`` and its pages back and queue ``a`` first, to run again by recompute:
+        its prompt and every generated token but the last are prefilled again, then decoding
+        goes on from the last token, which was sampled and not yet fed; its tokens, log-probs,
+        budget and parser state stay as they are, so the output is the one it would have had.
+        With the prefix cache the state after those tokens is kept as an end-of-request
+        snapshot, so the recompute is only what was evicted meanwhile."""
+        if self.prefix is not None and a.tokens and a.prefilled == len(a.feed):
+            self._snapshot_end(i, a)
+        (self.pages if self.prefix is None else self.prefix).release(a.pages)
+        self.runner.set_pages(i, [])
+        self.slots[i] = None
+        a.pages, a.page_keys, a.routing, a.prefilled = [], [], [], 0
+        if a.tokens:
+            a.feed = list(a.req.prompt) + a.tokens[:-1]
+            if a.feature_index is not None:
+                a.feature_index = np.concatenate([a.feature_index[:len(a.req.prompt)],
+                                                  np.full(len(a.tokens) - 1, -1)])
+        a.preemptions += 1
+        self.stats["preempted"] += 1
+        with self._lock:
+            self._waiting.appendleft(a)
+
     def _snapshot_end(self, i: int, a: _Active) -> None:
-        """Prefix cache: keep the state after everything a finished request fed (its prompt
-        and every generated token but the last), for the next turn of its session."""
+        """Prefix cache: keep the state after everything a finished (or preempted) request
+        fed (its prompt and every generated token but the last), for the next turn of its
+        session (or its own resumption)."""
         fed = a.key_items + [int(t) for t in a.tokens[:-1]]
         slot = self.prefix.add_end_snapshot(page_keys(fed), fed, a.pages)
         if slot is not None:
@@ -132,7 +196,7 @@ class SlotScheduling:
             return n
         step = self.prefix.every * PAGE_SIZE
         nxt = (a.prefilled // step + 1) * step
-        return min(n, nxt - a.prefilled) if nxt < len(a.req.prompt) else n
+        return min(n, nxt - a.prefilled) if nxt < len(a.feed) else n
 
     def _after_chunk(self, i: int, a: _Active, start: int) -> None:
         """Prefix cache: register the pages this chunk completed; at a snapshot point, save
@@ -143,7 +207,7 @@ class SlotScheduling:
             self.prefix.register(a.page_keys[j], a.pages[j])
         j = a.prefilled // PAGE_SIZE
         if (a.prefilled % (self.prefix.every * PAGE_SIZE) == 0 and 0 < j <= len(a.page_keys)
-                and a.prefilled < len(a.req.prompt)
+                and a.prefilled < len(a.feed)
                 and self.prefix.wants_snapshot(a.page_keys[j - 1])):
             self.runner.save_state(i, self.prefix.add_snapshot(a.page_keys[j - 1]))
 
@@ -154,9 +218,9 @@ class SlotScheduling:
         while budget > 0 or not did:
             rows, total = [], 0
             for i, a in enumerate(self.slots):
-                if a is None or a.prefilled >= len(a.req.prompt):
+                if a is None or a.prefilled >= len(a.feed):
                     continue
-                n = min(self._chunk_length(a), len(a.req.prompt) - a.prefilled)
+                n = min(self._chunk_length(a), len(a.feed) - a.prefilled)
                 if rows and total + n > budget:
                     break
                 rows.append((i, a, a.prefilled, n))
@@ -165,7 +229,7 @@ class SlotScheduling:
                 return budget, did
             try:
                 logits = self.runner.prefill_batch(
-                    [i for i, *_ in rows], [a.req.prompt[s:s + n] for _, a, s, n in rows],
+                    [i for i, *_ in rows], [a.feed[s:s + n] for _, a, s, n in rows],
                     [s for _, _, s, _ in rows])
             except Exception as e:  # noqa: BLE001 -- a batched step: every row of it fails
                 log.exception("batched prefill failed; its %d requests are aborted", len(rows))
@@ -179,7 +243,7 @@ class SlotScheduling:
                 a.prefilled += n
                 self._after_chunk(i, a, start)
                 self.stats["prefill_tokens"] += n
-                if a.prefilled == len(a.req.prompt):
+                if a.prefilled == len(a.feed) and not a.tokens:  # (resumed: token known)
                     done.append((r, i))
             self.stats["batched_prefill_steps"] += 1
             self.stats["batched_prefill_rows"] += len(rows)
@@ -192,9 +256,9 @@ class SlotScheduling:
     def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
         """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the
         budget left. The last chunk samples the first token."""
-        while a is not None and a.prefilled < len(a.req.prompt) and (budget > 0 or not did):
+        while a is not None and a.prefilled < len(a.feed) and (budget > 0 or not did):
             start = a.prefilled
-            chunk = a.req.prompt[start:start + self._chunk_length(a)]
+            chunk = a.feed[start:start + self._chunk_length(a)]
             logits = self.runner.prefill(i, chunk, start, **self._chunk_images(a, len(chunk)))
             self._note("prefill")
             if self._record_routing:
@@ -204,7 +268,7 @@ class SlotScheduling:
             budget -= len(chunk)
             did = True
             self.stats["prefill_tokens"] += len(chunk)
-            if a.prefilled == len(a.req.prompt):
+            if a.prefilled == len(a.feed) and not a.tokens:  # (resumed: its next token known)
                 self._sample_and_apply([(0, i)], logits)
                 a = self.slots[i]
         return budget
@@ -230,8 +294,11 @@ class SlotScheduling:
 
     def _decode(self) -> None:
         s = len(self.slots)
+        self._grow_pages()
         rows = [i for i, a in enumerate(self.slots)
-                if a is not None and a.prefilled == len(a.req.prompt)]
+                if a is not None and a.prefilled == len(a.feed)]
+        if not rows:  # every generating request was preempted
+            return
         tokens, pos, active = np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool)
         for i in rows:
             a = self.slots[i]
@@ -272,7 +339,7 @@ class SlotScheduling:
         if i is not None:
             self.slots[i] = None
         if (i is not None and self.prefix is not None and reason != "abort" and a.tokens
-                and a.prefilled == len(a.req.prompt)):
+                and a.prefilled == len(a.feed)):
             self._snapshot_end(i, a)
         if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
             (self.pages if self.prefix is None else self.prefix).release(a.pages)

@@ -1,11 +1,14 @@
 """Host-side bookkeeping of the paged cache (``model/paged_cache.py``): which pages are free,
 and how many a request needs.
 
-A request reserves the pages of its whole possible length when it is admitted to a slot,
-``pages_for(min(len(prompt) + max_tokens, max_len))``, and returns them when it finishes, so a
-running request never runs out of pages mid-stream and nothing is ever preempted. A request
-that cannot get its pages waits in the queue (first come, first served: later requests wait
-behind it); one that needs more pages than the whole pool is refused when it is submitted.
+Pages are taken as a request grows (``infer/engine_slots.py``): when it is admitted to a slot,
+those of what it prefills and its first decoded token, if they are free with one page of
+growth to spare for each running request; then one page each time decode reaches a new page.
+When decode finds no page free, the most recently admitted request is preempted and later runs
+again by recompute, with the same output. A request waiting for pages waits in the queue
+(first come, first served; a preempted one goes first); one whose whole length,
+``pages_needed``, is more than the pool is refused when it is submitted, so the oldest
+running request always finishes.
 """
 
 from __future__ import annotations
@@ -68,5 +71,5 @@ def pages_in(cache_bytes: int, config) -> int:
 
 
 def pages_needed(prompt_len: int, max_tokens: int, max_len: int) -> int:
-    """The pages a request reserves: its prompt and every token it may generate."""
+    """The pages of a request's whole length: its prompt and every token it may generate."""
     return pages_for(min(prompt_len + max_tokens, max_len))

@@ -102,13 +102,16 @@ class PrefixCache:
         self.hit_tokens = self.queried_tokens = 0
 
     # ---- lookup and pages ----
-    def lookup(self, keys: list[bytes], prompt) -> tuple[int, int | None, list[int], int | None]:
+    def lookup(self, keys: list[bytes], prompt, leave: int = 1
+               ) -> tuple[int, int | None, list[int], int | None]:
         """``(tokens, snapshot slot, shared pages, partial page)`` of the deepest usable
-        snapshot for ``prompt`` with these page keys: the shared full pages are held once more,
-        and so is the partial page to copy (None when the snapshot is page-aligned; release it
-        after the copy); ``(0, None, [], None)`` on a miss."""
-        n = len(prompt)
-        for j in range(min(len(keys), (n - 1) // PAGE_SIZE), -1, -1):
+        snapshot for ``prompt`` with these page keys that leaves at least ``leave`` tokens to
+        prefill (1 for a new request, whose last prompt token's logits give its first token;
+        0 for a preempted one, whose next token is known): the shared full pages are held once
+        more, and so is the partial page to copy (None when the snapshot is page-aligned;
+        release it after the copy); ``(0, None, [], None)`` on a miss."""
+        n = len(prompt) - leave
+        for j in range(min(len(keys), n // PAGE_SIZE), -1, -1):
             if any(k not in self.page_of for k in keys[:j]):
                 continue
             prev = keys[j - 1] if j else b""
@@ -116,7 +119,7 @@ class PrefixCache:
             for key in self.ends_under.get(prev, ()):
                 _, tail, _ = self.partial[key]
                 lo = j * PAGE_SIZE
-                if (lo + len(tail) < n and (best is None or len(tail) > len(best[1]))
+                if (lo + len(tail) <= n and (best is None or len(tail) > len(best[1]))
                         and tuple(prompt[lo:lo + len(tail)]) == tail):
                     best = (key, tail)
             if best is None and (not j or keys[j - 1] not in self.snap_of):
@@ -133,6 +136,12 @@ class PrefixCache:
         for p in pages:
             self.refs[p] += 1
             self.idle.pop(p, None)
+
+    @property
+    def available(self) -> int:
+        """Pages :meth:`allocate` can hand out without dropping a snapshot: free or idle
+        (it also drops end snapshots for their partial pages when these are not enough)."""
+        return self.pool.free + len(self.idle)
 
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh pages (held once), evicting idle cached pages as needed; None (nothing
@@ -153,9 +162,10 @@ class PrefixCache:
 
     def release(self, pages: list[int]) -> None:
         """Drop one reference per page; a cached page becomes idle (evictable), another one
-        goes back to the pool."""
+        goes back to the pool. ``pages`` in chain order: the deepest becomes idle first, so
+        eviction takes a chain from its end and what stays is still a usable prefix."""
         free = []
-        for p in pages:
+        for p in reversed(pages):
             self.refs[p] -= 1
             if self.refs[p] > 0:
                 continue

@@ -177,7 +177,9 @@ class EngineCollector:
             if _number(m.get(key)):
                 yield GaugeMetricFamily(f"kdsa_{key}", doc, value=m[key])
         for key, doc in (("generated_tokens", "Tokens sampled by the engine"),
-                         ("prefill_tokens", "Prompt tokens the engine prefilled")):
+                         ("prefill_tokens", "Prompt tokens the engine prefilled"),
+                         ("preemptions", "Requests preempted for cache pages (run again by "
+                          "recompute)")):
             if _number(m.get(key)):
                 yield CounterMetricFamily(f"kdsa_engine_{key}", doc, value=m[key])
         cache = m.get("cache") or {}

@@ -108,7 +108,10 @@ class _Active:
         self.req, self.seed = req, seed
         sp = req.sampling
         self.metrics = RequestMetrics(time.perf_counter())
-        self.prefilled = 0
+        self.feed = req.prompt  # what prefill runs: the prompt, after a preemption + tokens
+        self.prefilled = 0  # tokens of ``feed`` in the cache
+        self.admitted = 0  # the engine's admission count when it last got a slot
+        self.preemptions = 0
         self.pages: list[int] = []  # paged cache: the pool pages this request holds
         self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
         self.key_items: list = []  # prefix cache: its token ids, images by content

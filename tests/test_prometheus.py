@@ -138,6 +138,7 @@ def test_counts_latencies_and_tokens_per_effort(chat):
     assert _get(m, "kdsa_active_slots") == 0 and _get(m, "kdsa_num_slots") == 4
     assert _get(m, "kdsa_engine_generated_tokens_total") >= sum(
         u["completion_tokens"] for us in usage.values() for u in us)
+    assert _get(m, "kdsa_engine_preemptions_total") == 0
     assert not any(n.startswith(("kdsa_cache_", "kdsa_prefix_cache_")) for n, _ in m)
 
 
