@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -78,45 +76,47 @@ def test_corrupted_latest_falls_back(full_run, tmp_path):
     assert int(state.step) == 3
 
 
-def _sigterm_after(metrics: Path, lines: int) -> threading.Thread:
-    """A thread that sends this process SIGTERM once ``metrics`` has ``lines`` lines."""
+class _SigtermDuringStep:
+    """The run's synthetic data (what ``make_data`` builds for ``TC``) whose ``batch(i)`` first
+    sends this process a real SIGTERM when ``i == step - 1``: the signal arrives while the loop
+    is running step ``step``, as a scheduler's would (deterministically, not after a race
+    between a watcher and the steps)."""
 
-    def watch():
-        deadline = time.time() + 1800
-        while time.time() < deadline:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= lines:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.05)
+    def __init__(self, config, tc, step: int):
+        from kdsa.train.data import SyntheticData
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+        self.data, self.index = SyntheticData(config.vocab_size, tc.batch_size, tc.seq_len,
+                                              tc.seed), step - 1
+
+    def batch(self, i):
+        if i == self.index:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.data.batch(i)
 
 
 def test_sigterm_then_resume(tmp_path):
-    """A real SIGTERM mid-run (sent to this process, as a scheduler would): the running step
-    finishes, a checkpoint is saved, the run reports ``stopped``; ``--resume`` continues from it,
-    and a second SIGTERM stops it again. In-process so the compiled step is shared (a subprocess
-    pays interpreter start, model build and compile twice: minutes on a loaded 2-core machine);
-    the CLI's exit code 143 for a stopped run is checked in ``test_cli_exit_code_after_sigterm``.
+    """A real SIGTERM mid-run (sent to this process while step 2 runs, as a scheduler would):
+    the running step finishes, a checkpoint is saved (step 2, not due with every=3), the run
+    reports ``stopped``; ``--resume`` continues from it, and a second SIGTERM (during step 4)
+    stops it again. In-process and with the module's ``TC`` so the compiled step of
+    ``full_run`` is shared (a subprocess pays interpreter start, model build and compile twice:
+    minutes on a loaded 2-core machine); the CLI's exit code 143 for a stopped run is checked in
+    ``test_cli_exit_code_after_sigterm``.
     """
-    tc = TC.replace(steps=60, checkpoint_every=50, keep_checkpoints=2)
+    cfg, tc = small_config(), TC
+    assert 2 % tc.checkpoint_every and 4 % tc.checkpoint_every and tc.steps > 4
     metrics = tmp_path / "metrics.jsonl"
     messages = []
-    watcher = _sigterm_after(metrics, 2)
-    first = run_training(small_config(), tc, tmp_path, progress=False, log=messages.append)
-    watcher.join(timeout=5)
+    first = run_training(cfg, tc, tmp_path, data_path=_SigtermDuringStep(cfg, tc, 2),
+                         progress=False, log=messages.append)
     stopped_at = first.final_step
-    assert first.stopped and 2 <= stopped_at < 60, first
+    assert first.stopped and stopped_at == 2, first
     assert any("stopped by SIGTERM" in m for m in messages), messages
-    assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir()  # saved although every=50
+    assert (tmp_path / "checkpoints" / str(stopped_at)).is_dir()  # saved although not due
 
-    watcher = _sigterm_after(metrics, stopped_at + 1)
-    rest = run_training(small_config(), tc, tmp_path, progress=False, resume=True,
-                        log=messages.append)
-    watcher.join(timeout=5)
-    assert rest.resumed_from == stopped_at and rest.stopped and rest.final_step < 60
+    rest = run_training(cfg, tc, tmp_path, data_path=_SigtermDuringStep(cfg, tc, 4),
+                        progress=False, resume=True, log=messages.append)
+    assert rest.resumed_from == stopped_at and rest.stopped and rest.final_step == 4
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, rest.final_step + 1))
     assert all(np.isfinite(rest.losses[s]) for s in rest.losses)
