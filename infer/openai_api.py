@@ -135,6 +135,8 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         raise ApiError(f"stream_options.include_usage must be a boolean, got "
                        f"{opts['include_usage']!r}", param="stream_options")
     logprobs = _get(body, "logprobs", bool, False, why="a boolean")
+    # vLLM's extension: generate max_tokens even past the end-of-message token (benchmarks)
+    ignore_eos = _get(body, "ignore_eos", bool, False, why="a boolean")
     top_logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20,
                         "an integer in [0, 20]")
     stop = body.get("stop")
@@ -163,7 +165,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     limit = min(room, max_tokens or default_max_tokens or room)
     sampling = [SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
                                min_p=float(min_p), seed=None if seed is None else seed + i,
-                               max_tokens=limit, stop=tuple(stop),
+                               max_tokens=limit, stop=tuple(stop), ignore_eos=ignore_eos,
                                top_logprobs=top_logprobs if logprobs else 0)
                 for i in range(n)]
     calls = sum(len(m.tool_calls) for m in messages)

@@ -127,12 +127,26 @@ def test_tool_calls_round_trip(tools_server):
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
 
 
+def test_ignore_eos_generates_max_tokens(chat):
+    """vLLM's ``ignore_eos`` extension: past the end-of-message token up to ``max_tokens``."""
+    base = {"messages": USER, "reasoning_effort": "low", "max_tokens": 120}
+    done = json.loads(_post(chat[0], base)[1])
+    status, text = _post(chat[0], {**base, "ignore_eos": True})
+    assert status == 200, text
+    body = json.loads(text)
+    assert done["choices"][0]["finish_reason"] == "stop"
+    assert done["usage"]["completion_tokens"] < 120
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 120
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"messages": USER, "model": "gpt-9"}, 404, "model"),
     ({"messages": "hi"}, 400, "messages"),
     ({"messages": USER, "temperature": "hot"}, 400, "temperature"),
     ({"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": USER, "n": True}, 400, "n"),
+    ({"messages": USER, "ignore_eos": "yes"}, 400, "ignore_eos"),
     ({"messages": USER, "reasoning_effort": "ultra"}, 400, "reasoning_effort"),
     ({"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
      "tools"),
