@@ -22,6 +22,7 @@ class PagePool:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self.peak = 0  # the most pages held at once
 
     @property
     def free(self) -> int:
@@ -35,7 +36,9 @@ class PagePool:
         """``n`` pages, or None (and nothing taken) when fewer are free."""
         if n > len(self._free):
             return None
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        self.peak = max(self.peak, self.used)
+        return pages
 
     def release(self, pages: list[int]) -> None:
         """Return pages taken by :meth:`allocate`; a page not held (or twice) is an error."""
@@ -47,7 +50,7 @@ class PagePool:
 
     def usage(self) -> dict:
         return {"page_size": PAGE_SIZE, "pages_total": self.num_pages, "pages_used": self.used,
-                "pages_free": self.free}
+                "pages_free": self.free, "pages_peak": self.peak}
 
 
 def page_bytes(config) -> int:

@@ -187,6 +187,7 @@ class EngineCollector:
             for key, name, doc in (
                     ("pages_used", "kdsa_cache_pages_used", "Pool pages held by requests"),
                     ("pages_free", "kdsa_cache_pages_free", "Pool pages free"),
+                    ("pages_peak", "kdsa_cache_pages_peak", "The most pool pages held at once"),
                     ("pages_total", "kdsa_cache_pages_capacity", "Pool pages in all"),
                     ("page_size", "kdsa_cache_page_size_tokens", "Tokens per pool page")):
                 if _number(cache.get(key)):
