@@ -100,13 +100,19 @@ def test_engine_records_the_routing_of_the_full_forward(small_model):
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 13, 9)]  # 13: 2 chunks
     outs = eng.generate([Request(p, SamplingParams(temperature=0.0, max_tokens=4,
                                                    ignore_eos=True)) for p in prompts])
-    for p, c in zip(prompts, outs):
-        seq = p + c.token_ids[:-1]  # the last sampled token was never run
-        moe = layers_of(SMALL, ffn="moe")
-        assert moe == tuple(range(1, SMALL.num_hidden_layers))  # layer 0: dense FFN
+    seqs = [p + c.token_ids[:-1] for p, c in zip(prompts, outs)]  # the last sampled token
+    # was never run; one full forward of every sequence, right-padded (causal: the padding
+    # changes no earlier position), instead of one slow eager forward each
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        ids[i, :len(seq)] = seq
+    full = small_model.forward(jnp.asarray(ids), collect=Collect(routing=True))
+    full = np.asarray(full.stats.expert_ids)                              # [L_moe, B, T, k]
+    moe = layers_of(SMALL, ffn="moe")
+    assert moe == tuple(range(1, SMALL.num_hidden_layers))  # layer 0: dense FFN
+    for i, (seq, c) in enumerate(zip(seqs, outs)):
         assert c.routing.shape == (len(seq), len(moe), SMALL.num_experts_per_token)
-        want = small_model.forward(jnp.asarray([seq]), collect=Collect(routing=True))
-        want = np.transpose(np.asarray(want.stats.expert_ids)[:, 0], (1, 0, 2))  # [T, L_moe, k]
+        want = np.transpose(full[:, i, :len(seq)], (1, 0, 2))            # [T, L_moe, k]
         assert (want >= 0).all()
         np.testing.assert_array_equal(c.routing, want)
 
