@@ -14,7 +14,10 @@
   left as they are). Returns logits ``[S, V]``.
 
 Shapes are static, so prefill compiles once per bucket and decode once. The cache is donated to
-each step.
+each step. With the paged cache the decode step reads the first :meth:`ModelRunner.table_width`
+columns of the block table, enough for the furthest active row, so its cost follows the
+context in use rather than ``max_len`` (one decode compile per width: powers of two from
+``MIN_TABLE_PAGES`` to ``max_pages``, all compiled by :meth:`ModelRunner.warmup`).
 
 ``record_routing`` (RL routing replay): both steps also return the experts every MoE layer used
 for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe, k]`` int32 for
@@ -60,6 +63,11 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out) + (max_bucket,)
+
+
+# The narrowest block table a paged decode step reads (4096 tokens): below it the indexer's
+# scan costs little beside the rest of the step, and one width serves every short context.
+MIN_TABLE_PAGES = 64
 
 
 class ModelRunner:
@@ -258,11 +266,32 @@ class ModelRunner:
         feats = self._encode(self.state, batch)
         return np.asarray(feats)[0, :sum(im.num_tokens for im in images)]
 
+    @property
+    def table_widths(self) -> tuple[int, ...]:
+        """Block-table widths (pages) a paged decode step compiles for: powers of two from
+        ``MIN_TABLE_PAGES``, and ``max_pages``."""
+        w, out = MIN_TABLE_PAGES, []
+        while w < self.max_pages:
+            out.append(w)
+            w *= 2
+        return tuple(out) + (self.max_pages,)
+
+    def table_width(self, pages: int) -> int:
+        """The narrowest of :attr:`table_widths` holding ``pages`` pages."""
+        return next(w for w in self.table_widths if w >= pages)
+
     def decode(self, tokens, positions, active) -> jax.Array:
-        """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32."""
-        args = self._args(np.asarray(tokens, np.int32), np.asarray(positions, np.int32),
-                          np.asarray(active, bool),
-                          None if self.block_table is None else self.block_table.copy())
+        """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32.
+
+        Paged: the block table is cut to the width the furthest active row needs (the indexer
+        scans only that many pages; the selected keys are the same, as no row has keys past
+        its position)."""
+        positions, active = np.asarray(positions, np.int32), np.asarray(active, bool)
+        table = None
+        if self.block_table is not None:
+            far = int(positions[active].max()) if active.any() else 0
+            table = self.block_table[:, :self.table_width(far // PAGE_SIZE + 1)].copy()
+        args = self._args(np.asarray(tokens, np.int32), positions, active, table)
         with self._rules():
             logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
         if routing:
@@ -298,14 +327,17 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile every prefill bucket (one slot, and every row count of a batched prefill)
-        and the decode step (on the first slots, which are then reset by the next prefill into
-        them)."""
+        and the decode step, at every block-table width when paged (on the slots, which are
+        then reset by the next prefill into them)."""
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
             for rows in self.row_buckets if self.batched_prefill else ():
                 self.prefill_batch(list(range(rows)), [[0] * b] * rows, [0] * rows)
         s = self.num_slots
-        self.decode(np.zeros(s, np.int32), np.zeros(s, np.int32), np.zeros(s, bool))
+        for w in self.table_widths if self.block_table is not None else (1,):
+            pos = np.full(s, (w - 1) * PAGE_SIZE, np.int32)  # compiles the width of ``w``
+            self.decode(np.zeros(s, np.int32), pos, np.ones(s, bool) if w > 1 else
+                        np.zeros(s, bool))
 
 
 def cache_shardings(cache, mesh, layout: str):

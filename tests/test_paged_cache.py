@@ -93,6 +93,33 @@ def test_other_requests_pages_are_never_read(model):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_decode_reads_only_the_table_width_in_use(model):
+    """A runner sized for 65 pages decodes a short context through the first 64 columns of
+    its block table (``ModelRunner.table_width``): the logits of a runner whose whole table is
+    3 pages."""
+    from kdsa.infer.runner import ModelRunner
+
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, CFG.vocab_size, 70).tolist()
+    big = ModelRunner(model, num_slots=1, max_len=65 * P, prefill_chunk=32, min_bucket=32,
+                      num_pages=66)
+    small = ModelRunner(model, num_slots=1, max_len=3 * P, prefill_chunk=32, min_bucket=32,
+                        num_pages=3)
+    assert big.table_widths == (64, 65) and small.table_widths == (3,)
+    assert (big.table_width(2), big.table_width(64), big.table_width(65)) == (64, 64, 65)
+    big.set_pages(0, rng.permutation(66)[:65].tolist())
+    small.set_pages(0, [2, 0, 1])
+    got, want = [], []
+    for runner, out in ((big, got), (small, want)):
+        for start in range(0, len(prompt), 32):
+            logits = runner.prefill(0, prompt[start:start + 32], start)
+        out.append(np.asarray(logits)[0])
+        for step in range(3):
+            out.append(np.asarray(runner.decode(np.asarray([5 + step]),
+                                                 np.asarray([70 + step]), np.ones(1, bool)))[0])
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-5, atol=1e-5)
+
+
 # ---- the engine on a paged cache --------------------------------------------------------------
 
 def _engine(model, **kw):
