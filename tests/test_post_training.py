@@ -24,6 +24,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kdsa.cli.main import main
 from kdsa.infer.tokenizer import load_tokenizer
@@ -62,6 +63,13 @@ def _first_loss(run: Path) -> float:
     return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
 
 
+@nnx.jit
+def _packed_logits(model, ids, segment_ids):
+    """The reference forward as one compiled program (op by op it is hundreds of eager
+    compiles, one per op shape)."""
+    return model.forward(ids, segment_ids=segment_ids).logits
+
+
 def _reference_loss(folder: Path, docs: Path) -> float:
     """Cross-entropy of the first batch under an independent forward of ``folder``."""
     config, model = load_model(folder)
@@ -70,9 +78,8 @@ def _reference_loss(folder: Path, docs: Path) -> float:
                            eos_id=config.eos_token_id, pad_id=config.pad_token_id or 0,
                            tokenizer=tok)
     b = data.batch(0)
-    logits = np.asarray(model.forward(jnp.asarray(b["inputs"]),
-                                      segment_ids=jnp.asarray(b["segment_ids"])).logits,
-                        np.float64)
+    logits = np.asarray(_packed_logits(model, jnp.asarray(b["inputs"]),
+                                       jnp.asarray(b["segment_ids"])), np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, np.asarray(b["targets"])[..., None], -1)[..., 0]
@@ -175,20 +182,22 @@ def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):
 def test_a_fresh_indexer_starts_in_dense_warmup(tmp_path):
     """``info["fresh"]`` (what ``kdsa convert`` writes when it initialises the DSA indexer)
     puts ``--init-from`` runs into the indexer's dense warm-up stage unless one is chosen."""
-    from flax import nnx
+    from model_fixtures import MICRO, random_params
 
     from kdsa.model import checkpoint as ckpt
-    from kdsa.model.config import get_preset
-    from kdsa.model.transformer import Transformer
     from kdsa.train.config import TrainConfig
     from kdsa.train.init_from import indexer_stage_for
 
-    config = get_preset("tiny")
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    fresh = [k for k in ckpt.flat_variables(nnx.state(model)) if ".indexer." in k]
+    # two layers, the second a gated DSA layer with its indexer, and random NumPy weights:
+    # only the folder's info is read, so no model is built (an eager build of the tiny preset
+    # compiles one op per initializer)
+    config = MICRO
+    fresh = [k for k in ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
+             if ".indexer." in k]
     assert fresh
-    ckpt.save_model(tmp_path / "fresh", config, model, metadata={"fresh": fresh})
-    ckpt.save_model(tmp_path / "trained", config, model)
+    ckpt.save_params(tmp_path / "fresh", config, random_params(config, 0),
+                     metadata={"fresh": fresh})
+    ckpt.save_params(tmp_path / "trained", config, random_params(config, 0))
     tc = TrainConfig()
     assert indexer_stage_for(tmp_path / "fresh", tc, chosen=False).indexer_stage == \
         "dense_warmup"
