@@ -203,11 +203,14 @@ def test_segments_equal_separate_runs_and_numpy():
     ids = _ids()
     outs = [rec(q, k, v, g, beta, initial_state=s0, segment_ids=jnp.asarray(ids)),
             chk(q, k, v, g, beta, initial_state=s0, chunk_size=16, segment_ids=jnp.asarray(ids))]
+    # checked in NumPy: gathers and reductions on jax arrays are an eager compile per shape
+    outs = [(np.asarray(o), np.asarray(s)) for o, s in outs]
     o_ref, s_ref = numpy_kda(q, k, v, g, beta, s0, ids)
     for o, s in outs:
         assert err(o, o_ref) <= 1e-5 and err(s, s_ref) <= 1e-5
-        assert float(jnp.max(jnp.abs(o[0, 30:45]))) == 0.0  # padding outputs 0
+        assert float(np.max(np.abs(o[0, 30:45]))) == 0.0  # padding outputs 0
     # each document alone (first one from s0, later ones from zero) equals the packed run
+    q, k, v, g, beta, s0 = (np.asarray(x) for x in (q, k, v, g, beta, s0))  # NumPy slicing
     docs = [(0, np.r_[0:30, 45:70], s0[:1]), (0, np.r_[70:95], None),
             (1, np.r_[3:50], s0[1:]), (1, np.r_[50:51], None), (1, np.r_[51:100], None)]
     for row, idx, init in docs:
