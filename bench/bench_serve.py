@@ -266,6 +266,10 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=32768)
     p.add_argument("--decode-reps", type=int, default=10)
     p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefix-snapshot-every", type=int, default=None,
+                   help="the server's --prefix-snapshot-every (default: the server's)")
+    p.add_argument("--cache-only", action="store_true",
+                   help="only the prefix-cache runs (no comparison, no decode measurement)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     a = p.parse_args()
     if a.quick:
@@ -276,9 +280,13 @@ def main() -> None:
     base = ["--preset", a.preset, "--slots", str(max(a.sessions, a.clients)), "--max-len",
             str(max_len), "--prefill-chunk", str(a.prefill_chunk), "--num-pages", str(pages),
             "--budget-low", "0", "--model-name", "kdsa"]
+    if a.prefix_snapshot_every is not None:
+        base += ["--prefix-snapshot-every", str(a.prefix_snapshot_every)]
     result = {"args": vars(a), "max_len": max_len, "num_pages": pages,
               "load_before": os.getloadavg()}
-    for name, extra in (("cache", []), ("no_cache", ["--no-prefix-cache"])):
+    modes = (("cache", []),) + ((("no_cache", ["--no-prefix-cache"]),) if not a.cache_only
+                                else ())
+    for name, extra in modes:
         print(f"serving with {name} ...", flush=True)
         server = Server(base + extra)
         try:
@@ -286,6 +294,16 @@ def main() -> None:
             result[f"shared_prefix_{name}"] = shared_prefix(server, a)
         finally:
             server.stop()
+    if a.cache_only:
+        on = result["sessions_cache"]
+        result["sessions_hit_rate"] = on["server"]["metrics"]["prefix_cache"]["hit_rate"]
+        result["shared_prefix_hit_rate"] = result["shared_prefix_cache"]["hit_rate"]
+        print(f"sessions: hit rate {result['sessions_hit_rate']:.3f}, wall {on['wall_s']:.1f} s,"
+              f" TTFT by turn {[round(t['ttft_s'], 3) for t in on['turns']]}; shared prefix: "
+              f"hit rate {result['shared_prefix_hit_rate']}, mean TTFT "
+              f"{result['shared_prefix_cache']['mean_ttft_s']:.3f} s")
+        write_results(a.out, result)
+        return
     print("paged vs dense decode ...", flush=True)
     result["paged_decode"] = paged_decode(a)
     result["load_after"] = os.getloadavg()
