@@ -85,6 +85,9 @@ class Engine(SlotScheduling, TokenStep):
         snapshots = getattr(runner, "num_snapshots", 0)  # prefix cache: infer/prefix_cache.py
         self.prefix = None if not snapshots else PrefixCache(self.pages, snapshots,
                                                              prefix_snapshot_every)
+        # where pages come from and go back to: the prefix cache (it evicts idle cached pages
+        # for new ones) or the bare pool; None with dense slots
+        self.page_source = self.pages if self.prefix is None else self.prefix
         self.stats = collections.Counter()
         self.started = time.perf_counter()
 

@@ -13,8 +13,13 @@ request is admitted the runner encodes them once (``ModelRunner.encode_images``)
 prefill chunk passes the features of the placeholders it holds. A failure there finishes that
 request with ``abort`` and the engine keeps serving.
 
+With the paged cache, pages are taken as a request grows and a request may be preempted for
+them (:meth:`SlotScheduling._grow_pages`, :meth:`SlotScheduling._preempt`): it is queued first
+and later prefills its prompt and generated tokens again (``_Active.feed``).
+
 The methods use the engine's state (``runner``, ``slots``, ``_waiting``, ``_cancel``,
-``_lock``, ``stats``, ``prefill_budget``, ``_record_routing``) and its ``_note`` / ``_record``.
+``_lock``, ``stats``, ``prefill_budget``, ``_record_routing``, ``pages``, ``prefix``,
+``page_source``, ``_admissions``) and its ``_note`` / ``_record``.
 """
 
 from __future__ import annotations
@@ -129,7 +134,7 @@ class SlotScheduling:
         pool: ``Engine.submit``)."""
         if self.pages is None:
             return
-        pool = self.pages if self.prefix is None else self.prefix
+        pool = self.page_source
         for i in sorted((i for i, a in enumerate(self.slots) if a is not None),
                         key=lambda i: self.slots[i].admitted):
             a = self.slots[i]
@@ -158,7 +163,7 @@ class SlotScheduling:
         snapshot, so the recompute is only what was evicted meanwhile."""
         if self.prefix is not None and a.tokens and a.prefilled == len(a.feed):
             self._snapshot_end(i, a)
-        (self.pages if self.prefix is None else self.prefix).release(a.pages)
+        self.page_source.release(a.pages)
         self.runner.set_pages(i, [])
         self.slots[i] = None
         a.pages, a.page_keys, a.routing, a.prefilled = [], [], [], 0
@@ -342,7 +347,7 @@ class SlotScheduling:
                 and a.prefilled == len(a.feed)):
             self._snapshot_end(i, a)
         if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
-            (self.pages if self.prefix is None else self.prefix).release(a.pages)
+            self.page_source.release(a.pages)
             a.pages = []
             if i is not None:
                 self.runner.set_pages(i, [])
