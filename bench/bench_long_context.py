@@ -22,13 +22,11 @@ Two measurements, one run; results in bench/results/long_context.json:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -63,29 +61,19 @@ def served_session(a, max_len: int) -> dict:
     startup = time.perf_counter() - t0
     try:
         history = text(random.Random(0), a.context - 256)  # room for the chat markers
-        body = json.dumps({"model": "kdsa", "messages": [{"role": "user", "content": history}],
-                           "max_tokens": a.decode, "temperature": 0, "stream": True,
-                           "reasoning_effort": "low", "ignore_eos": True, "logprobs": True,
-                           "stream_options": {"include_usage": True}}).encode()
-        req = urllib.request.Request(server.url + "/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
+        body = {"model": "kdsa", "messages": [{"role": "user", "content": history}],
+                "max_tokens": a.decode, "temperature": 0, "reasoning_effort": "low",
+                "ignore_eos": True, "logprobs": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft, usage, last = None, None, None
-        with urllib.request.urlopen(req, timeout=3600) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                choice = chunk["choices"][0] if chunk.get("choices") else {}
-                if (choice.get("logprobs") or {}).get("content"):  # a chunk with tokens
-                    last = time.perf_counter()
-                    if ttft is None:
-                        ttft = last - t0
+        for chunk in server.stream(body, timeout=3600):
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            if (choice.get("logprobs") or {}).get("content"):  # a chunk with tokens
+                last = time.perf_counter()
+                if ttft is None:
+                    ttft = last - t0
         health = server.health()
         rss = peak_rss_bytes(server.proc.pid)
     finally:

@@ -93,16 +93,12 @@ class Server:
         with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
             return json.loads(r.read())
 
-    def chat(self, messages: list[dict], max_tokens: int) -> tuple[float, dict, float]:
-        """Stream one chat completion: (TTFT s, the reply message, total s)."""
-        body = json.dumps({"model": "kdsa", "messages": messages, "max_tokens": max_tokens,
-                           "temperature": 0, "stream": True,
-                           "reasoning_effort": "low"}).encode()
-        req = urllib.request.Request(self.url + "/v1/chat/completions", body,
+    def stream(self, body: dict, timeout: float = 900):
+        """POST a streamed chat completion; yields each SSE chunk, parsed, as it arrives."""
+        req = urllib.request.Request(self.url + "/v1/chat/completions",
+                                     json.dumps({**body, "stream": True}).encode(),
                                      {"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        ttft, content, reasoning = None, [], []
-        with urllib.request.urlopen(req, timeout=900) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -110,12 +106,21 @@ class Server:
                 chunk = json.loads(line[5:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"])
-                delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
-                piece = (delta.get("content") or "", delta.get("reasoning_content") or "")
-                if (piece[0] or piece[1]) and ttft is None:
-                    ttft = time.perf_counter() - t0
-                content.append(piece[0])
-                reasoning.append(piece[1])
+                yield chunk
+
+    def chat(self, messages: list[dict], max_tokens: int) -> tuple[float, dict, float]:
+        """Stream one chat completion: (TTFT s, the reply message, total s)."""
+        t0 = time.perf_counter()
+        ttft, content, reasoning = None, [], []
+        for chunk in self.stream({"model": "kdsa", "messages": messages,
+                                  "max_tokens": max_tokens, "temperature": 0,
+                                  "reasoning_effort": "low"}):
+            delta = chunk["choices"][0].get("delta", {}) if chunk.get("choices") else {}
+            piece = (delta.get("content") or "", delta.get("reasoning_content") or "")
+            if (piece[0] or piece[1]) and ttft is None:
+                ttft = time.perf_counter() - t0
+            content.append(piece[0])
+            reasoning.append(piece[1])
         reply = {"role": "assistant", "content": "".join(content)}
         if "".join(reasoning):
             reply["reasoning_content"] = "".join(reasoning)
