@@ -99,6 +99,7 @@ def decode_against_context(a, max_len: int) -> dict:
     from flax import nnx
 
     from kdsa.infer.page_pool import page_bytes
+    from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
     from kdsa.infer.runner import ModelRunner, _is_pool
     from kdsa.model.config import get_preset
     from kdsa.model.paged_cache import pages_for
@@ -129,7 +130,9 @@ def decode_against_context(a, max_len: int) -> dict:
             "table_pages_read": {k: runner.table_width(pages_for(c)) for k, c in contexts.items()},
             "runner_kda_state_bytes_per_slot": sum(x.nbytes for x in per_slot),
             "runner_pool_bytes": sum(x.nbytes for p in pools for x in jax.tree.leaves(p)),
-            "pool_bytes_computed": pages * page_bytes(model.config)}
+            "pool_bytes_computed": pages * page_bytes(model.config)  # + each pool's scratch row
+            + sum(k != "kda" for k in model.config.mixer_kinds)
+            * dsa_cache_bytes_per_token(model.config)}
 
 
 def main() -> None:

@@ -291,16 +291,15 @@ class GatedDSA(nnx.Module):
         gathered from the pool (all queries as one batch)."""
         c = self.config
         b, t = positions.shape
-        n_rows = cache.num_rows
-        write = pc.token_slots(block_table, positions, n_rows)  # [B, T]; n_rows: dropped
+        scratch = cache.scratch_row
+        write = pc.token_slots(block_table, positions, scratch)  # [B, T]; no page: scratch
         q_seg = jnp.ones((b, t), jnp.int32)
         if segment_ids is not None:
-            write = jnp.where(segment_ids != 0, write, n_rows)
+            write = jnp.where(segment_ids != 0, write, scratch)
             q_seg = (segment_ids != 0).astype(jnp.int32)
-        put = lambda pool, new: pool.at[write.reshape(-1)].set(  # noqa: E731
-            new.reshape(b * t, -1).astype(pool.dtype), mode="drop")
-        kv_latent, k_rope = put(cache.kv_latent, c_kv), put(cache.k_rope, k_pe)
-        index_keys = cache.index_keys
+        rows_w = write.reshape(-1)
+        cache = cache.replace(kv_latent=cache.write("kv_latent", rows_w, c_kv.reshape(b * t, -1)),
+                              k_rope=cache.write("k_rope", rows_w, k_pe.reshape(b * t, -1)))
         ctx, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
         s = ctx.shape[1]
         vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
@@ -311,21 +310,24 @@ class GatedDSA(nnx.Module):
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         if self.indexer is not None:
             iq, ik, iw = self.indexer(x, q_latent, positions)
-            index_keys = put(index_keys, ik)
-            idx = indexer_topk(iq, index_keys[ctx], iw, c.index_topk, **vis)  # positions
+            cache = cache.replace(index_keys=cache.write("index_keys", rows_w,
+                                                         ik.reshape(b * t, -1)))
+            idx = indexer_topk(iq, cache.view("index_keys")[ctx], iw, c.index_topk,
+                               **vis)  # positions
             rows = pc.positions_to_slots(idx, block_table)  # [B, T, K] pool rows, -1 unused
             n, dk = q_abs.shape[2:]
             o_lat, _ = _sparse_attention(c.attention_impl)(
-                q_abs.reshape(1, b * t, n, dk), (kv_latent[None], k_rope[None]),
+                q_abs.reshape(1, b * t, n, dk),
+                (cache.view("kv_latent")[None], cache.view("k_rope")[None]),
                 rows.reshape(1, b * t, -1), scale, c.kv_lora_rank,
                 chunk_size=c.dsa_query_chunk_size)
             o_lat = o_lat.reshape(b, t, n, -1)
         else:
-            lat, rope = kv_latent[ctx], k_rope[ctx]  # [B, S, .]: dense MLA reads every key
+            lat, rope = cache.view("kv_latent")[ctx], cache.view("k_rope")[ctx]  # [B, S, .]:
+            # dense MLA reads every key
             o_lat, _ = dense_attention(q_abs, (lat[:, :, None], rope[:, :, None]),
                                        lat[:, :, None], scale, **vis)  # MQA: G = 1
-        new_cache = PagedDSACache(kv_latent=kv_latent, k_rope=k_rope, index_keys=index_keys)
-        return self._unabsorb(o_lat), new_cache
+        return self._unabsorb(o_lat), cache
 
     # ---- input checks ----
     def _check(self, x, positions, segment_ids, cache, indexer_loss):
@@ -345,6 +347,8 @@ class GatedDSA(nnx.Module):
             raise ValueError(f"indexer_loss={indexer_loss!r} is for training without a cache")
         paged = isinstance(cache, PagedDSACache)
         want = (cache.num_rows,) if paged else (x.shape[0], cache.max_len)
+        if paged and cache.layer is not None:  # the stack's pools, [repeats, R, D]
+            want = cache.kv_latent.shape[:1] + want
         for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", c.qk_rope_head_dim),
                         ("index_keys", _index_dim(c))):
             if getattr(cache, name).shape != want + (d,):

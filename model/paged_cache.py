@@ -31,14 +31,41 @@ PAGE_SIZE = 64
 @struct.dataclass
 class PagedDSACache:
     """One DSA layer's pooled cache, compute dtype: kv_latent ``[R, kv_lora]``, k_rope
-    ``[R, rope]``, index_keys ``[R, Di]`` with ``R = num_pages * PAGE_SIZE`` rows."""
+    ``[R, rope]``, index_keys ``[R, Di]`` with ``R = num_pages * PAGE_SIZE + 1`` rows: the last,
+    :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
+    (padding), so every write is in bounds (a write XLA must be ready to drop made it copy
+    the whole pool to keep the old value).
+
+    Inside the layer scan a layer gets the pools of its whole stack, ``[repeats, R, D]``, with
+    ``layer`` its index there: it writes and reads ``pool[layer, rows]`` in place, since slicing
+    its own ``[R, D]`` out and stacking it back made XLA copy every pool at every step."""
     kv_latent: jax.Array
     k_rope: jax.Array
     index_keys: jax.Array
+    layer: jax.Array | None = None
 
     @property
     def num_rows(self) -> int:
-        return self.kv_latent.shape[0]
+        return self.kv_latent.shape[-2]
+
+    @property
+    def scratch_row(self) -> int:
+        return self.num_rows - 1
+
+    def write(self, name: str, rows: jax.Array, values: jax.Array) -> jax.Array:
+        """Pool ``name`` with ``values [n, D]`` at ``rows [n]``, each in ``[0, num_rows)`` (the
+        scratch row for a token without a page)."""
+        pool = getattr(self, name)
+        values = values.astype(pool.dtype)
+        if self.layer is None:
+            return pool.at[rows].set(values, mode="promise_in_bounds")
+        return pool.at[self.layer, rows].set(values, mode="promise_in_bounds")
+
+    def view(self, name: str) -> jax.Array:
+        """This layer's ``[R, D]`` pool ``name``, to read."""
+        pool = getattr(self, name)
+        return pool if self.layer is None else jax.lax.dynamic_index_in_dim(
+            pool, self.layer, keepdims=False)
 
 
 @struct.dataclass
@@ -56,8 +83,8 @@ def pages_for(num_tokens: int) -> int:
 
 
 def token_slots(block_table: jax.Array, positions: jax.Array, num_rows: int) -> jax.Array:
-    """Pool rows ``[B, T]`` of ``positions`` ``[B, T]``; ``num_rows`` (out of range: a write
-    with ``mode="drop"`` skips it) where the position has no page."""
+    """Pool rows ``[B, T]`` of ``positions`` ``[B, T]``; ``num_rows`` where the position has no
+    page (a layer's writes pass its scratch row; -1 marks "none" for reads)."""
     page_idx = positions // PAGE_SIZE
     inside = (positions >= 0) & (page_idx < block_table.shape[1])
     page = jnp.take_along_axis(block_table, jnp.clip(page_idx, 0, block_table.shape[1] - 1),
@@ -91,6 +118,6 @@ def init_paged_dsa_cache(config, num_pages: int) -> PagedDSACache:
         raise ValueError(f"num_pages must be >= 1, got {num_pages}")
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
-    zeros = lambda d: jnp.zeros((num_pages * PAGE_SIZE, d), dt)  # noqa: E731
+    zeros = lambda d: jnp.zeros((num_pages * PAGE_SIZE + 1, d), dt)  # noqa: E731  + scratch
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
                          k_rope=zeros(config.qk_rope_head_dim), index_keys=zeros(di))

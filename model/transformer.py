@@ -31,7 +31,7 @@ from kdsa.model.dsa_layer import init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
-from kdsa.model.paged_cache import PagedCache, init_paged_dsa_cache
+from kdsa.model.paged_cache import PagedCache, PagedDSACache, init_paged_dsa_cache
 from kdsa.model.partitioning import constrain
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
@@ -193,6 +193,10 @@ class Transformer(nnx.Module):
                                         expert_ids=ids, block_table=block_table)
             return carry, (cache, stats)
 
+        if block_table is not None and caches is not None:  # paged: pools written in place
+            return self._run_paged_segment(graphdef, state, firsts, res, caches, expert_ids,
+                                           positions=positions, segment_ids=segment_ids,
+                                           collect=collect, block_table=block_table)
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat_policy],
                                   prevent_cse=False)
@@ -206,6 +210,41 @@ class Transformer(nnx.Module):
             outs.append(out)
         caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return res, caches, stats
+
+    def _run_paged_segment(self, graphdef, state, firsts, res, caches, expert_ids, *,
+                           positions, segment_ids, collect, block_table):
+        """``_run_segment`` with a paged cache (prefill and decode, no gradients): the caches
+        ride in the scan's carry; each layer gets its own slice of the per-slot (KDA) leaves,
+        and the whole stack's DSA pools with its index, which it updates in place
+        (``PagedDSACache.layer``): XLA copied every pool at every step when a layer's pool was
+        sliced out and stacked back."""
+        is_pool = lambda x: isinstance(x, PagedDSACache)  # noqa: E731
+
+        def body(carry, xs):
+            res, stacked = carry
+            st, first, i, ids = xs
+            cache = jax.tree.map(lambda a: a.replace(layer=i) if is_pool(a) else
+                                 jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+                                 stacked, is_leaf=is_pool)
+            group = nnx.merge(graphdef, st)
+            res, cache, stats = group(res, first, positions=positions, segment_ids=segment_ids,
+                                      caches=cache, collect=collect, expert_ids=ids,
+                                      block_table=block_table)
+            stacked = jax.tree.map(lambda old, new: new.replace(layer=None) if is_pool(new) else
+                                   jax.lax.dynamic_update_index_in_dim(
+                                       old, new.astype(old.dtype), i, 0),
+                                   stacked, cache, is_leaf=is_pool)
+            return (res, stacked), stats
+
+        xs = (state, firsts, jnp.arange(len(firsts), dtype=jnp.int32), expert_ids)
+        if self.config.scan_layers:
+            (res, caches), stats = jax.lax.scan(body, (res, caches), xs)
+            return res, caches, stats
+        outs, carry = [], (res, caches)
+        for j in range(len(firsts)):
+            carry, out = body(carry, jax.tree.map(lambda a: a[j], xs))
+            outs.append(out)
+        return carry[0], carry[1], jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
