@@ -275,6 +275,8 @@ def main() -> None:
                    help="the server's --prefix-snapshot-every (default: the server's)")
     p.add_argument("--cache-only", action="store_true",
                    help="only the prefix-cache runs (no comparison, no decode measurement)")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the paged vs dense decode measurement (no server)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     a = p.parse_args()
     if a.quick:
@@ -289,6 +291,10 @@ def main() -> None:
         base += ["--prefix-snapshot-every", str(a.prefix_snapshot_every)]
     result = {"args": vars(a), "max_len": max_len, "num_pages": pages,
               "load_before": os.getloadavg()}
+    if a.decode_only:
+        show_decode(result.setdefault("paged_decode", paged_decode(a)))
+        write_results(a.out, result)
+        return
     modes = (("cache", []),) + ((("no_cache", ["--no-prefix-cache"]),) if not a.cache_only
                                 else ())
     for name, extra in modes:
@@ -334,11 +340,14 @@ def main() -> None:
     print(f"shared prefix: mean TTFT {sp_on['mean_ttft_s']:.3f} s vs "
           f"{sp_off['mean_ttft_s']:.3f} s ({result['shared_prefix_ttft_speedup']:.1f}x), hit "
           f"rate {sp_on['hit_rate']}")
-    d = result["paged_decode"]
+    show_decode(result["paged_decode"])
+    write_results(a.out, result)
+
+
+def show_decode(d: dict) -> None:
     print(f"decode batch {d['batch']} at {d['context']}: paged {d['paged_step_s'] * 1e3:.1f} ms"
           f", dense {d['dense_step_s'] * 1e3:.1f} ms, paged/dense tokens/s "
           f"{d['paged_over_dense_tokens_per_s']:.2f}")
-    write_results(a.out, result)
 
 
 if __name__ == "__main__":
