@@ -62,11 +62,12 @@ def page_bytes(config) -> int:
 
 
 def pages_in(cache_bytes: int, config) -> int:
-    """The pages a pool of ``cache_bytes`` holds (``--cache-memory``)."""
+    """The pages a pool of ``cache_bytes`` holds (``--cache-memory``), besides each DSA
+    layer's scratch row (``PagedDSACache``: the writes of tokens without a page)."""
     per = page_bytes(config)
     if per == 0:
         raise ValueError("this model has no DSA layers: there is nothing to page")
-    n = cache_bytes // per
+    n = (cache_bytes - per // PAGE_SIZE) // per
     if n < 1:
         raise ValueError(f"--cache-memory {cache_bytes} B holds no page ({per} B per page of "
                          f"{PAGE_SIZE} tokens)")
