@@ -14,7 +14,8 @@ Two measurements, one run; results in bench/results/long_context.json:
    paged, batch 1) of one runner sized for ``--context`` tokens, with the request at 4K, 8K,
    ... up to the whole context, alternated rep by rep so all see the same load; median step
    times, the block-table width each reads (``ModelRunner.table_width``), and the ratio of the
-   step at the whole context to the step at 4K (target: at most 1.5x).
+   step at the whole context to the step at 4K (target: at most 1.5x); and the whole-pool
+   ``copy`` ops in the compiled step's optimized HLO (0: the pools are written in place).
 
     python bench/bench_long_context.py [--quick] [--context 131072] [--decode 32]
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -122,10 +124,19 @@ def decode_against_context(a, max_len: int) -> dict:
             jax.block_until_ready(runner.decode(one, pos, active))
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # whole-pool copies in the compiled step (XLA's optimized HLO): 0 when the pools are
+    # written in place (docs/serving.md)
+    rows = next(x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool)
+                if _is_pool(x)).num_rows
+    args = runner._args(one, np.full(1, 4095, np.int32), active,
+                        runner.block_table[:, :runner.table_width(64)].copy())
+    hlo = runner._decode.lower(runner.state, runner.cache, *args).compile().as_text()
+    pool_copies = sum(1 for line in hlo.splitlines()
+                      if " copy(" in line and re.search(rf"[\[,]{rows},", line))
     # what the runner holds: the per-slot (KDA) leaves of one slot, and the DSA page pool
     per_slot = [x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool) if not _is_pool(x)]
     pools = [x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool) if _is_pool(x)]
-    return {"max_len": max_len, "step_s": med,
+    return {"max_len": max_len, "step_s": med, "pool_copies_per_step": pool_copies,
             "long_over_short": med[str(a.context)] / med["4096"],
             "table_pages_read": {k: runner.table_width(pages_for(c)) for k, c in contexts.items()},
             "runner_kda_state_bytes_per_slot": sum(x.nbytes for x in per_slot),
@@ -163,7 +174,8 @@ def main() -> None:
           f"server peak RSS {s['server_peak_rss_bytes'] / 2**20:.0f} MiB")
     print("decode step: " + ", ".join(f"{float(v) * 1e3:.1f} ms at {k}"
                                       for k, v in d["step_s"].items())
-          + f"; {a.context} / 4096: {d['long_over_short']:.2f}x")
+          + f"; {a.context} / 4096: {d['long_over_short']:.2f}x; pool copies per step "
+          f"{d['pool_copies_per_step']}")
     write_results(a.out, result)
 
 
