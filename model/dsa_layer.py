@@ -298,8 +298,11 @@ class GatedDSA(nnx.Module):
             write = jnp.where(segment_ids != 0, write, scratch)
             q_seg = (segment_ids != 0).astype(jnp.int32)
         rows_w = write.reshape(-1)
-        cache = cache.replace(kv_latent=cache.write("kv_latent", rows_w, c_kv.reshape(b * t, -1)),
-                              k_rope=cache.write("k_rope", rows_w, k_pe.reshape(b * t, -1)))
+        written = dict(kv_latent=c_kv, k_rope=k_pe)
+        if self.indexer is not None:
+            iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
+        cache = cache.replace(**{name: cache.write(name, rows_w, v.reshape(b * t, -1))
+                                 for name, v in written.items()}).settled()
         ctx, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
         s = ctx.shape[1]
         vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
@@ -309,10 +312,7 @@ class GatedDSA(nnx.Module):
         scale = mla_softmax_scale(c)
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         if self.indexer is not None:
-            iq, ik, iw = self.indexer(x, q_latent, positions)
-            cache = cache.replace(index_keys=cache.write("index_keys", rows_w,
-                                                         ik.reshape(b * t, -1)))
-            idx = indexer_topk(iq, cache.view("index_keys")[ctx], iw, c.index_topk,
+            idx = indexer_topk(iq, cache.view("index_keys"), iw, c.index_topk, key_rows=ctx,
                                **vis)  # positions
             rows = pc.positions_to_slots(idx, block_table)  # [B, T, K] pool rows, -1 unused
             n, dk = q_abs.shape[2:]

@@ -61,6 +61,14 @@ class PagedDSACache:
             return pool.at[rows].set(values, mode="promise_in_bounds")
         return pool.at[self.layer, rows].set(values, mode="promise_in_bounds")
 
+    def settled(self) -> "PagedDSACache":
+        """The pools after this step's writes, fenced from the reads that follow. Without the
+        fence XLA fuses a small gather (the top-k rows of a decode step) with the write before
+        it, reading the old pool plus the written rows: the old pool must then outlive the
+        in-place write, which costs two whole-pool copies per pool and step."""
+        pools = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
+        return self.replace(kv_latent=pools[0], k_rope=pools[1], index_keys=pools[2])
+
     def view(self, name: str) -> jax.Array:
         """This layer's ``[R, D]`` pool ``name``, to read."""
         pool = getattr(self, name)

@@ -156,8 +156,9 @@ def test_mscale_and_softmax_scale():
 # indexer and top-k
 # ---------------------------------------------------------------------------------------------
 
-def test_indexer_scores_match_loops():
-    q, k, w = randn(2, 5, 3, 4), randn(2, 7, 4), randn(2, 5, 3)
+@pytest.mark.parametrize("t", [5, 1])  # 1: a decode step's keys-major product
+def test_indexer_scores_match_loops(t):
+    q, k, w = randn(2, t, 3, 4), randn(2, 7, 4), randn(2, t, 3)
     np.testing.assert_allclose(dsa.indexer_scores(q, k, w), np_index_scores(q, k, w),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="indexer_scores"):
@@ -189,6 +190,25 @@ def test_indexer_topk_sets_match_numpy():
             assert sorted(got) == sorted(want), (i, j)
             assert np.sum(idx[i, j] < 0) == k_top - len(want)  # short rows padded with -1
             assert np.all(got <= j)  # never a future token
+
+
+@pytest.mark.parametrize("pool_rows", [40, 100])  # <= 2 S: the pool scored whole; > 2 S: rows
+@pytest.mark.parametrize("t", [1, 13])
+def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t):
+    """Keys in a pool [R, D] reached through key_rows [B, S] select what the gathered keys do."""
+    b, s, k_top = 2, 20, 4
+    rng = np.random.default_rng(3)
+    pool = randn(pool_rows, 4)
+    key_rows = np.stack([rng.choice(pool_rows, s, replace=False) for _ in range(b)]).astype(
+        np.int32)
+    q, w = randn(b, t, 3, 4), randn(b, t, 3)
+    q_pos = np.broadcast_to(np.arange(s - t, s, dtype=np.int32), (b, t))
+    kv_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    vis = dict(q_pos=q_pos, kv_pos=kv_pos, q_seg=np.ones((b, t), np.int32),
+               kv_seg=np.ones((b, s), np.int32), chunk_size=5)
+    want = np.asarray(dsa.indexer_topk(q, pool[key_rows], w, k_top, **vis))
+    got = np.asarray(dsa.indexer_topk(q, pool, w, k_top, key_rows=key_rows, **vis))
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
 
 
 def test_select_topk_wider_than_keys():
