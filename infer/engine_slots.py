@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from kdsa.infer.prefix_cache import key_items, page_keys
+from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, key_items, page_keys
 from kdsa.infer.requests import Completion, Event, _Active, _describe
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 
@@ -124,6 +124,7 @@ class SlotScheduling:
             a.prefilled = depth
             if not a.tokens:
                 self.prefix.hit_tokens += depth
+        a.branch = self.prefix.branch_point(keys, a.prefilled, len(a.feed))
         return True
 
     def _grow_pages(self) -> None:
@@ -195,12 +196,15 @@ class SlotScheduling:
 
     def _chunk_length(self, a: _Active) -> int:
         """Prompt tokens of the next prefill chunk; with the prefix cache a chunk ends at the
-        next snapshot point (every ``snapshot_every`` pages) when the prompt goes past it."""
+        next snapshot point (every ``snapshot_every`` pages, and the request's branch point)
+        when the prompt goes past it."""
         n = self.runner.prefill_chunk
         if self.prefix is None or not a.page_keys:
             return n
         step = self.prefix.every * PAGE_SIZE
         nxt = (a.prefilled // step + 1) * step
+        if a.branch is not None and a.prefilled < a.branch * PAGE_SIZE:
+            nxt = min(nxt, a.branch * PAGE_SIZE)
         return min(n, nxt - a.prefilled) if nxt < len(a.feed) else n
 
     def _after_chunk(self, i: int, a: _Active, start: int) -> None:
@@ -210,11 +214,15 @@ class SlotScheduling:
             return
         for j in range(start // PAGE_SIZE, min(a.prefilled // PAGE_SIZE, len(a.page_keys))):
             self.prefix.register(a.page_keys[j], a.pages[j])
-        j = a.prefilled // PAGE_SIZE
-        if (a.prefilled % (self.prefix.every * PAGE_SIZE) == 0 and 0 < j <= len(a.page_keys)
-                and a.prefilled < len(a.feed)
+        j, r = divmod(a.prefilled, PAGE_SIZE)
+        branch = j == a.branch and r == 0
+        if ((branch or a.prefilled % (self.prefix.every * PAGE_SIZE) == 0)
+                and 0 < j <= len(a.page_keys) and a.prefilled < len(a.feed)
                 and self.prefix.wants_snapshot(a.page_keys[j - 1])):
-            self.runner.save_state(i, self.prefix.add_snapshot(a.page_keys[j - 1]))
+            slot = self.prefix.add_snapshot(a.page_keys[j - 1],
+                                            CONFIRMED if branch else SPECULATIVE)
+            if slot is not None:
+                self.runner.save_state(i, slot)
 
     def _prefill_together(self, budget: int, did: bool) -> tuple[int, bool]:
         """Batched prefill: while two or more slots have prompt left, run one chunk of each

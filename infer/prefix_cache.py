@@ -30,9 +30,26 @@ Pages are keyed by what determines their rows: token ids, and for image placehol
 image's content and the position inside it (:func:`key_items`), so requests with images share
 pages and snapshots exactly as far as their tokens and images agree.
 
-Eviction is LRU over pages no running request references, and over snapshots (an evicted end
-snapshot gives its partial page back; when the pool runs short, end snapshots are dropped, least
-recently used first, for their pages); a page still referenced is never evicted.
+Which KDA states to keep. A snapshot slot holds a whole stack's recurrent state (at K3 widths
+a few hundred MB), so there are few of them and plain LRU thrashes: every prefill takes one
+snapshot per ``snapshot_every`` pages, and a handful of concurrent prompts push out the one
+state their group shares. Following Marconi (Pan et al., "Marconi: Prefix Caching for the Era
+of Hybrid LLMs", MLSys 2025: keep the states likely to be reused, at the branch points of the
+prefix tree and at request ends), each snapshot has a rank:
+
+* ``SPECULATIVE``: taken every ``snapshot_every`` pages; evicted first, and never at the cost
+  of a higher-ranked one (then it is not taken);
+* ``END``: the end of a request, for the next turn of its session;
+* ``CONFIRMED``: a snapshot a request resumed from, or one taken at a **branch point**: when a
+  new request's prompt has cached pages beyond the snapshot it resumes from, another request
+  has fed the same tokens, so the state where the cached pages end is worth keeping; the
+  request's prefill stops there to save it. At most half the slots are confirmed: promoting
+  one more demotes the least recently used confirmed one to ``END``.
+
+Eviction takes the least recently used snapshot of the lowest rank. Pages are evicted LRU among
+those no running request references (an evicted end snapshot gives its partial page back; when
+the pool runs short, end snapshots are dropped, least recently used first, for their pages); a
+page still referenced is never evicted.
 """
 
 from __future__ import annotations
@@ -44,6 +61,8 @@ import numpy as np
 
 from kdsa.infer.page_pool import PagePool
 from kdsa.model.paged_cache import PAGE_SIZE
+
+SPECULATIVE, END, CONFIRMED = 0, 1, 2  # snapshot ranks, evicted lowest first
 
 
 def page_keys(tokens) -> list[bytes]:
@@ -92,6 +111,7 @@ class PrefixCache:
         self.refs: collections.Counter[int] = collections.Counter()
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
         self.snap_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU
+        self.rank: dict[bytes, int] = {}  # snapshot key -> SPECULATIVE, END or CONFIRMED
         self.free_snaps = list(range(num_snapshots - 1, -1, -1))
         self.num_snapshots = num_snapshots
         # end-of-request snapshots inside a page: snapshot key -> (chain key before the page,
@@ -126,6 +146,7 @@ class PrefixCache:
                 continue
             key = best[0] if best else keys[j - 1]
             self.snap_of.move_to_end(key)
+            self._confirm(key)
             pages = [self.page_of[k] for k in keys[:j]]
             partial = self.partial[key][2] if best else None
             self.acquire(pages + ([partial] if best else []))
@@ -150,8 +171,7 @@ class PrefixCache:
             victim = next((k for k in self.snap_of if k in self.partial), None)
             if victim is None:
                 return None
-            self.free_snaps.append(self.snap_of.pop(victim))
-            self._forget(victim)
+            self._drop(victim)
         while self.pool.free < n:
             page, _ = self.idle.popitem(last=False)
             del self.page_of[self.key_of.pop(page)]
@@ -182,19 +202,50 @@ class PrefixCache:
         if key not in self.page_of and page not in self.key_of:
             self.page_of[key], self.key_of[page] = page, key
 
+    def branch_point(self, keys: list[bytes], depth: int, n: int) -> int | None:
+        """Pages of the cached prefix of a new request that resumes at ``depth`` tokens and
+        feeds ``n``: the snapshot point to take at a branch (module docstring) when those pages
+        reach past ``depth`` and leave tokens to feed, with no snapshot there yet; else None."""
+        j = 0
+        while j < len(keys) and keys[j] in self.page_of:
+            j += 1
+        if j * PAGE_SIZE <= depth or j * PAGE_SIZE >= n or not self.wants_snapshot(keys[j - 1]):
+            return None
+        return j
+
     # ---- snapshots ----
     def wants_snapshot(self, key: bytes) -> bool:
         return key not in self.snap_of
 
-    def add_snapshot(self, key: bytes) -> int:
-        """A snapshot slot for ``key`` (the least recently used one is given up when full)."""
-        if self.free_snaps:
-            slot = self.free_snaps.pop()
-        else:
-            old, slot = self.snap_of.popitem(last=False)
-            self._forget(old)
-        self.snap_of[key] = slot
+    def add_snapshot(self, key: bytes, rank: int = SPECULATIVE) -> int | None:
+        """A snapshot slot for ``key``, of ``rank``: a free one, or that of the least recently
+        used snapshot of the lowest rank; None (nothing taken) when a speculative snapshot
+        would push out a higher-ranked one."""
+        if not self.free_snaps:
+            victim = min(self.snap_of, key=self.rank.__getitem__)  # LRU among the lowest
+            if rank == SPECULATIVE and self.rank[victim] > SPECULATIVE:
+                return None
+            self._drop(victim)
+        slot = self.free_snaps.pop()
+        self.snap_of[key], self.rank[key] = slot, END if rank == CONFIRMED else rank
+        if rank == CONFIRMED:
+            self._confirm(key)
         return slot
+
+    def _confirm(self, key: bytes) -> None:
+        """``key``'s snapshot is reused (or sits at a branch point): CONFIRMED, at most half of
+        the slots (the least recently used other confirmed one goes back to END)."""
+        if self.rank[key] == CONFIRMED:
+            return
+        self.rank[key] = CONFIRMED
+        confirmed = [k for k in self.snap_of if self.rank[k] == CONFIRMED]  # LRU order
+        if len(confirmed) > max(1, self.num_snapshots // 2):
+            self.rank[next(k for k in confirmed if k != key)] = END
+
+    def _drop(self, key: bytes) -> None:
+        self.free_snaps.append(self.snap_of.pop(key))
+        del self.rank[key]
+        self._forget(key)
 
     def add_end_snapshot(self, keys: list[bytes], tokens, pages: list[int]) -> int | None:
         """A snapshot slot for the state after ``tokens`` (a finished request's fed tokens,
@@ -206,14 +257,14 @@ class PrefixCache:
         j, r = divmod(len(tokens), PAGE_SIZE)
         prev = keys[j - 1] if j else b""
         if r == 0:
-            return self.add_snapshot(prev) if j and self.wants_snapshot(prev) else None
+            return self.add_snapshot(prev, END) if j and self.wants_snapshot(prev) else None
         tail = tuple(tokens[j * PAGE_SIZE:])
         key = hashlib.blake2b(b"end" + prev + ",".join(map(_item, tail)).encode(),
                               digest_size=16).digest()
         if key in self.snap_of:
             self.snap_of.move_to_end(key)
             return None
-        slot = self.add_snapshot(key)
+        slot = self.add_snapshot(key, END)
         self.acquire([pages[j]])
         self.partial[key] = (prev, tail, pages[j])
         self.ends_under[prev].add(key)
@@ -234,5 +285,6 @@ class PrefixCache:
                 "hit_rate": self.hit_tokens / q if q else 0.0,
                 "cached_pages": len(self.page_of), "idle_pages": len(self.idle),
                 "snapshots": len(self.snap_of), "end_snapshots": len(self.partial),
+                "confirmed_snapshots": sum(r == CONFIRMED for r in self.rank.values()),
                 "snapshot_slots": self.num_snapshots,
                 "snapshot_every_pages": self.every}

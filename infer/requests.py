@@ -115,6 +115,7 @@ class _Active:
         self.pages: list[int] = []  # paged cache: the pool pages this request holds
         self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
         self.key_items: list = []  # prefix cache: its token ids, images by content
+        self.branch: int | None = None  # prefix cache: the page to snapshot at, a branch point
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []

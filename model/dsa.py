@@ -108,10 +108,11 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
     """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
 
     ``k`` is ``[B, S, D]``; or, with ``key_rows [B, S]`` int32, a pool ``[R, D]`` (a paged cache,
-    ``model/paged_cache.py``) whose row ``key_rows[b, s]`` is key ``s`` of batch row ``b``. When
-    the rows reach over half the pool, the queries score the whole pool and the scores are
-    gathered (a gather of one float per key instead of a ``D``-wide row: measured 1.6-2.7x faster
-    at 128K keys); otherwise the key rows are gathered. Same products either way.
+    ``model/paged_cache.py``) whose row ``key_rows[b, s]`` is key ``s`` of batch row ``b``. A
+    decode step (one query per row) whose rows reach over half the pool scores the whole pool
+    and gathers the scores (one float per key instead of a ``D``-wide row: measured 1.6-2.7x
+    faster at 128K keys); otherwise the key rows are gathered once for all query chunks. Same
+    products either way.
 
     Never holds more than ``[B, C, J, max(S, R)]`` scores. Indices are not differentiable.
     """
@@ -121,7 +122,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
         raise ValueError(f"topk must be >= 1, got {topk}")
     if key_rows is None:
         key_side = lambda qc, wc: indexer_scores(qc, k, wc)  # noqa: E731
-    elif k.shape[0] <= 2 * s:
+    elif t == 1 and k.shape[0] <= 2 * s:
         def key_side(qc, wc):  # [1, B*C] queries against the pool, then each row's keys
             _, c, j, d = qc.shape
             pooled = indexer_scores(qc.reshape(1, b * c, j, d), k[None], wc.reshape(1, b * c, j))

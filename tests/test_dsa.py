@@ -192,7 +192,7 @@ def test_indexer_topk_sets_match_numpy():
             assert np.all(got <= j)  # never a future token
 
 
-@pytest.mark.parametrize("pool_rows", [40, 100])  # <= 2 S: the pool scored whole; > 2 S: rows
+@pytest.mark.parametrize("pool_rows", [40, 100])  # <= 2 S and one query: the pool scored whole
 @pytest.mark.parametrize("t", [1, 13])
 def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t):
     """Keys in a pool [R, D] reached through key_rows [B, S] select what the gathered keys do."""

@@ -46,11 +46,11 @@ def model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
-def _engine(model, cache: bool, num_pages=24, snapshots=4):
+def _engine(model, cache: bool, num_pages=24, snapshots=4, every=1):
     runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48, min_bucket=16,
                          num_pages=num_pages, num_snapshots=snapshots if cache else 0)
     return Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0,
-                  prefix_snapshot_every=1)
+                  prefix_snapshot_every=every)
 
 
 def _run(engine, prompts, max_tokens=6):
@@ -76,7 +76,7 @@ def test_hits_give_the_outputs_of_no_hit(model):
         [system[:128]],                               # exactly 2 pages: resumes at 64
         [system + tok(5), system + tok(30)],          # concurrent, diverging mid-page
     ]
-    cached, plain = _engine(model, True), _engine(model, False)
+    cached, plain = _engine(model, True, snapshots=6), _engine(model, False)
     hits = []
     for prompts in turns:
         _same(_run(cached, prompts), _run(plain, prompts))
@@ -137,3 +137,46 @@ def test_end_of_request_snapshot_holds_its_partial_page_until_evicted():
     assert pc.add_end_snapshot(page_keys(fed), fed, pages) is None  # the same state: kept once
     assert pc.allocate(4) is not None  # short of pages: the end snapshot goes, and its page
     assert pc.usage()["end_snapshots"] == 0 and pc.pool.free == 0
+
+
+def test_snapshot_ranks_keep_what_is_reused():
+    """Eviction takes the least recently used snapshot of the lowest rank; a speculative
+    (interval) snapshot never pushes out a higher-ranked one; at most half the slots stay
+    confirmed; a branch point is where a prompt's cached pages end past its snapshot."""
+    from kdsa.infer.prefix_cache import CONFIRMED, END, SPECULATIVE
+
+    a = list(range(4 * P))
+    ka = page_keys(a)
+    pc = PrefixCache(PagePool(8), num_snapshots=2, snapshot_every=1)
+    pages = pc.allocate(4)
+    for k, p in zip(ka, pages):
+        pc.register(k, p)
+    s1, s2 = pc.add_snapshot(ka[0]), pc.add_snapshot(ka[1])
+    assert pc.lookup(ka, a)[:2] == (2 * P, s2)  # a hit confirms the snapshot at page 2
+    assert pc.rank == {ka[0]: SPECULATIVE, ka[1]: CONFIRMED}
+    assert pc.add_snapshot(ka[2], END) == s1  # the speculative one goes first
+    assert pc.add_snapshot(ka[3]) is None  # not at the cost of higher ranks: not taken
+    assert pc.add_snapshot(ka[0], CONFIRMED) == s1  # the end one goes before the confirmed
+    assert pc.rank == {ka[1]: END, ka[0]: CONFIRMED}  # half the slots: ka[1] demoted
+    # the four pages are cached, with snapshots at pages 1 and 2: resuming at 0, a prompt
+    # continuing them (and more) snapshots at page 4
+    assert pc.branch_point(ka, 0, 5 * P) == 4
+    assert pc.branch_point(ka, 0, 4 * P) is None  # nothing left to feed past it
+    assert pc.branch_point(ka[:2], 0, 5 * P) is None  # ka[1] has its snapshot already
+    assert pc.branch_point(ka, 4 * P, 5 * P) is None  # resumed there already
+
+
+def test_branch_point_snapshot_serves_the_next_request(model):
+    """No interval snapshots inside the prompts (every 100 pages): the first request leaves
+    only pages; the second, finding 3 of its pages cached, snapshots the KDA state there (the
+    branch point); the third resumes from it. Outputs equal those without a cache."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, 256, 3 * P + 20).tolist()
+    prompts = [system + rng.integers(0, 256, n).tolist() for n in (30, 7, 50)]
+    cached, plain = _engine(model, True, snapshots=2, every=100), _engine(model, False)
+    hits = []
+    for p in prompts:
+        _same(_run(cached, [p]), _run(plain, [p]))
+        hits.append(cached.metrics()["prefix_cache"]["hit_tokens"])
+    assert hits == [0, 0, 3 * P], hits
+    assert cached.metrics()["prefix_cache"]["confirmed_snapshots"] == 1
