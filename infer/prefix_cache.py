@@ -43,8 +43,9 @@ prefix tree and at request ends), each snapshot has a rank:
 * ``CONFIRMED``: a snapshot a request resumed from, or one taken at a **branch point**: when a
   new request's prompt has cached pages beyond the snapshot it resumes from, another request
   has fed the same tokens, so the state where the cached pages end is worth keeping; the
-  request's prefill stops there to save it. At most half the slots are confirmed: promoting
-  one more demotes the least recently used confirmed one to ``END``.
+  request's prefill stops there to save it. At most 3/4 of the slots are confirmed (so that
+  stale ones, such as an agent session's previous turns, leave room for the ends of running
+  requests): promoting one more demotes the least recently used confirmed one to ``END``.
 
 Eviction takes the least recently used snapshot of the lowest rank. Pages are evicted LRU among
 those no running request references (an evicted end snapshot gives its partial page back; when
@@ -233,13 +234,13 @@ class PrefixCache:
         return slot
 
     def _confirm(self, key: bytes) -> None:
-        """``key``'s snapshot is reused (or sits at a branch point): CONFIRMED, at most half of
+        """``key``'s snapshot is reused (or sits at a branch point): CONFIRMED, at most 3/4 of
         the slots (the least recently used other confirmed one goes back to END)."""
         if self.rank[key] == CONFIRMED:
             return
         self.rank[key] = CONFIRMED
         confirmed = [k for k in self.snap_of if self.rank[k] == CONFIRMED]  # LRU order
-        if len(confirmed) > max(1, self.num_snapshots // 2):
+        if len(confirmed) > max(1, 3 * self.num_snapshots // 4):
             self.rank[next(k for k in confirmed if k != key)] = END
 
     def _drop(self, key: bytes) -> None:

@@ -141,8 +141,8 @@ def test_end_of_request_snapshot_holds_its_partial_page_until_evicted():
 
 def test_snapshot_ranks_keep_what_is_reused():
     """Eviction takes the least recently used snapshot of the lowest rank; a speculative
-    (interval) snapshot never pushes out a higher-ranked one; at most half the slots stay
-    confirmed; a branch point is where a prompt's cached pages end past its snapshot."""
+    (interval) snapshot never pushes out a higher-ranked one; at most 3/4 of the slots
+    (here 1) stay confirmed; a branch point is where a prompt's cached pages end past its snapshot."""
     from kdsa.infer.prefix_cache import CONFIRMED, END, SPECULATIVE
 
     a = list(range(4 * P))
@@ -157,7 +157,7 @@ def test_snapshot_ranks_keep_what_is_reused():
     assert pc.add_snapshot(ka[2], END) == s1  # the speculative one goes first
     assert pc.add_snapshot(ka[3]) is None  # not at the cost of higher ranks: not taken
     assert pc.add_snapshot(ka[0], CONFIRMED) == s1  # the end one goes before the confirmed
-    assert pc.rank == {ka[1]: END, ka[0]: CONFIRMED}  # half the slots: ka[1] demoted
+    assert pc.rank == {ka[1]: END, ka[0]: CONFIRMED}  # one confirmed at most: ka[1] demoted
     # the four pages are cached, with snapshots at pages 1 and 2: resuming at 0, a prompt
     # continuing them (and more) snapshots at page 4
     assert pc.branch_point(ka, 0, 5 * P) == 4
