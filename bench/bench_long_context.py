@@ -18,6 +18,7 @@ Two measurements, one run; results in bench/results/long_context.json:
    ``copy`` ops in the compiled step's optimized HLO (0: the pools are written in place).
 
     python bench/bench_long_context.py [--quick] [--context 131072] [--decode 32]
+    python bench/bench_long_context.py --step-only --preset small --out ...   # 2. alone
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=32, help="tokens generated")
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--step-only", action="store_true",
+                   help="only the decode step against context (no server)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                         "long_context.json"))
     a = p.parse_args()
@@ -161,17 +164,19 @@ def main() -> None:
         a.context, a.reps = 16384, 10
     max_len = a.context + a.decode
     result = {"args": vars(a), "max_len": max_len, "load_before": os.getloadavg()}
-    print(f"serving a {a.context}-token session ...", flush=True)
-    result["served"] = served_session(a, max_len)
+    if not a.step_only:
+        print(f"serving a {a.context}-token session ...", flush=True)
+        result["served"] = served_session(a, max_len)
     print("decode step at 4K vs the whole context ...", flush=True)
     result["decode"] = decode_against_context(a, max_len)
     result["load_after"] = os.getloadavg()
-    s, d = result["served"], result["decode"]
-    print(f"served: {s['prompt_tokens']} prompt tokens, TTFT {s['ttft_s']:.1f} s "
-          f"({s['prefill_tokens_per_s']:.0f} tokens/s), {s['completion_tokens']} tokens at "
-          f"{s['decode_tokens_per_s'] or 0:.1f} tokens/s; pages peak {s['pages_peak']} "
-          f"(bound {s['pages_bound']}), KDA state {s['kda_state_bytes_per_sequence']} B, "
-          f"server peak RSS {s['server_peak_rss_bytes'] / 2**20:.0f} MiB")
+    s, d = result.get("served"), result["decode"]
+    if s:
+        print(f"served: {s['prompt_tokens']} prompt tokens, TTFT {s['ttft_s']:.1f} s "
+              f"({s['prefill_tokens_per_s']:.0f} tokens/s), {s['completion_tokens']} tokens at "
+              f"{s['decode_tokens_per_s'] or 0:.1f} tokens/s; pages peak {s['pages_peak']} "
+              f"(bound {s['pages_bound']}), KDA state {s['kda_state_bytes_per_sequence']} B, "
+              f"server peak RSS {s['server_peak_rss_bytes'] / 2**20:.0f} MiB")
     print("decode step: " + ", ".join(f"{float(v) * 1e3:.1f} ms at {k}"
                                       for k, v in d["step_s"].items())
           + f"; {a.context} / 4096: {d['long_over_short']:.2f}x; pool copies per step "

@@ -156,9 +156,9 @@ def test_mscale_and_softmax_scale():
 # indexer and top-k
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("t", [5, 1])  # 1: a decode step's keys-major product
-def test_indexer_scores_match_loops(t):
-    q, k, w = randn(2, t, 3, 4), randn(2, 7, 4), randn(2, t, 3)
+@pytest.mark.parametrize("t,j", [(5, 3), (1, 3), (1, 32)])  # t = 1: a decode step's forms
+def test_indexer_scores_match_loops(t, j):
+    q, k, w = randn(2, t, j, 4), randn(2, 7, 4), randn(2, t, j)
     np.testing.assert_allclose(dsa.indexer_scores(q, k, w), np_index_scores(q, k, w),
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="indexer_scores"):
