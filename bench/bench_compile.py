@@ -7,7 +7,13 @@ layer, 3:1 pattern) compiles a few distinct group bodies, a number bounded by th
 the depth: its 32 -> 128 ratio is shown too. Prints the ratios measured in this run and writes
 bench/results/compile.json.
 
+``--first-step PRESET ...`` measures instead what a user waits for (issue #21 section 4): the
+wall time from starting ``kdsa train --preset PRESET --steps 2`` (a fresh process, an empty
+run directory, no persistent compile cache) to its first step's line in ``metrics.jsonl``,
+and that step's own time (its compile included); bench/results/compile_first_step.json.
+
     .venv/bin/python bench/bench_compile.py [--quick]
+    .venv/bin/python bench/bench_compile.py --first-step tiny [small]
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,10 +66,47 @@ def compile_seconds(n: int, scan: bool, uniform: bool = True) -> float:
     return best
 
 
+def first_step(preset: str) -> dict:
+    """Seconds from launching ``kdsa train`` to its first metrics line, and the run's end."""
+    kdsa = Path(sys.executable).with_name("kdsa")
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([str(kdsa), "train", "--preset", preset, "--steps", "2",
+                                 "--run-dir", str(Path(tmp) / "run"), "--no-progress"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        first = None
+        while proc.poll() is None and first is None:
+            if metrics.exists() and metrics.read_text().strip():
+                first = time.perf_counter() - t0
+            time.sleep(0.05)
+        err = proc.communicate()[1]
+        total = time.perf_counter() - t0
+        if proc.returncode:
+            raise RuntimeError(f"kdsa train --preset {preset} failed:\n{err[-2000:]}")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"to_first_step_s": first if first is not None else total, "total_s": total,
+            "first_step_time_s": rows[0]["step_time_s"], "second_step_time_s":
+            rows[1]["step_time_s"] if len(rows) > 1 else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip the unrolled 32-layer compile")
+    p.add_argument("--first-step", nargs="+", metavar="PRESET",
+                   help="time to the first train step of these presets instead")
     args = p.parse_args()
+    if args.first_step:
+        result = {"device": str(jax.devices()[0]), "load_before": os.getloadavg()}
+        for preset in args.first_step:
+            result[preset] = r = first_step(preset)
+            print(f"kdsa train --preset {preset}: first step after {r['to_first_step_s']:.1f} s "
+                  f"(the step itself {r['first_step_time_s']:.1f} s with its compile); "
+                  f"2 steps done after {r['total_s']:.1f} s", flush=True)
+        out = Path(__file__).parent / "results" / "compile_first_step.json"
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+        return
     rows = {}
     for scan in (True, False):
         for n in (8, 32):

@@ -91,12 +91,17 @@ def init_sharded(build, shardings, compiler_options: dict | None = None):
     """``build()`` (a pure function making the step-0 state from a seed) run as one compiled
     program with ``out_shardings=shardings``: each device computes and holds only its own
     shards (in a multi-process job, each process only its devices'); nothing is built on a
-    host and then placed."""
+    host and then placed. It runs once, so XLA's backend optimizations are off by default
+    (``INIT_COMPILER_OPTIONS``: the tiny preset's init compiles in 3 s instead of 10 s on
+    XLA:CPU and runs in 0.03 s; ``compiler_options`` may override it)."""
     if not jax.config.jax_threefry_partitionable:
         raise ValueError("init_sharded needs jax_threefry_partitionable=True (random values "
                          "independent of the sharding, equal to a one-device init)")
     fn = jax.jit(build, out_shardings=shardings)
-    return fn.lower().compile(compiler_options)()
+    return fn.lower().compile({**INIT_COMPILER_OPTIONS, **(compiler_options or {})})()
+
+
+INIT_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def batch_sharding(mesh: Mesh, layout: str, shape: tuple[int, ...]) -> NamedSharding:
