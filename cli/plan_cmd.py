@@ -131,6 +131,8 @@ def _format_compiled(step: str, c, plan, hbm: int, topology: str) -> str:
     lines.append(f"  {'PEAK':<22}{c.peak / gib:>12,.3f}   of {hbm / gib:,.2f} "
                  f"({100 * c.peak / hbm:.0f}%); the estimate above: {plan.total / gib:,.3f} "
                  f"({c.peak / max(plan.total, 1):.1f}x)")
+    lines.append("  collectives: " + (", ".join(f"{op} x{n}" for op, n in c.collectives.items())
+                                      or "none"))
     lines.append("compiled program fits" if c.peak <= hbm else
                  f"REFUSED: the compiled program needs {c.peak / gib:,.2f} GiB per device > "
                  f"{hbm / gib:,.2f} GiB")

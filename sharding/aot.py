@@ -3,7 +3,9 @@ chips' HBM, and XLA's per-device memory of a compiled program.
 
 ``topology_devices("v5p:8x8x16")`` gives the abstract devices of
 ``jax.experimental.topologies.get_topology_desc`` (libtpu, the XLA:TPU compiler, must import);
-``compiled_memory(compiled, seconds)`` reads ``memory_analysis()``. Used by ``train/aot.py``
+``compiled_memory(compiled, seconds)`` reads ``memory_analysis()`` and counts the collectives
+in the compiled HLO (so a report shows, e.g., that the MoE's expert-parallel exchange is the
+``ragged-all-to-all`` of ``model/expert_parallel.py``). Used by ``train/aot.py``
 (the train step) and ``infer/aot.py`` (the generate steps), both behind ``kdsa plan --compile``.
 
 Per-device peak = arguments + outputs - aliased + temporaries + code. HBM per chip (per
@@ -13,10 +15,14 @@ TensorCore device, as ``jax.devices()`` sees it), from the public chip specs: v4
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import re
 
 GiB = 1 << 30
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
 CHIP_HBM = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5litepod": 16 * GiB, "v5p": 95 * GiB,
             "v6e": 32 * GiB}
 
@@ -30,6 +36,7 @@ class CompiledMemory:
     temporaries: int
     code: int
     compile_seconds: float
+    collectives: dict = dataclasses.field(default_factory=dict)  # HLO op -> count
 
     @property
     def peak(self) -> int:
@@ -62,8 +69,18 @@ def topology_devices(topology: str) -> list:
 
 
 def compiled_memory(compiled, seconds: float) -> CompiledMemory:
-    """The per-device memory of a ``jax.stages.Compiled`` program."""
+    """The per-device memory of a ``jax.stages.Compiled`` program, and its collectives."""
     m = compiled.memory_analysis()
     return CompiledMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
                           aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
-                          code=m.generated_code_size_in_bytes, compile_seconds=round(seconds, 1))
+                          code=m.generated_code_size_in_bytes, compile_seconds=round(seconds, 1),
+                          collectives=count_collectives(compiled.as_text()))
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    """``{op: count}`` of the collective ops in an HLO text (async pairs counted once, by their
+    ``-start``), only those present."""
+    ops = "|".join(re.escape(op) for op in sorted(COLLECTIVES, key=len, reverse=True))
+    found = collections.Counter(
+        m.group(1) for m in re.finditer(rf"[\s)]({ops})(?:-start)?\(", hlo))
+    return {op: found[op] for op in COLLECTIVES if found[op]}

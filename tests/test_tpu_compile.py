@@ -95,12 +95,16 @@ def test_plan_compile_tiny_train_step_for_v5e(capsys):
     assert 1.0 <= c["arguments"] / state <= 4.0, (c, plan["memory"])
     assert c["peak"] < 40 * plan["total"], (c, plan["total"])
     assert c["compile_seconds"] > 0 and c["temporaries"] > 0
+    # the MoE's expert-parallel exchange inside the whole step is XLA:TPU's ragged all-to-all,
+    # not the CPU's padded one: rows, expert ids and the way back forward, the two float
+    # exchanges again backward
+    assert c["collectives"].get("ragged-all-to-all", 0) == 5, c["collectives"]
 
 
 def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
     """``kdsa plan --compile --layout generate``: the engine's prefill chunk and decode step
     (``infer/aot.py``: the runner's own step functions) of a 1-layer tiny model compiled with
-    XLA:TPU on ``data=2,tensor=2``. Stated factors at this size: each step's arguments (weights
+    XLA:TPU on ``expert=2,tensor=2``, the MoE's exchange a ragged all-to-all in both. Stated factors at this size: each step's arguments (weights
     + cache + inputs) are 1-4x the estimated parameters + caches, and its peak stays under 40x
     the estimate (code and temporaries dominate a 0.2M-parameter model)."""
     import json
@@ -111,7 +115,7 @@ def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
                "--set", "linear_attn_config.kda_layers=[]",
                "--set", "linear_attn_config.full_attn_layers=[1]",
                "--set", "first_k_dense_replace=0", "--layout", "generate",
-               "--mesh", "data=2,tensor=2", "--batch", "4", "--seq", "256",
+               "--mesh", "expert=2,tensor=2", "--batch", "4", "--seq", "256",
                "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and set(out["compiled"]) == {"prefill", "decode"}
@@ -121,3 +125,4 @@ def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
         assert 1.0 <= c["arguments"] / held <= 4.0, (step, c, out["memory"])
         assert c["peak"] < 40 * out["total"], (step, c, out["total"])
         assert c["aliased"] > 0  # the cache is donated, as the runner does
+        assert c["collectives"].get("ragged-all-to-all", 0) == 3, (step, c["collectives"])
