@@ -7,6 +7,7 @@
 | ``small`` | ours: the CPU demo size (RL/SFT demo, generation smoke runs) |
 | ``kimi-linear-48b`` | the published ``moonshotai/Kimi-Linear-48B-A3B-Instruct`` ``config.json`` (dense MLA, no indexer) |
 | ``k3-2.8t`` | the published ``moonshotai/Kimi-K3`` text config (``text_config`` of ``kimi_k3``), with DeepSeek-V3.2's indexer (64 heads x 128, top-2048, ``config_671B_v3.2.json``) on its 24 MLA layers |
+| ``k3-slice`` | ours, for benchmarks: ``k3-2.8t``'s per-head and per-expert widths with fewer heads, experts and layers (below) |
 
 Facts are collected in ``docs/reference/kimi_k3.md`` (sections 1 and 4) and
 ``docs/reference/dsa.md`` (1.1).
@@ -122,12 +123,43 @@ def k3_2p8t() -> ModelConfig:
     )
 
 
+def k3_slice() -> ModelConfig:
+    """A benchmark model with K3's widths where they set a layer's costs, small enough for one
+    step in seconds on a CPU: KDA heads of 128 x 128; MLA with kv_lora 512 + RoPE 64, q_lora
+    1536, nope / v head dims 128; the indexer's heads of 128 with top-2048; routed experts of
+    K3's latent width 3584 and hidden 3072, two shared experts of 3072. Fewer of everything
+    else: hidden 1024, 8 attention and 8 KDA heads (K3: 96), 8 index heads (K3: 64 for 96
+    attention heads, so the indexer's share here is 1.5x K3's), 8 experts top-2 (K3: 896
+    top-16; 8 x 3 MoE layers of K3-wide experts are already 0.8B parameters), 4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the
+    first), a 32K vocabulary (K3: 163,840). float32: on this project's CPU machine f32 matmuls
+    beat bf16 (``--set compute_dtype=bfloat16 param_dtype=bfloat16`` for an accelerator)."""
+    kda, full = _every_fourth(4)
+    return ModelConfig(
+        vocab_size=32768, hidden_size=1024, num_hidden_layers=4, intermediate_size=4864,
+        rms_norm_eps=1e-5, max_position_embeddings=1048576, hidden_act="situ",
+        activation_situ_beta=4.0, activation_situ_linear_beta=25.0, attn_res_block_size=2,
+        bos_token_id=256, eos_token_id=258, pad_token_id=32767,  # the byte tokenizer's
+        num_attention_heads=8, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, mla_use_output_gate=True,
+        linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=8,
+                                            head_dim=128, short_conv_kernel_size=4,
+                                            use_full_rank_gate=True, gate_lower_bound=-5.0),
+        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=3072,
+        routed_expert_hidden_size=3584, latent_moe_use_norm=True,
+        moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=1.0,
+        use_grouped_topk=True, num_expert_group=1, topk_group=1, first_k_dense_replace=1,
+        moe_layer_freq=1, index_n_heads=8, index_head_dim=128, index_topk=2048,
+        kda_chunk_size=64, dsa_query_chunk_size=256,
+    )
+
+
 PRESETS = {
     "tiny": tiny,
     "tiny-vl": tiny_vl,
     "small": small,
     "kimi-linear-48b": kimi_linear_48b,
     "k3-2.8t": k3_2p8t,
+    "k3-slice": k3_slice,
 }
 
 

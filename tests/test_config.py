@@ -30,6 +30,19 @@ def test_k3_layer_pattern():
     assert c.num_attn_res_blocks == 8
 
 
+def test_k3_slice_keeps_k3_widths():
+    """The benchmark preset: K3's per-head, per-expert and chunk widths, the 3:1 pattern."""
+    k3, sl = get_preset("k3-2.8t"), get_preset("k3-slice")
+    for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim", "moe_intermediate_size", "routed_expert_hidden_size",
+              "num_shared_experts", "index_head_dim", "index_topk", "kda_chunk_size",
+              "dsa_query_chunk_size", "hidden_act", "first_k_dense_replace"):
+        assert getattr(sl, f) == getattr(k3, f), f
+    assert sl.linear_attn_config.head_dim == k3.linear_attn_config.head_dim == 128
+    assert sl.mixer_kinds == ("kda", "kda", "kda", "dsa")
+    assert sl.ffn_kinds == ("dense", "moe", "moe", "moe")
+
+
 def test_kimi_k3_wrapper_and_deepseek_names():
     k3 = get_preset("k3-2.8t")
     wrapped = {"model_type": "kimi_k3", "text_config": k3.to_hf_config()}
