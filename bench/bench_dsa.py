@@ -17,7 +17,14 @@ side in one run:
 
 Prints ratios dense / DSA (> 1: DSA faster) and writes bench/results/dsa.json.
 
+``--preset k3-slice`` runs the same at K3's widths (kv_lora 512 + RoPE 64, 8 heads of 128,
+8 index heads of 128, top-2048; issue #21): decode at batch 8 and 8K / 64K / 128K, prefill at
+4K / 16K, the indexer's share of the DSA step, and a plain float32 matmul's FLOP/s measured in
+the same run (``matmul_flops_per_s``); no Pallas rows (the interpreter at these widths only
+measures itself). Writes bench/results/dsa_k3-slice.json.
+
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
+    .venv/bin/python bench/bench_dsa.py --preset k3-slice
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ def filled_cache(cfg, b: int, length: int):
                    index_keys=fill(ks[2], c.index_keys))
 
 
-def decode_parts(cfg, b: int, length: int, reps: int) -> dict:
+def decode_parts(cfg, b: int, length: int, reps: int, pallas: bool = True) -> dict:
     """The three attention-side parts of one decode step, on random inputs."""
     n, dk, v = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
     j, di = cfg.index_n_heads, cfg.index_head_dim
@@ -94,35 +101,50 @@ def decode_parts(cfg, b: int, length: int, reps: int) -> dict:
     idx = topk(iq, ik, iw)
     scale = dk ** -0.5
     sparse = jax.jit(lambda q, kv, idx: sparse_mla_attention(q, kv, idx, scale, v, chunk_size=1))
-    pallas = jax.jit(lambda q, kv, idx: sparse_mla_kernel(q, kv, idx, scale, v, chunk_size=1))
+    kernel = jax.jit(lambda q, kv, idx: sparse_mla_kernel(q, kv, idx, scale, v, chunk_size=1))
     dense = jax.jit(lambda q, kv: dense_attention(q, kv[:, :, None], kv[:, :, None, :v], scale,
                                                   **vis))
-    return {"indexer_topk_ms": 1e3 * seconds(topk, iq, ik, iw, reps=reps),
-            "sparse_attention_ms": 1e3 * seconds(sparse, q, kv, idx, reps=reps),
-            "sparse_pallas_ms": 1e3 * seconds(pallas, q, kv, idx, reps=reps),
-            "dense_attention_ms": 1e3 * seconds(dense, q, kv, reps=reps)}
+    out = {"indexer_topk_ms": 1e3 * seconds(topk, iq, ik, iw, reps=reps),
+           "sparse_attention_ms": 1e3 * seconds(sparse, q, kv, idx, reps=reps),
+           "dense_attention_ms": 1e3 * seconds(dense, q, kv, reps=reps)}
+    if pallas:
+        out["sparse_pallas_ms"] = 1e3 * seconds(kernel, q, kv, idx, reps=reps)
+    return out
+
+
+def matmul_flops_per_s(n: int = 2048, reps: int = 10) -> float:
+    """This machine's plain float32 matmul rate (``n x n x n``), for the model-FLOP ratios."""
+    a = jax.random.normal(jax.random.key(9), (n, n), jnp.float32)
+    return 2 * n ** 3 / seconds(jax.jit(lambda a: a @ a), a, reps=reps)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer lengths and repetitions")
+    p.add_argument("--preset", default="tiny", help="layer widths (tiny or k3-slice)")
     p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=None, help="decode batch (4; k3-slice: 8)")
     args = p.parse_args()
-    reps = 5 if args.quick else 20
-    contexts = [4096, 16384] if args.quick else [4096, 16384, 65536]
-    prefills = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
-    dsa_cfg = get_preset("tiny").replace(index_topk=args.topk, dsa_query_chunk_size=256)
+    wide = args.preset != "tiny"
+    reps = 5 if args.quick else (10 if wide else 20)
+    if wide:
+        contexts = [8192, 65536] if args.quick else [8192, 65536, 131072]
+        prefills = [4096] if args.quick else [4096, 16384]
+    else:
+        contexts = [4096, 16384] if args.quick else [4096, 16384, 65536]
+        prefills = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
+    dsa_cfg = get_preset(args.preset).replace(index_topk=args.topk, dsa_query_chunk_size=256)
     dense_cfg = dsa_cfg.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
-    cfgs = {"dsa": dsa_cfg, "dense": dense_cfg,
-            "dsa_pallas": dsa_cfg.replace(attention_impl="pallas")}
+    cfgs = {"dsa": dsa_cfg, "dense": dense_cfg}
+    if not wide:
+        cfgs["dsa_pallas"] = dsa_cfg.replace(attention_impl="pallas")
     decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
     prefillers = {name: layer_fn(cfgs[name], donate=False) for name in ("dsa", "dense")}
     interpret = common.use_interpret()
     if interpret:
         print("note: the Pallas kernel runs in interpret mode here (CPU): its rows time the "
               "interpreter, not the kernel; GPU numbers: bench/gpu_check.py", flush=True)
-    b = args.batch
+    b = args.batch or (8 if wide else 4)
     x = jax.random.normal(jax.random.key(0), (b, 1, dsa_cfg.hidden_size))
 
     decode = []
@@ -132,8 +154,9 @@ def main() -> None:
         for name, (step, state) in decoders.items():
             cache = filled_cache(cfgs[name], b, length)
             row[f"{name}_step_ms"] = 1e3 * decode_seconds(step, state, x, pos, cache, reps=reps)
-        row.update(decode_parts(dsa_cfg, b, length, reps))
+        row.update(decode_parts(dsa_cfg, b, length, reps, pallas=not wide))
         row["step_ratio_dense_over_dsa"] = row["dense_step_ms"] / row["dsa_step_ms"]
+        row["indexer_share_of_dsa_step"] = row["indexer_topk_ms"] / row["dsa_step_ms"]
         row["attention_ratio_dense_over_sparse"] = (row["dense_attention_ms"]
                                                     / row["sparse_attention_ms"])
         decode.append(row)
@@ -141,8 +164,9 @@ def main() -> None:
               f"{row['dense_step_ms']:8.3f} ms, dense/dsa {row['step_ratio_dense_over_dsa']:5.2f}x"
               f" | parts: indexer {row['indexer_topk_ms']:7.3f} ms, sparse attn "
               f"{row['sparse_attention_ms']:7.3f} ms, dense attn {row['dense_attention_ms']:7.3f}"
-              f" ms | pallas: step {row['dsa_pallas_step_ms']:8.3f} ms, sparse attn "
-              f"{row['sparse_pallas_ms']:7.3f} ms", flush=True)
+              f" ms (indexer {100 * row['indexer_share_of_dsa_step']:.0f}% of the step)"
+              + ("" if wide else f" | pallas: step {row['dsa_pallas_step_ms']:8.3f} ms, sparse "
+                 f"attn {row['sparse_pallas_ms']:7.3f} ms"), flush=True)
 
     prefill = []
     for length in prefills:
@@ -153,6 +177,8 @@ def main() -> None:
             cache = init_dsa_cache(cfgs[name], 1, length)
             row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
         row["ratio_dense_over_dsa"] = row["dense_ms"] / row["dsa_ms"]
+        row["dsa_tokens_per_s"] = length / (row["dsa_ms"] / 1e3)
+        row["dense_tokens_per_s"] = length / (row["dense_ms"] / 1e3)
         prefill.append(row)
         print(f"prefill T={length:>5}: dsa {row['dsa_ms']:9.2f} ms, dense "
               f"{row['dense_ms']:9.2f} ms, dense/dsa {row['ratio_dense_over_dsa']:5.2f}x", flush=True)
@@ -163,11 +189,18 @@ def main() -> None:
                            "dsa_step_ms", "dense_step_ms")}
     print(f"growth {first['context']} -> {last['context']} ({last['context'] // first['context']}x"
           " context): " + ", ".join(f"{k[:-3]} {v:.2f}x" for k, v in growth.items()))
+    c = dsa_cfg
     result = {"device": str(jax.devices()[0]), "quick": args.quick, "batch": b,
-              "pallas_interpret": interpret,
-              "index_topk": args.topk, "config": "tiny (D 64, N 4, kv_lora 32, rope 8, J 4, Di 16)",
+              "pallas_interpret": interpret, "index_topk": args.topk,
+              "config": f"{args.preset} (D {c.hidden_size}, N {c.num_attention_heads}, kv_lora "
+                        f"{c.kv_lora_rank}, rope {c.qk_rope_head_dim}, J {c.index_n_heads}, Di "
+                        f"{c.index_head_dim})",
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
-    out = Path(__file__).parent / "results" / "dsa.json"
+    if wide:
+        result["matmul_flops_per_s"] = matmul_flops_per_s()
+        print(f"plain f32 matmul: {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
+    out = Path(__file__).parent / "results" / ("dsa.json" if not wide else
+                                               f"dsa_{args.preset}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
