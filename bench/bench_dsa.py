@@ -47,6 +47,7 @@ from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noq
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
+from kdsa.model.kda_layer import KDA, init_kda_cache  # noqa: E402
 from timing import seconds  # noqa: E402  (bench/timing.py)
 
 
@@ -74,6 +75,17 @@ def layer_fn(cfg, donate: bool):
         return nnx.merge(graphdef, state)(x, positions=positions, cache=cache)[:2]
 
     return jax.jit(step, donate_argnums=(3,) if donate else ()), state
+
+
+def kda_fn(cfg):
+    """Jitted KDA layer call ``(state, x, positions, cache) -> (y, cache)`` (positions unused:
+    the same signature as :func:`layer_fn`)."""
+    graphdef, state = nnx.split(KDA(cfg, rngs=nnx.Rngs(0)))
+
+    def step(state, x, positions, cache):
+        return nnx.merge(graphdef, state)(x, cache=cache)[:2]
+
+    return jax.jit(step), state
 
 
 def filled_cache(cfg, b: int, length: int):
@@ -124,6 +136,8 @@ def main() -> None:
     p.add_argument("--preset", default="tiny", help="layer widths (tiny or k3-slice)")
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--batch", type=int, default=None, help="decode batch (4; k3-slice: 8)")
+    p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
+                                               "dsa_PRESET.json for another preset)")
     args = p.parse_args()
     wide = args.preset != "tiny"
     reps = 5 if args.quick else (10 if wide else 20)
@@ -140,6 +154,8 @@ def main() -> None:
         cfgs["dsa_pallas"] = dsa_cfg.replace(attention_impl="pallas")
     decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
     prefillers = {name: layer_fn(cfgs[name], donate=False) for name in ("dsa", "dense")}
+    if wide:  # the KDA layer at the same widths (chunked; its state is constant-size)
+        prefillers["kda"] = kda_fn(dsa_cfg)
     interpret = common.use_interpret()
     if interpret:
         print("note: the Pallas kernel runs in interpret mode here (CPU): its rows time the "
@@ -174,14 +190,24 @@ def main() -> None:
         xs = jax.random.normal(jax.random.key(3), (1, length, dsa_cfg.hidden_size))
         pos = jnp.arange(length, dtype=jnp.int32)[None]
         for name, (step, state) in prefillers.items():
-            cache = init_dsa_cache(cfgs[name], 1, length)
+            cache = (init_kda_cache(dsa_cfg, 1) if name == "kda"
+                     else init_dsa_cache(cfgs[name], 1, length))
             row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
+            if wide:  # XLA's count of the FLOPs the compiled call executes
+                cost = step.lower(state, xs, pos, cache).compile().cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                row[f"{name}_executed_flops"] = float(cost.get("flops", 0.0))
         row["ratio_dense_over_dsa"] = row["dense_ms"] / row["dsa_ms"]
+        if "kda_ms" in row:
+            row["ratio_dense_over_kda"] = row["dense_ms"] / row["kda_ms"]
+            row["kda_tokens_per_s"] = length / (row["kda_ms"] / 1e3)
         row["dsa_tokens_per_s"] = length / (row["dsa_ms"] / 1e3)
         row["dense_tokens_per_s"] = length / (row["dense_ms"] / 1e3)
         prefill.append(row)
         print(f"prefill T={length:>5}: dsa {row['dsa_ms']:9.2f} ms, dense "
-              f"{row['dense_ms']:9.2f} ms, dense/dsa {row['ratio_dense_over_dsa']:5.2f}x", flush=True)
+              f"{row['dense_ms']:9.2f} ms, dense/dsa {row['ratio_dense_over_dsa']:5.2f}x"
+              + (f", kda {row['kda_ms']:9.2f} ms, dense/kda {row['ratio_dense_over_kda']:5.2f}x"
+                 if "kda_ms" in row else ""), flush=True)
 
     first, last = decode[0], decode[-1]
     growth = {part: last[part] / first[part]
@@ -197,10 +223,17 @@ def main() -> None:
                         f"{c.index_head_dim})",
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
     if wide:
-        result["matmul_flops_per_s"] = matmul_flops_per_s()
-        print(f"plain f32 matmul: {result['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s")
-    out = Path(__file__).parent / "results" / ("dsa.json" if not wide else
-                                               f"dsa_{args.preset}.json")
+        rate = result["matmul_flops_per_s"] = matmul_flops_per_s()
+        print(f"plain f32 matmul: {rate / 1e9:.1f} GFLOP/s; executed FLOP/s of each prefill as "
+              "a fraction of it:")
+        for row in prefill:
+            for name in ("dsa", "dense", "kda"):
+                f = row[f"{name}_executed_flops"] / (row[f"{name}_ms"] / 1e3) / rate
+                row[f"{name}_flops_fraction"] = f
+            print(f"  T={row['length']:>5}: " + ", ".join(
+                f"{n} {row[f'{n}_flops_fraction']:.2f}" for n in ("dsa", "dense", "kda")))
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "dsa.json" if not wide else f"dsa_{args.preset}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -19,6 +19,8 @@ Measured side by side in one run (each a median of ``reps`` timed calls after a 
   ``sharding/reshard.py``, array by array), and the bytes it moves per second.
 
     python bench/bench_train.py [--quick] [--preset tiny]
+    python bench/bench_train.py --preset k3-slice --train-only --batch 4 --seq 512 \
+        --out bench/results/train_k3-slice.json   # K3's widths: roofline and training only
 
 The default is the ``tiny`` preset (4 layers: KDA, Gated DSA, latent MoE; 8 x 256 tokens per
 step): on 2 shared CPU cores the XLA compile of its train step alone took 9 minutes of wall
@@ -80,16 +82,30 @@ def random_batch(config, tc: TrainConfig, seed: int = 0) -> dict:
             "loss_mask": np.ones((tc.batch_size, tc.seq_len), np.float32)}
 
 
-def train_rate(config, tc: TrainConfig, reps: int):
-    """``(tokens/s, executed FLOPs per step, graphdef, state)`` of the one-device step."""
+def train_rate(config, tc: TrainConfig, reps: int, donate: bool = False):
+    """``(tokens/s, executed FLOPs per step, graphdef, state)`` of the one-device step.
+    ``donate``: the state is donated and each call runs on the previous call's output (one
+    state in memory, not two: a K3-wide model's AdamW state does not fit twice here)."""
     abstract, graphdef, tx, build = prepare(config, tc)
     state = jax.device_put(build(), jax.devices()[0])
     batch = random_batch(config, tc)
     kw = {"tc": tc, "tx": tx, "layout": abstract.segment_layout}
-    compiled = train_step.lower(graphdef, state, batch, **kw).compile()
+    step = train_step if not donate else jax.jit(
+        train_step.__wrapped__, static_argnames=("graphdef", "tc", "tx", "layout"),
+        donate_argnums=(1,))
+    compiled = step.lower(graphdef, state, batch, **kw).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     executed = float(cost.get("flops", 0.0)) if cost else 0.0
+    if donate:
+        holder = [state]
+
+        def call():
+            holder[0], metrics = compiled(holder[0], batch)
+            return metrics["loss"]
+
+        dt = seconds(call, reps=reps)
+        return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, holder[0]
     # the step returns a new state; timing the same input state keeps every call alike
     dt = seconds(lambda: compiled(state, batch)[1]["loss"], reps=reps)
     return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, state
@@ -131,6 +147,9 @@ def main() -> int:
     ap.add_argument("--train-devices", type=int, default=8)
     ap.add_argument("--generate-devices", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None, help="timed calls per measurement")
+    ap.add_argument("--train-only", action="store_true",
+                    help="the roofline and the training step only (no rollouts, no weight "
+                         "sync: a model whose train state and generate copy do not both fit)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train.json"))
     args = ap.parse_args()
     preset = args.preset
@@ -150,20 +169,24 @@ def main() -> int:
 
     roof0 = matmul_flops(args.matmul, reps)
     bar.advance_to(1, desc=f"matmul {roof0 / 1e9:.1f} GFLOP/s")
-    tps, executed, step_s, graphdef, state = train_rate(config, tc, reps)
+    tps, executed, step_s, graphdef, state = train_rate(config, tc, reps,
+                                                        donate=args.train_only)
     roof1 = matmul_flops(args.matmul, reps)  # again right after the step: same load
     roof = max(roof0, roof1)
     bar.advance_to(2, desc=f"train {tps:.0f} tokens/s")
     active = count_params(config, preset).active_params
     model_flops = 6.0 * active * tc.batch_size * tc.seq_len / step_s
     exec_flops = executed / step_s
-    model = nnx.merge(graphdef, state.params, state.rest)
-    sampler = Sampler(model, config, rc, tc.seed)
-    roll = rollout_rate(sampler, args.slots, prompt, new)
-    bar.advance_to(3, desc=f"rollouts {roll:.0f} tokens/s")
-    sync_s, tree_bytes, train_mesh = sync_time(sampler, graphdef, state, config,
-                                               args.train_devices, reps)
-    bar.advance_to(4, desc=f"sync {sync_s * 1e3:.1f} ms")
+    if args.train_only:
+        roll = sync_s = tree_bytes = train_mesh = None
+    else:
+        model = nnx.merge(graphdef, state.params, state.rest)
+        sampler = Sampler(model, config, rc, tc.seed)
+        roll = rollout_rate(sampler, args.slots, prompt, new)
+        bar.advance_to(3, desc=f"rollouts {roll:.0f} tokens/s")
+        sync_s, tree_bytes, train_mesh = sync_time(sampler, graphdef, state, config,
+                                                   args.train_devices, reps)
+        bar.advance_to(4, desc=f"sync {sync_s * 1e3:.1f} ms")
     bar.close()
     res = {
         "preset": preset, "backend": jax.default_backend(), "devices": len(jax.devices()),
@@ -175,12 +198,14 @@ def main() -> int:
                   "model_flops_per_s": model_flops, "model_flops_fraction": model_flops / roof,
                   "executed_flops_per_step": executed, "executed_flops_per_s": exec_flops,
                   "executed_flops_fraction": exec_flops / roof},
-        "rollout": {"slots": args.slots, "prompt": prompt, "new_tokens": new,
-                    "generate_devices": args.generate_devices, "tokens_per_s": roll,
-                    "vs_train_tokens_per_s": roll / tps},
-        "weight_sync": {"train_mesh": train_mesh, "generate_devices": args.generate_devices,
-                        "seconds": sync_s, "tree_bytes": tree_bytes,
-                        "bytes_per_s": tree_bytes / sync_s, "vs_train_step": sync_s / step_s},
+        "rollout": None if roll is None else {
+            "slots": args.slots, "prompt": prompt, "new_tokens": new,
+            "generate_devices": args.generate_devices, "tokens_per_s": roll,
+            "vs_train_tokens_per_s": roll / tps},
+        "weight_sync": None if sync_s is None else {
+            "train_mesh": train_mesh, "generate_devices": args.generate_devices,
+            "seconds": sync_s, "tree_bytes": tree_bytes, "bytes_per_s": tree_bytes / sync_s,
+            "vs_train_step": sync_s / step_s},
         "seconds": time.perf_counter() - t_start,
     }
     tr, ro, ws = res["train"], res["rollout"], res["weight_sync"]
@@ -194,6 +219,9 @@ def main() -> int:
           f"{model_flops / 1e9:.2f} GFLOP/s = {tr['model_flops_fraction']:.3f} of the roofline")
     print(f"    executed FLOPs (XLA cost analysis, {executed / 1e9:.2f} GFLOP/step): "
           f"{exec_flops / 1e9:.2f} GFLOP/s = {tr['executed_flops_fraction']:.3f} of the roofline")
+    if args.train_only:
+        write_results(args.out, res)
+        return 0
     print(f"  rollouts: {args.slots} x {new} tokens on {args.generate_devices} device(s): "
           f"{roll:.0f} tokens/s = {ro['vs_train_tokens_per_s']:.2f} x training tokens/s")
     print(f"  weight sync {train_mesh} -> generate ({args.generate_devices} devices): "
