@@ -3,7 +3,8 @@
 Input JSONL, one request per line: ``{"messages": [...], "tools"?, "reasoning_effort"?}`` (chat,
 rendered by the chat format), ``{"prompt": "text"}`` (raw text, no template) or
 ``{"prompt_ids": [...]}``; optional ``id`` and sampling fields ``max_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``. With a vision model, user messages may
+``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``ignore_eos`` (vLLM's: generate
+``max_tokens`` whatever the end-of-sequence tokens). With a vision model, user messages may
 hold images: ``image_url`` parts (data URLs) or ``{"type": "image", "path": "a.png"}`` (relative
 to the JSONL file; ``docs/vision.md``). Output JSONL, one line per request in input
 order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
@@ -38,7 +39,8 @@ from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.progress import Progress
 
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                  "ignore_eos")
 
 
 @dataclasses.dataclass

@@ -76,6 +76,8 @@ class SamplingParams:
             bad.append(f"max_tokens={self.max_tokens!r} (int >= 1)")
         if not (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20):
             bad.append(f"top_logprobs={self.top_logprobs!r} (0..20)")
+        if not isinstance(self.ignore_eos, bool):
+            bad.append(f"ignore_eos={self.ignore_eos!r} (true or false)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad.append(f"stop={self.stop!r} (non-empty strings)")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

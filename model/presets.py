@@ -36,7 +36,7 @@ def tiny() -> ModelConfig:
         linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=2,
                                             head_dim=16, short_conv_kernel_size=4,
                                             use_full_rank_gate=True, gate_lower_bound=-5.0),
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
         routed_expert_hidden_size=32, latent_moe_use_norm=True, use_grouped_topk=True,
         num_expert_group=1, topk_group=1, first_k_dense_replace=1, moe_layer_freq=1,
         index_n_heads=4, index_head_dim=16, index_topk=8,
@@ -129,8 +129,9 @@ def k3_slice() -> ModelConfig:
     1536, nope / v head dims 128; the indexer's heads of 128 with top-2048; routed experts of
     K3's latent width 3584 and hidden 3072, two shared experts of 3072. Fewer of everything
     else: hidden 1024, 8 attention and 8 KDA heads (K3: 96), 8 index heads (K3: 64 for 96
-    attention heads, so the indexer's share here is 1.5x K3's), 8 experts top-2 (K3: 896
-    top-16; 8 x 3 MoE layers of K3-wide experts are already 0.8B parameters), 4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the
+    attention heads, so the indexer's share here is 1.5x K3's), 4 experts top-2 (K3: 896
+    top-16; 4 x 3 MoE layers of K3-wide experts are already 0.4B parameters, and this
+    machine's 24 GiB must hold them with AdamW's two float32 moments), 4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the
     first), a 32K vocabulary (K3: 163,840). float32: on this project's CPU machine f32 matmuls
     beat bf16 (``--set compute_dtype=bfloat16 param_dtype=bfloat16`` for an accelerator)."""
     kda, full = _every_fourth(4)
@@ -144,7 +145,7 @@ def k3_slice() -> ModelConfig:
         linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=8,
                                             head_dim=128, short_conv_kernel_size=4,
                                             use_full_rank_gate=True, gate_lower_bound=-5.0),
-        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=3072,
+        num_experts=4, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=3072,
         routed_expert_hidden_size=3584, latent_moe_use_norm=True,
         moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=1.0,
         use_grouped_topk=True, num_expert_group=1, topk_group=1, first_k_dense_replace=1,

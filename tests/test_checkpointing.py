@@ -362,7 +362,8 @@ def test_a_training_checkpoint_loads_for_generation(full_run, tmp_path, monkeypa
             np.testing.assert_array_equal(np.asarray(v[...]), want, err_msg=k)
     monkeypatch.chdir(tmp_path)
     os.symlink(run_dir, tmp_path / "run")
-    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [5, 17, 3]}) + "\n")
+    (tmp_path / "in.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [5, 17, 3],
+                                                   "ignore_eos": True}) + "\n")
     assert main(["generate", "--checkpoint", "run/checkpoints/6", "--prompts", "in.jsonl",
                  "--out", "out.jsonl", "--temperature", "0", "--max-tokens", "3", "--slots",
                  "1", "--max-len", "32", "--prefill-chunk", "16", "--no-progress"]) == 0

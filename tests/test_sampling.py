@@ -121,3 +121,5 @@ def test_params_validation():
         SamplingParams(stop=("",))
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-2)
+    with pytest.raises(ValueError, match="ignore_eos"):  # a kdsa generate row's "yes"
+        SamplingParams(ignore_eos="yes")

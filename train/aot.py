@@ -7,8 +7,9 @@ gradients, optimizer update, the configured remat, routing-bias update) under th
 layout with XLA:TPU (libtpu). The result is XLA's per-device memory of that program, which
 ``kdsa plan --compile`` prints beside the planner's estimate.
 
-Per-device peak = arguments + outputs - aliased + temporaries (+ code): ``train_step`` does not
-donate its input state, so the state is counted twice (old and new) unless XLA aliases it.
+Per-device peak = arguments + outputs - aliased + temporaries (+ code). The step is the one
+``kdsa train`` runs, which donates its input state: the new state is written into the old one's
+buffers (``aliased``), so the state counts once.
 
 The topologies, the chips' HBM and the memory record are shared with the generate steps'
 compiles (``infer/aot.py``): ``sharding/aot.py``.
@@ -38,7 +39,7 @@ def compile_train_step(config: ModelConfig, tc: TrainConfig, topology: str,
     from kdsa.sharding.mesh import make_mesh
     from kdsa.sharding.train_state import (batch_sharding, sharded_template,
                                            train_state_shardings)
-    from kdsa.train.step import train_step
+    from kdsa.train.step import train_step_with_options
     from kdsa.train.trainer import prepare
 
     devices = topology_devices(topology)
@@ -54,6 +55,6 @@ def compile_train_step(config: ModelConfig, tc: TrainConfig, topology: str,
     t0 = time.perf_counter()
     with compile_target("tpu"), use_sharding(mesh, "train",
                                              moe_capacity_factor=moe_capacity_factor):
-        compiled = train_step.lower(graphdef, state, data, tc=tc, tx=tx,
-                                    layout=abstract.segment_layout).compile()
+        compiled = train_step_with_options(donate=True).lower(
+            graphdef, state, data, tc=tc, tx=tx, layout=abstract.segment_layout).compile()
     return compiled_memory(compiled, time.perf_counter() - t0)

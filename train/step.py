@@ -263,14 +263,25 @@ optimizer step's ``batch_size`` rows, split here into ``accum_steps`` micro-batc
 
 
 @functools.lru_cache(maxsize=8)
-def train_step_with_options(compiler_options: tuple[tuple[str, Any], ...] | None = None):
+def train_step_with_options(compiler_options: tuple[tuple[str, Any], ...] | None = None,
+                            donate: bool = False):
     """``train_step`` compiled with XLA ``compiler_options`` (sorted ``(name, value)`` pairs),
     e.g. ``(("xla_backend_optimization_level", 0),)``: the same numerics here, about half the
-    CPU compile time (tests); one jitted function per option set, cached like ``train_step``."""
-    if not compiler_options:
+    CPU compile time (tests); one jitted function per option set, cached like ``train_step``.
+
+    ``donate``: the input state is donated, so XLA writes the new state into its buffers and a
+    step holds one train state, not two (``kdsa train``, and ``kdsa plan --compile``'s train
+    step). The caller must not touch the old state after the call."""
+    if not compiler_options and not donate:
         return train_step
+    return _step_variant(tuple(compiler_options or ()), donate)
+
+
+@functools.cache
+def _step_variant(compiler_options: tuple[tuple[str, Any], ...], donate: bool):
     return jax.jit(_train_step, static_argnames=("graphdef", "tc", "tx", "layout"),
-                   compiler_options=dict(compiler_options))
+                   donate_argnums=(1,) if donate else (),
+                   compiler_options=dict(compiler_options) or None)
 
 
 def update_model(model: nnx.Module, state: TrainState) -> nnx.Module:

@@ -192,7 +192,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     bar = Progress(tc.steps, initial=start, enabled=progress)
     step = start
     devices = jax.device_count() if mesh is None else mesh.size
-    step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())))
+    step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())),
+                                      donate=True)  # one train state in memory, not two
     with _StopFlag() as flag, place.rules():
         while step < tc.steps:
             batch = data.batch(data_index)
