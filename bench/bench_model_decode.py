@@ -1,0 +1,128 @@
+"""The model level (issue #21 section 5): the hybrid stack against the same stack with every
+attention layer a dense MLA layer, decode step and prefill at depth, at K3's widths.
+
+Two models of ``--preset`` (default ``k3-slice``: KDA, KDA, KDA, Gated DSA), built one after
+the other with the same seed:
+
+* ``hybrid``: the preset as it is;
+* ``all_dense``: every layer a dense MLA layer (no KDA, no indexer), the rest unchanged.
+
+For each, the engine's own compiled steps (``ModelRunner``, dense-slot cache, one slot, a
+runner per depth: the dense-slot step reads its whole ``max_len`` cache) with the cache
+filled with random values (what a decode or prefill step costs does not depend on
+what the cache holds; the KDA states are constant-size): the decode step at each
+``--contexts`` depth, and a prefill chunk of ``--chunk`` tokens at depth 32K (the marginal
+prefill rate there; a whole 32K prefill of the all-dense stack would take most of an hour on
+this machine). Medians of ``--reps`` calls; prints the ratios and writes
+bench/results/model_decode.json.
+
+    .venv/bin/python bench/bench_model_decode.py [--preset k3-slice] [--contexts 32768 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from timing import write_results  # noqa: E402
+
+from kdsa.infer.runner import ModelRunner  # noqa: E402
+from kdsa.model.config import LinearAttnConfig, get_preset  # noqa: E402
+from kdsa.model.transformer import Transformer  # noqa: E402
+
+
+def all_dense(config):
+    """``config`` with every layer a dense MLA layer (no KDA layers, no indexer)."""
+    n = config.num_hidden_layers
+    lac = LinearAttnConfig(**{**config.linear_attn_config.__dict__, "kda_layers": (),
+                              "full_attn_layers": tuple(range(1, n + 1))})
+    return config.replace(linear_attn_config=lac, index_n_heads=None, index_head_dim=None,
+                          index_topk=None)
+
+
+def median_seconds(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # compile / warm
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _runner(model, max_len: int, chunk: int) -> ModelRunner:
+    """A one-slot runner of ``max_len`` (a dense-slot decode step reads its whole cache, so
+    each depth gets its own runner) with the cache filled with random values."""
+    runner = ModelRunner(model, num_slots=1, max_len=max_len, prefill_chunk=chunk,
+                         min_bucket=chunk)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(runner.cache))))
+    runner.cache = jax.tree.map(
+        lambda a: 0.1 * jax.random.normal(next(keys), a.shape, a.dtype), runner.cache)
+    return runner
+
+
+def measure(config, contexts: list[int], chunk: int, prefill_depth: int, reps: int) -> dict:
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    out = {"decode_step_s": {}}
+    tok, active = np.ones(1, np.int32), np.ones(1, bool)
+    for ctx in contexts:
+        runner = _runner(model, ctx, chunk)
+        pos = np.full(1, ctx - 1, np.int32)
+        out["decode_step_s"][str(ctx)] = median_seconds(
+            lambda: runner.decode(tok, pos, active), reps)
+        del runner
+        gc.collect()
+    runner = _runner(model, prefill_depth, chunk)
+    ids = [1] * chunk
+    out["prefill_chunk_s"] = median_seconds(
+        lambda: runner.prefill(0, ids, start=prefill_depth - chunk), max(2, reps // 3))
+    out["prefill_tokens_per_s_at_depth"] = chunk / out["prefill_chunk_s"]
+    del runner, model
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="k3-slice")
+    p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
+    p.add_argument("--prefill-depth", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "model_decode.json"))
+    a = p.parse_args()
+    hybrid = get_preset(a.preset)
+    result = {"args": vars(a), "load_before": os.getloadavg()}
+    for name, cfg in (("hybrid", hybrid), ("all_dense", all_dense(hybrid))):
+        print(f"{name}: {' '.join(cfg.mixer_kinds)} ...", flush=True)
+        result[name] = r = measure(cfg, a.contexts, a.chunk, a.prefill_depth, a.reps)
+        print("  decode step " + ", ".join(f"{float(v) * 1e3:.1f} ms at {k}"
+                                          for k, v in r["decode_step_s"].items())
+              + f"; prefill at {a.prefill_depth}: {r['prefill_tokens_per_s_at_depth']:.0f} "
+                "tokens/s", flush=True)
+    h, d = result["hybrid"], result["all_dense"]
+    result["decode_speedup"] = {k: d["decode_step_s"][k] / h["decode_step_s"][k]
+                                for k in h["decode_step_s"]}
+    result["prefill_speedup_at_depth"] = d["prefill_chunk_s"] / h["prefill_chunk_s"]
+    result["load_after"] = os.getloadavg()
+    print("hybrid / all-dense decode tokens/s: " + ", ".join(
+        f"{v:.2f}x at {k}" for k, v in result["decode_speedup"].items())
+        + f" (target >= 3); prefill at {a.prefill_depth}: "
+        f"{result['prefill_speedup_at_depth']:.2f}x (target >= 2)")
+    write_results(a.out, result)
+
+
+if __name__ == "__main__":
+    main()
