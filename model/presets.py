@@ -36,7 +36,7 @@ def tiny() -> ModelConfig:
         linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=2,
                                             head_dim=16, short_conv_kernel_size=4,
                                             use_full_rank_gate=True, gate_lower_bound=-5.0),
-        num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
         routed_expert_hidden_size=32, latent_moe_use_norm=True, use_grouped_topk=True,
         num_expert_group=1, topk_group=1, first_k_dense_replace=1, moe_layer_freq=1,
         index_n_heads=4, index_head_dim=16, index_topk=8,
