@@ -15,6 +15,8 @@ Facts are collected in ``docs/reference/kimi_k3.md`` (sections 1 and 4) and
 
 from __future__ import annotations
 
+import dataclasses
+
 from kdsa.model.config import LinearAttnConfig, ModelConfig, VisionConfig
 
 
@@ -134,23 +136,15 @@ def k3_slice() -> ModelConfig:
     machine's 24 GiB must hold them with AdamW's two float32 moments), 4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the
     first), a 32K vocabulary (K3: 163,840). float32: on this project's CPU machine f32 matmuls
     beat bf16 (``--set compute_dtype=bfloat16 param_dtype=bfloat16`` for an accelerator)."""
-    kda, full = _every_fourth(4)
-    return ModelConfig(
+    k3, (kda, full) = k3_2p8t(), _every_fourth(4)
+    return k3.replace(
         vocab_size=32768, hidden_size=1024, num_hidden_layers=4, intermediate_size=4864,
-        rms_norm_eps=1e-5, max_position_embeddings=1048576, hidden_act="situ",
-        activation_situ_beta=4.0, activation_situ_linear_beta=25.0, attn_res_block_size=2,
-        bos_token_id=256, eos_token_id=258, pad_token_id=32767,  # the byte tokenizer's
-        num_attention_heads=8, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, mla_use_nope=True, mla_use_output_gate=True,
-        linear_attn_config=LinearAttnConfig(kda_layers=kda, full_attn_layers=full, num_heads=8,
-                                            head_dim=128, short_conv_kernel_size=4,
-                                            use_full_rank_gate=True, gate_lower_bound=-5.0),
-        num_experts=4, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=3072,
-        routed_expert_hidden_size=3584, latent_moe_use_norm=True,
-        moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=1.0,
-        use_grouped_topk=True, num_expert_group=1, topk_group=1, first_k_dense_replace=1,
-        moe_layer_freq=1, index_n_heads=8, index_head_dim=128, index_topk=2048,
-        kda_chunk_size=64, dsa_query_chunk_size=256,
+        attn_res_block_size=2, bos_token_id=256, eos_token_id=258,  # the byte tokenizer's
+        pad_token_id=32767, num_attention_heads=8,
+        linear_attn_config=dataclasses.replace(k3.linear_attn_config, kda_layers=kda,
+                                               full_attn_layers=full, num_heads=8),
+        num_experts=4, num_experts_per_token=2, index_n_heads=8,
+        param_dtype="float32", compute_dtype="float32", remat_policy="none", vision_config=None,
     )
 
 
