@@ -129,13 +129,15 @@ def k3_slice() -> ModelConfig:
     """A benchmark model with K3's widths where they set a layer's costs, small enough for one
     step in seconds on a CPU: KDA heads of 128 x 128; MLA with kv_lora 512 + RoPE 64, q_lora
     1536, nope / v head dims 128; the indexer's heads of 128 with top-2048; routed experts of
-    K3's latent width 3584 and hidden 3072, two shared experts of 3072. Fewer of everything
-    else: hidden 1024, 8 attention and 8 KDA heads (K3: 96), 8 index heads (K3: 64 for 96
-    attention heads, so the indexer's share here is 1.5x K3's), 4 experts top-2 (K3: 896
-    top-16; 4 x 3 MoE layers of K3-wide experts are already 0.4B parameters, and this
-    machine's 24 GiB must hold them with AdamW's two float32 moments), 4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the
-    first), a 32K vocabulary (K3: 163,840). float32: on this project's CPU machine f32 matmuls
-    beat bf16 (``--set compute_dtype=bfloat16 param_dtype=bfloat16`` for an accelerator)."""
+    K3's latent width 3584 and hidden 3072, two shared experts of 3072 (all taken from
+    ``k3_2p8t``). Fewer of everything else: hidden 1024, 8 attention and 8 KDA heads (K3: 96),
+    8 index heads (K3: 64 for 96 attention heads, so the indexer's share here is 1.5x K3's),
+    4 experts top-2 (K3: 896 top-16; 4 x 3 MoE layers of K3-wide experts are already 0.4B
+    parameters, and this machine's 24 GiB must hold them with AdamW's two float32 moments),
+    4 layers in the 3:1 pattern (KDA + dense FFN, KDA, KDA, Gated DSA; MoE after the first),
+    a 32K vocabulary (K3: 163,840), no vision tower, no remat. float32: on this project's CPU
+    machine f32 matmuls beat bf16 (``--set compute_dtype=bfloat16 param_dtype=bfloat16`` for
+    an accelerator)."""
     k3, (kda, full) = k3_2p8t(), _every_fourth(4)
     return k3.replace(
         vocab_size=32768, hidden_size=1024, num_hidden_layers=4, intermediate_size=4864,
