@@ -68,14 +68,14 @@ def test_sharded_training_stopped_and_resumed_equals_one_device(single, tmp_path
         before = jax.live_arrays()
         state = init_sharded(build, shardings, compiler_options)
         new = [x for x in jax.live_arrays() if not any(x is y for y in before)]
-        built.append((build, shardings, state, new))
+        _check_sharded_init(build, shardings, state, new)  # now: the first step donates it
+        built.append(build)
         return state
 
     monkeypatch.setattr(train_state, "init_sharded", spy)
     first = run_training(small_config(), TC, tmp_path, progress=False, mesh=mesh, stop_at=2,
                          compiler_options=FAST)
     assert len(built) == 1
-    _check_sharded_init(*built[0])
     assert first.stopped and first.final_step == 2
     rest = run_training(small_config(), TC, tmp_path, progress=False, mesh=mesh, resume=True,
                         compiler_options=FAST)  # restore checks every array's fingerprint
