@@ -48,7 +48,7 @@ from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache  # noqa: E402
-from timing import seconds  # noqa: E402  (bench/timing.py)
+from timing import matmul_flops, seconds  # noqa: E402  (bench/timing.py)
 
 
 
@@ -122,12 +122,6 @@ def decode_parts(cfg, b: int, length: int, reps: int, pallas: bool = True) -> di
     if pallas:
         out["sparse_pallas_ms"] = 1e3 * seconds(kernel, q, kv, idx, reps=reps)
     return out
-
-
-def matmul_flops_per_s(n: int = 2048, reps: int = 10) -> float:
-    """This machine's plain float32 matmul rate (``n x n x n``), for the model-FLOP ratios."""
-    a = jax.random.normal(jax.random.key(9), (n, n), jnp.float32)
-    return 2 * n ** 3 / seconds(jax.jit(lambda a: a @ a), a, reps=reps)
 
 
 def main() -> None:
@@ -223,7 +217,7 @@ def main() -> None:
                         f"{c.index_head_dim})",
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
     if wide:
-        rate = result["matmul_flops_per_s"] = matmul_flops_per_s()
+        rate = result["matmul_flops_per_s"] = matmul_flops(2048, reps=10)
         print(f"plain f32 matmul: {rate / 1e9:.1f} GFLOP/s; executed FLOP/s of each prefill as "
               "a fraction of it:")
         for row in prefill:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -36,7 +34,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import write_results  # noqa: E402
+from timing import seconds, write_results  # noqa: E402
 
 from kdsa.infer.runner import ModelRunner  # noqa: E402
 from kdsa.model.config import LinearAttnConfig, get_preset  # noqa: E402
@@ -50,16 +48,6 @@ def all_dense(config):
                               "full_attn_layers": tuple(range(1, n + 1))})
     return config.replace(linear_attn_config=lac, index_n_heads=None, index_head_dim=None,
                           index_topk=None)
-
-
-def median_seconds(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # compile / warm
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _runner(model, max_len: int, chunk: int) -> ModelRunner:
@@ -80,14 +68,14 @@ def measure(config, contexts: list[int], chunk: int, prefill_depth: int, reps: i
     for ctx in contexts:
         runner = _runner(model, ctx, chunk)
         pos = np.full(1, ctx - 1, np.int32)
-        out["decode_step_s"][str(ctx)] = median_seconds(
-            lambda: runner.decode(tok, pos, active), reps)
+        out["decode_step_s"][str(ctx)] = seconds(
+            lambda: runner.decode(tok, pos, active), reps=reps)
         del runner
         gc.collect()
     runner = _runner(model, prefill_depth, chunk)
     ids = [1] * chunk
-    out["prefill_chunk_s"] = median_seconds(
-        lambda: runner.prefill(0, ids, start=prefill_depth - chunk), max(2, reps // 3))
+    out["prefill_chunk_s"] = seconds(
+        lambda: runner.prefill(0, ids, start=prefill_depth - chunk), reps=max(2, reps // 3))
     out["prefill_tokens_per_s_at_depth"] = chunk / out["prefill_chunk_s"]
     del runner, model
     gc.collect()

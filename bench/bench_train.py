@@ -45,12 +45,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from timing import seconds, write_results  # noqa: E402
+from timing import matmul_flops, seconds, write_results  # noqa: E402
 
 from kdsa.infer.engine import Request  # noqa: E402
 from kdsa.infer.sampling import SamplingParams  # noqa: E402
@@ -62,17 +61,8 @@ from kdsa.train.config import TrainConfig  # noqa: E402
 from kdsa.progress import Progress  # noqa: E402
 from kdsa.train.rl.config import RLConfig  # noqa: E402
 from kdsa.train.rl.loop import Sampler  # noqa: E402
-from kdsa.train.step import train_step  # noqa: E402
+from kdsa.train.step import train_step, train_step_with_options  # noqa: E402
 from kdsa.train.trainer import prepare  # noqa: E402
-
-
-def matmul_flops(n: int, reps: int) -> float:
-    """FLOP/s of an ``[n, n] @ [n, n]`` float32 matmul on one device."""
-    k1, k2 = jax.random.split(jax.random.key(0))
-    a = jax.random.normal(k1, (n, n), jnp.float32)
-    b = jax.random.normal(k2, (n, n), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    return 2.0 * n ** 3 / seconds(mm, a, b, reps=reps)
 
 
 def random_batch(config, tc: TrainConfig, seed: int = 0) -> dict:
@@ -90,9 +80,7 @@ def train_rate(config, tc: TrainConfig, reps: int, donate: bool = False):
     state = jax.device_put(build(), jax.devices()[0])
     batch = random_batch(config, tc)
     kw = {"tc": tc, "tx": tx, "layout": abstract.segment_layout}
-    step = train_step if not donate else jax.jit(
-        train_step.__wrapped__, static_argnames=("graphdef", "tc", "tx", "layout"),
-        donate_argnums=(1,))
+    step = train_step_with_options(donate=True) if donate else train_step
     compiled = step.lower(graphdef, state, batch, **kw).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -21,6 +21,17 @@ def seconds(fn, *args, reps: int) -> float:
     return statistics.median(times)
 
 
+def matmul_flops(n: int, reps: int) -> float:
+    """FLOP/s of an ``[n, n] @ [n, n]`` float32 matmul on one device: this machine's plain
+    matmul rate, the roofline the model-FLOP ratios are measured against."""
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(k1, (n, n), jnp.float32)
+    b = jax.random.normal(k2, (n, n), jnp.float32)
+    return 2.0 * n ** 3 / seconds(jax.jit(jnp.matmul), a, b, reps=reps)
+
+
 def write_results(path, result: dict) -> None:
     """Write a benchmark's results as JSON (parent folders created) and say where."""
     path = Path(path)

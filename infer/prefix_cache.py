@@ -228,17 +228,20 @@ class PrefixCache:
                 return None
             self._drop(victim)
         slot = self.free_snaps.pop()
-        self.snap_of[key], self.rank[key] = slot, END if rank == CONFIRMED else rank
+        self.snap_of[key], self.rank[key] = slot, rank
         if rank == CONFIRMED:
-            self._confirm(key)
+            self._cap_confirmed(key)
         return slot
 
     def _confirm(self, key: bytes) -> None:
-        """``key``'s snapshot is reused (or sits at a branch point): CONFIRMED, at most 3/4 of
-        the slots (the least recently used other confirmed one goes back to END)."""
-        if self.rank[key] == CONFIRMED:
-            return
-        self.rank[key] = CONFIRMED
+        """``key``'s snapshot is reused: CONFIRMED (see :meth:`_cap_confirmed`)."""
+        if self.rank[key] != CONFIRMED:
+            self.rank[key] = CONFIRMED
+            self._cap_confirmed(key)
+
+    def _cap_confirmed(self, key: bytes) -> None:
+        """At most 3/4 of the slots confirmed: past that, the least recently used confirmed
+        snapshot other than ``key`` goes back to END."""
         confirmed = [k for k in self.snap_of if self.rank[k] == CONFIRMED]  # LRU order
         if len(confirmed) > max(1, 3 * self.num_snapshots // 4):
             self.rank[next(k for k in confirmed if k != key)] = END

@@ -274,14 +274,9 @@ def train_step_with_options(compiler_options: tuple[tuple[str, Any], ...] | None
     step). The caller must not touch the old state after the call."""
     if not compiler_options and not donate:
         return train_step
-    return _step_variant(tuple(compiler_options or ()), donate)
-
-
-@functools.cache
-def _step_variant(compiler_options: tuple[tuple[str, Any], ...], donate: bool):
     return jax.jit(_train_step, static_argnames=("graphdef", "tc", "tx", "layout"),
                    donate_argnums=(1,) if donate else (),
-                   compiler_options=dict(compiler_options) or None)
+                   compiler_options=dict(compiler_options or ()) or None)
 
 
 def update_model(model: nnx.Module, state: TrainState) -> nnx.Module:
