@@ -7,8 +7,8 @@ the other with the same seed:
 * ``hybrid``: the preset as it is;
 * ``all_dense``: every layer a dense MLA layer (no KDA, no indexer), the rest unchanged.
 
-For each, the engine's own compiled steps (``ModelRunner``, dense-slot cache, one slot, a
-runner per depth: the dense-slot step reads its whole ``max_len`` cache) with the cache
+For each, the engine's own compiled steps (``ModelRunner``, dense-slot cache, ``--batch``
+slots (default 8) all decoding at the same depth, a runner per depth: the dense-slot step reads its whole ``max_len`` cache) with the cache
 filled with random values (what a decode or prefill step costs does not depend on
 what the cache holds; the KDA states are constant-size): the decode step at each
 ``--contexts`` depth, and a prefill chunk of ``--chunk`` tokens at depth 32K (the marginal
@@ -16,7 +16,8 @@ prefill rate there; a whole 32K prefill of the all-dense stack would take most o
 this machine). Medians of ``--reps`` calls; prints the ratios and writes
 bench/results/model_decode.json.
 
-    .venv/bin/python bench/bench_model_decode.py [--preset k3-slice] [--contexts 32768 131072]
+    .venv/bin/python bench/bench_model_decode.py [--preset k3-slice] [--batch 8]
+        [--contexts 32768 131072]
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ def all_dense(config):
                           index_topk=None)
 
 
-def _runner(model, max_len: int, chunk: int) -> ModelRunner:
-    """A one-slot runner of ``max_len`` (a dense-slot decode step reads its whole cache, so
+def _runner(model, slots: int, max_len: int, chunk: int) -> ModelRunner:
+    """A runner of ``slots`` x ``max_len`` (a dense-slot decode step reads its whole cache, so
     each depth gets its own runner) with the cache filled with random values."""
-    runner = ModelRunner(model, num_slots=1, max_len=max_len, prefill_chunk=chunk,
+    runner = ModelRunner(model, num_slots=slots, max_len=max_len, prefill_chunk=chunk,
                          min_bucket=chunk)
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(runner.cache))))
     runner.cache = jax.tree.map(
@@ -61,18 +62,20 @@ def _runner(model, max_len: int, chunk: int) -> ModelRunner:
     return runner
 
 
-def measure(config, contexts: list[int], chunk: int, prefill_depth: int, reps: int) -> dict:
+def measure(config, batch: int, contexts: list[int], chunk: int, prefill_depth: int,
+            reps: int) -> dict:
     model = Transformer(config, rngs=nnx.Rngs(0))
-    out = {"decode_step_s": {}}
-    tok, active = np.ones(1, np.int32), np.ones(1, bool)
+    out = {"decode_step_s": {}, "decode_tokens_per_s": {}}
+    tok, active = np.ones(batch, np.int32), np.ones(batch, bool)
     for ctx in contexts:
-        runner = _runner(model, ctx, chunk)
-        pos = np.full(1, ctx - 1, np.int32)
-        out["decode_step_s"][str(ctx)] = seconds(
-            lambda: runner.decode(tok, pos, active), reps=reps)
+        runner = _runner(model, batch, ctx, chunk)
+        pos = np.full(batch, ctx - 1, np.int32)
+        step = seconds(lambda: runner.decode(tok, pos, active), reps=reps)
+        out["decode_step_s"][str(ctx)] = step
+        out["decode_tokens_per_s"][str(ctx)] = batch / step
         del runner
         gc.collect()
-    runner = _runner(model, prefill_depth, chunk)
+    runner = _runner(model, 1, prefill_depth, chunk)
     ids = [1] * chunk
     out["prefill_chunk_s"] = seconds(
         lambda: runner.prefill(0, ids, start=prefill_depth - chunk), reps=max(2, reps // 3))
@@ -86,6 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="k3-slice")
     p.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--batch", type=int, default=8, help="decoding slots (tokens per step)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk tokens")
     p.add_argument("--prefill-depth", type=int, default=32768)
     p.add_argument("--reps", type=int, default=5)
@@ -95,8 +99,8 @@ def main() -> None:
     result = {"args": vars(a), "load_before": os.getloadavg()}
     for name, cfg in (("hybrid", hybrid), ("all_dense", all_dense(hybrid))):
         print(f"{name}: {' '.join(cfg.mixer_kinds)} ...", flush=True)
-        result[name] = r = measure(cfg, a.contexts, a.chunk, a.prefill_depth, a.reps)
-        print("  decode step " + ", ".join(f"{float(v) * 1e3:.1f} ms at {k}"
+        result[name] = r = measure(cfg, a.batch, a.contexts, a.chunk, a.prefill_depth, a.reps)
+        print(f"  decode step (batch {a.batch}) " + ", ".join(f"{float(v) * 1e3:.1f} ms at {k}"
                                           for k, v in r["decode_step_s"].items())
               + f"; prefill at {a.prefill_depth}: {r['prefill_tokens_per_s_at_depth']:.0f} "
                 "tokens/s", flush=True)

@@ -1,23 +1,28 @@
-"""Routed-expert dispatch: dropless ``ragged_dot`` vs the one-hot dense reference.
+"""Routed-expert dispatch against a dense FFN of the same active FLOPs.
 
-Times ``experts_ragged`` and ``experts_one_hot`` (forward, and forward + backward) side by side
-on the same inputs, plus a "floor": one plain matmul chain over the same ``N*k`` rows (the
-FLOPs a perfect grouped matmul would do). Prints time ratios one-hot / ragged and
-ragged / floor per size, and writes bench/results/moe_dispatch.json.
+Times, side by side on the same inputs (forward, and forward + backward where asked):
 
-On CPU XLA lowers ``ragged_dot`` to a masked dense matmul over all E groups, so ragged is not
-expected to beat one-hot there; on GPU/TPU it is a grouped matmul and the ratio should grow
-with E / k.
+* ``routed``: what the MoE layer runs on this platform (``experts_routed``: on CPU
+  ``experts_cpu``, the blocked scan or the batched every-expert product; on GPU/TPU
+  ``ragged_dot``);
+* ``blocked`` and ``batched``: the two CPU paths on their own;
+* ``ragged``: ``jax.lax.ragged_dot`` (XLA:CPU lowers it to a masked dense product over every
+  expert);
+* ``one_hot``: the dense reference;
+* ``floor``: a dense FFN over the same ``N*k`` rows (every row through expert 0), the FLOPs
+  of a perfect grouped matmul. Issue #21's target: routed / floor <= 1.5.
 
-    .venv/bin/python bench/bench_moe.py [--quick]
+Cases: the ``k3-slice`` expert widths (latent 3584 -> 3072, 4 experts top-2) at decode sizes
+(N 8, 128), a prefill chunk (512) and a training batch (1024, with backward); ``--quick``: N 8
+and 512 forward only. Writes bench/results/moe_dispatch.json.
+
+    .venv/bin/python bench/bench_moe.py [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -27,7 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from kdsa.model.activations import gated_activation  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
-from kdsa.model.moe import experts_one_hot, experts_ragged, route  # noqa: E402
+from kdsa.model.experts_cpu import experts_batched, experts_blocked  # noqa: E402
+from kdsa.model.moe import experts_one_hot, experts_ragged, experts_routed, route  # noqa: E402
+from timing import seconds, write_results  # noqa: E402
 
 
 def make_case(n: int, e: int, k: int, de: int, i: int):
@@ -44,64 +51,66 @@ def make_case(n: int, e: int, k: int, de: int, i: int):
 
 
 def floor_fn(z, idx, wt, w1, w3, w2, config):
-    """Same row count and FLOPs as a perfect grouped matmul (every row uses expert 0)."""
+    """Same row count and FLOPs as a perfect grouped matmul (every row uses expert 0): a dense
+    FFN of the routed experts' active FLOPs."""
     n, k = idx.shape
+    w1_0, w3_0, w2_0 = w1[0], w3[0], w2[0]
     rows = jnp.repeat(z, k, axis=0)  # [N*k, De]
-    h = gated_activation(rows @ w1[0], rows @ w3[0], config)
-    return jnp.einsum("nkd,nk->nd", (h @ w2[0]).reshape(n, k, -1), wt)
+    h = gated_activation(rows @ w1_0, rows @ w3_0, config)
+    return jnp.einsum("nkd,nk->nd", (h @ w2_0).reshape(n, k, -1), wt)
 
 
-def seconds(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+PATHS = {"routed": experts_routed, "blocked": experts_blocked, "batched": experts_batched,
+         "ragged": experts_ragged, "one_hot": experts_one_hot, "floor": floor_fn}
 
 
-def bench_case(n, e, k, de, i, iters):
+def bench_case(n, e, k, de, i, paths, backward: bool, reps: int) -> dict:
     c, args = make_case(n, e, k, de, i)
+    z, idx, wt, w1, w3, w2 = args
     out = {}
-    for name, f in (("ragged", experts_ragged), ("one_hot", experts_one_hot), ("floor", floor_fn)):
+    for name in paths:
+        f = PATHS[name]
         fwd = jax.jit(lambda *a, f=f: f(*a, c))
-        def loss(z, w1, w3, w2, idx, wt, f=f):
-            return jnp.sum(f(z, idx, wt, w1, w3, w2, c) ** 2)
-        bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-        z, idx, wt, w1, w3, w2 = args
-        out[name] = {"fwd_s": seconds(fwd, args, iters),
-                     "fwd_bwd_s": seconds(bwd, (z, w1, w3, w2, idx, wt), iters)}
+        out[name] = {"fwd_s": seconds(fwd, *args, reps=reps)}
+        if backward:
+            def loss(z, w1, w3, w2, idx, wt, f=f):
+                return jnp.sum(f(z, idx, wt, w1, w3, w2, c) ** 2)
+            bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+            out[name]["fwd_bwd_s"] = seconds(bwd, z, w1, w3, w2, idx, wt, reps=reps)
+        print(f"  N={n} {name:8s} " + "  ".join(f"{p} {v * 1e3:8.1f} ms"
+                                               for p, v in out[name].items()), flush=True)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="one size, few iterations")
+    p.add_argument("--quick", action="store_true", help="N 8 and 512, forward only")
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).parent / "results" / "moe_dispatch.json")
     args = p.parse_args()
-    sizes = [(1024, 16, 4, 128, 128)]
+    k3 = get_preset("k3-slice")
+    e, k, de, i = (k3.num_experts, k3.num_experts_per_token, k3.expert_hidden_size,
+                   k3.moe_intermediate_size)
+    all_paths = ("routed", "blocked", "batched", "ragged", "floor")
+    cases = [(8, all_paths, False), (512, all_paths, False)]
     if not args.quick:
-        sizes += [(2048, 64, 4, 128, 128)]
-    iters = 3 if args.quick else 5
+        cases = [(8, all_paths, False), (128, all_paths, False), (512, all_paths, False),
+                 (1024, ("routed", "ragged", "one_hot", "floor"), True)]
     rows = []
-    for n, e, k, de, i in sizes:
-        t = bench_case(n, e, k, de, i, iters)
+    for n, paths, backward in cases:
+        t = bench_case(n, e, k, de, i, paths, backward, reps=2 if backward else 3)
         row = {"N": n, "E": e, "k": k, "De": de, "I": i, "times": t}
-        for phase in ("fwd_s", "fwd_bwd_s"):
-            row[f"one_hot_over_ragged_{phase[:-2]}"] = t["one_hot"][phase] / t["ragged"][phase]
-            row[f"ragged_over_floor_{phase[:-2]}"] = t["ragged"][phase] / t["floor"][phase]
+        for phase in t["floor"]:
+            for name in paths:
+                if name != "floor":
+                    row[f"{name}_over_floor_{phase[:-2]}"] = t[name][phase] / t["floor"][phase]
+            row[f"ragged_over_routed_{phase[:-2]}"] = t["ragged"][phase] / t["routed"][phase]
         rows.append(row)
-        print(f"N={n} E={e} k={k} De={de} I={i}: one-hot/ragged fwd "
-              f"{row['one_hot_over_ragged_fwd']:.2f}x, fwd+bwd "
-              f"{row['one_hot_over_ragged_fwd_bwd']:.2f}x; ragged/floor fwd "
-              f"{row['ragged_over_floor_fwd']:.2f}x, fwd+bwd "
-              f"{row['ragged_over_floor_fwd_bwd']:.2f}x",
-              flush=True)
-    out = Path(__file__).parent / "results" / "moe_dispatch.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"device": str(jax.devices()[0]), "quick": args.quick,
-                               "rows": rows}, indent=2))
-    print(f"wrote {out}")
+        print(f"N={n}: routed/floor {row['routed_over_floor_fwd']:.2f}x fwd"
+              + (f", {row['routed_over_floor_fwd_bwd']:.2f}x fwd+bwd" if backward else "")
+              + f"; ragged/routed {row['ragged_over_routed_fwd']:.2f}x fwd", flush=True)
+    write_results(args.out, {"device": str(jax.devices()[0]), "quick": args.quick,
+                             "preset_widths": "k3-slice", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ Checkpoint shapes (K3): ``gate.weight [896, 7168]``, ``gate.e_score_correction_b
 
 Dispatch is dropless (every assignment is computed, no capacity factor): the ``N*k``
 assignments are sorted by expert and run through ``jax.lax.ragged_dot`` grouped matmuls
-(:func:`experts_ragged`). :func:`experts_one_hot` is the dense reference (every token through
+(:func:`experts_ragged`) on GPU/TPU, and through ``kdsa.model.experts_cpu`` on CPU, where
+XLA's ``ragged_dot`` is a masked dense product (:func:`experts_routed` picks by the platform the
+step is compiled for). :func:`experts_one_hot` is the dense reference (every token through
 every expert, combined with a ``[N, E]`` weight matrix); tests compare the two, values and
 gradients. The load-balancing bias is not trained by the optimizer: it lives in a
 :class:`RoutingBias` variable and the trainer applies :func:`update_routing_bias` with the
@@ -40,12 +42,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdsa.kernels_pallas.common import backend as kernel_backend
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, lecun_init,
                                param)
 from kdsa.model.expert_parallel import expert_parallel_experts
+from kdsa.model.experts_cpu import experts_cpu
+from kdsa.model.partitioning import current as current_sharding
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
@@ -172,6 +177,26 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     return y.astype(dt)
 
 
+def experts_routed(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,
+                   w3: jax.Array, w2: jax.Array, config: ModelConfig) -> jax.Array:
+    """The layer's routed experts: :func:`experts_ragged` when the step is compiled for GPU or
+    TPU (the active mesh's devices, else ``kernels_pallas.common.backend()``, which follows
+    ``compile_target``), ``kdsa.model.experts_cpu.experts_cpu`` for CPU."""
+    if compile_platform() == "cpu":
+        return experts_cpu(z, topk_idx, topk_weight, w1, w3, w2, config)
+    return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
+
+
+def compile_platform() -> str:
+    """``"cpu" | "gpu" | "tpu"``: the platform of the active mesh's devices (ahead-of-time TPU
+    compiles on a CPU host trace under a mesh of TPU devices), else the kernels' backend."""
+    ctx = current_sharding()
+    if ctx is not None:
+        platform = ctx.mesh.devices.flat[0].platform
+        return "gpu" if platform in ("cuda", "rocm") else platform
+    return kernel_backend()
+
+
 def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,
                     w3: jax.Array, w2: jax.Array, config: ModelConfig) -> jax.Array:
     """Dense reference for :func:`experts_ragged`: every token through every expert.
@@ -254,7 +279,7 @@ class RoutedExperts(nnx.Module):
     ``expert_weight_format="mxfp4"``: instead ``w{1,3,2}_packed`` / ``w{1,3,2}_scale``
     (:class:`PackedExpertWeight`, HF orientation ``[E, N, K/2]`` / ``[E, N, K/32]``), initialised
     by quantising the same float initialiser's draw. With the default ``experts_fn``
-    (:func:`experts_ragged`) they go through the MXFP4 grouped matmul
+    (:func:`experts_routed`) they go through the MXFP4 grouped matmul
     (:func:`experts_ragged_mxfp4`); any other ``experts_fn`` (e.g. :func:`experts_one_hot`, the
     reference) gets the exactly dequantised float weights. ``expert_qat``: the float weights pass
     through :func:`qat_expert_weights` before any ``experts_fn``.
@@ -294,8 +319,8 @@ class RoutedExperts(nnx.Module):
         return qat_expert_weights(*ws) if self.config.expert_qat else ws
 
     def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
-                 experts_fn: ExpertsFn = experts_ragged) -> jax.Array:
-        if self.packed and experts_fn is experts_ragged:
+                 experts_fn: ExpertsFn = experts_routed) -> jax.Array:
+        if self.packed and experts_fn is experts_routed:
             return experts_ragged_mxfp4(
                 z, topk_idx, topk_weight,
                 *(getattr(self, f"{n}_{part}")[...] for n in ("w1", "w3", "w2")
@@ -337,7 +362,7 @@ class MoE(nnx.Module):
                  expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """``expert_ids [B, T, k]``: use these experts instead of the router's top-k (routing
         replay); the gate weights still come from the current router."""
-        return self._forward(x, token_mask, experts_ragged, expert_ids)
+        return self._forward(x, token_mask, experts_routed, expert_ids)
 
     def reference(self, x: jax.Array, *, token_mask: jax.Array | None = None,
                   expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -347,7 +372,7 @@ class MoE(nnx.Module):
     def _routed(self, z, topk_idx, topk_weight, experts_fn: ExpertsFn) -> tuple[jax.Array, dict]:
         """The routed experts ``[N, De]`` and, under expert parallelism (the active rules shard
         the experts), ``{"moe_dropped": [] int32}``; ``{}`` on one device."""
-        sharded = expert_parallel_experts() if experts_fn is experts_ragged else None
+        sharded = expert_parallel_experts() if experts_fn is experts_routed else None
         if sharded is None:
             return self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn), {}
         return sharded(z, topk_idx, topk_weight, *self.experts.float_weights(), self.config)
