@@ -55,7 +55,9 @@ from kdsa.infer.engine import Request  # noqa: E402
 from kdsa.infer.sampling import SamplingParams  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.count import count_params  # noqa: E402
+from kdsa.sharding.aot import compiled_memory  # noqa: E402
 from kdsa.sharding.mesh import fit_layout  # noqa: E402
+from kdsa.sharding.plan import make_plan  # noqa: E402
 from kdsa.sharding.train_state import train_state_shardings  # noqa: E402
 from kdsa.train.config import TrainConfig  # noqa: E402
 from kdsa.progress import Progress  # noqa: E402
@@ -73,7 +75,8 @@ def random_batch(config, tc: TrainConfig, seed: int = 0) -> dict:
 
 
 def train_rate(config, tc: TrainConfig, reps: int, donate: bool = False):
-    """``(tokens/s, executed FLOPs per step, graphdef, state)`` of the one-device step.
+    """``(tokens/s, executed FLOPs per step, step seconds, graphdef, state, CompiledMemory)``
+    of the one-device step.
     ``donate``: the state is donated and each call runs on the previous call's output (one
     state in memory, not two: a K3-wide model's AdamW state does not fit twice here)."""
     abstract, graphdef, tx, build = prepare(config, tc)
@@ -81,7 +84,9 @@ def train_rate(config, tc: TrainConfig, reps: int, donate: bool = False):
     batch = random_batch(config, tc)
     kw = {"tc": tc, "tx": tx, "layout": abstract.segment_layout}
     step = train_step_with_options(donate=True) if donate else train_step
+    t0 = time.perf_counter()
     compiled = step.lower(graphdef, state, batch, **kw).compile()
+    memory = compiled_memory(compiled, time.perf_counter() - t0)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     executed = float(cost.get("flops", 0.0)) if cost else 0.0
@@ -93,10 +98,22 @@ def train_rate(config, tc: TrainConfig, reps: int, donate: bool = False):
             return metrics["loss"]
 
         dt = seconds(call, reps=reps)
-        return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, holder[0]
+        return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, holder[0], memory
     # the step returns a new state; timing the same input state keeps every call alike
     dt = seconds(lambda: compiled(state, batch)[1]["loss"], reps=reps)
-    return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, state
+    return tc.batch_size * tc.seq_len / dt, executed, dt, graphdef, state, memory
+
+
+def memory_report(config, tc: TrainConfig, compiled) -> dict:
+    """XLA's per-device bytes of the compiled step beside ``kdsa plan``'s estimate for the
+    same shape on one device (``sharding/plan.py``), and this process's peak RSS."""
+    import resource
+
+    plan = make_plan(config, "train", {}, device_memory=1 << 40, batch=tc.batch_size,
+                     seq=tc.seq_len)
+    return {"compiled": compiled.to_dict(), "plan": plan.memory, "plan_total": plan.total,
+            "compiled_peak_over_plan": compiled.peak / plan.total,
+            "process_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def rollout_rate(sampler: Sampler, slots: int, prompt: int, new: int) -> float:
@@ -157,8 +174,9 @@ def main() -> int:
 
     roof0 = matmul_flops(args.matmul, reps)
     bar.advance_to(1, desc=f"matmul {roof0 / 1e9:.1f} GFLOP/s")
-    tps, executed, step_s, graphdef, state = train_rate(config, tc, reps,
-                                                        donate=args.train_only)
+    tps, executed, step_s, graphdef, state, compiled = train_rate(config, tc, reps,
+                                                                  donate=args.train_only)
+    memory = memory_report(config, tc, compiled)
     roof1 = matmul_flops(args.matmul, reps)  # again right after the step: same load
     roof = max(roof0, roof1)
     bar.advance_to(2, desc=f"train {tps:.0f} tokens/s")
@@ -185,7 +203,7 @@ def main() -> int:
                   "tokens_per_s": tps, "active_params": active,
                   "model_flops_per_s": model_flops, "model_flops_fraction": model_flops / roof,
                   "executed_flops_per_step": executed, "executed_flops_per_s": exec_flops,
-                  "executed_flops_fraction": exec_flops / roof},
+                  "executed_flops_fraction": exec_flops / roof, "memory": memory},
         "rollout": None if roll is None else {
             "slots": args.slots, "prompt": prompt, "new_tokens": new,
             "generate_devices": args.generate_devices, "tokens_per_s": roll,
@@ -205,8 +223,15 @@ def main() -> int:
           f"{tps:.0f} tokens/s")
     print(f"    model FLOPs (6 x {active / 1e6:.2f}M active x tokens): "
           f"{model_flops / 1e9:.2f} GFLOP/s = {tr['model_flops_fraction']:.3f} of the roofline")
-    print(f"    executed FLOPs (XLA cost analysis, {executed / 1e9:.2f} GFLOP/step): "
+    print(f"    executed FLOPs (XLA cost analysis, {executed / 1e9:.2f} GFLOP/step; it counts a "
+          f"loop body once, so scanned layers and the MoE block scan are undercounted): "
           f"{exec_flops / 1e9:.2f} GFLOP/s = {tr['executed_flops_fraction']:.3f} of the roofline")
+    gib = 2.0 ** 30
+    print(f"    memory per device: compiled peak {memory['compiled']['peak'] / gib:.2f} GiB "
+          f"(arguments {memory['compiled']['arguments'] / gib:.2f}, temporaries "
+          f"{memory['compiled']['temporaries'] / gib:.2f}); plan {memory['plan_total'] / gib:.2f} "
+          f"GiB ({memory['compiled_peak_over_plan']:.2f}x); process peak RSS "
+          f"{memory['process_peak_rss'] / gib:.2f} GiB")
     if args.train_only:
         write_results(args.out, res)
         return 0

@@ -105,6 +105,27 @@ def select_topk(scores: jax.Array, visible: jax.Array, topk: int) -> jax.Array:
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
+KEY_BLOCK = 2048  # keys gathered and scored per step of a paged decode step's scan
+
+
+def _scores_by_key_block(q: jax.Array, pool: jax.Array, weights: jax.Array,
+                         key_rows: jax.Array) -> jax.Array:
+    """:func:`indexer_scores` of ``q [B, 1, J, D]`` against the pool rows ``key_rows [B, S]``,
+    gathered ``KEY_BLOCK`` keys at a time inside a scan, so each gathered block is scored
+    while it is still in cache instead of writing all ``[B, S, D]`` rows to memory first.
+    Returns ``[B, 1, S]``."""
+    b, s = key_rows.shape
+    blk = min(KEY_BLOCK, s)
+    nblk = -(-s // blk)
+    rows = jnp.pad(key_rows, ((0, 0), (0, nblk * blk - s)))  # padding scores row 0, cut below
+    rows = jnp.moveaxis(rows.reshape(b, nblk, blk), 1, 0)  # [nblk, B, blk]
+    pool = jnp.asarray(pool)
+    _, scores = jax.lax.scan(
+        lambda _, r: (None, indexer_scores(q, jnp.take(pool, r, axis=0), weights)), None,
+        rows)  # [nblk, B, 1, blk]
+    return jnp.moveaxis(scores, 0, 2).reshape(b, 1, nblk * blk)[..., :s]
+
+
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q_pos, kv_pos,
                  q_seg, kv_seg, chunk_size: int, key_rows: jax.Array | None = None) -> jax.Array:
     """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
@@ -113,8 +134,9 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
     ``model/paged_cache.py``) whose row ``key_rows[b, s]`` is key ``s`` of batch row ``b``. A
     decode step (one query per row) whose rows reach over half the pool scores the whole pool
     and gathers the scores (one float per key instead of a ``D``-wide row: measured 1.6-2.7x
-    faster at 128K keys); otherwise the key rows are gathered once for all query chunks. Same
-    products either way.
+    faster at 128K keys); a decode step over a larger pool gathers and scores ``KEY_BLOCK``
+    keys at a time (:func:`_scores_by_key_block`); a prefill chunk gathers the key rows once
+    for all its query chunks. Same products every way.
 
     Never holds more than ``[B, C, J, max(S, R)]`` scores. Indices are not differentiable.
     """
@@ -129,6 +151,8 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
             _, c, j, d = qc.shape
             pooled = indexer_scores(qc.reshape(1, b * c, j, d), k[None], wc.reshape(1, b * c, j))
             return jnp.take_along_axis(pooled.reshape(b, c, -1), key_rows[:, None, :], axis=2)
+    elif t == 1:
+        key_side = lambda qc, wc: _scores_by_key_block(qc, k, wc, key_rows)  # noqa: E731
     else:
         rows = k[key_rows]  # [B, S, D]
         key_side = lambda qc, wc: indexer_scores(qc, rows, wc)  # noqa: E731
@@ -269,6 +293,8 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *
                          f"dims add up to D), v [B,S,G,Dv] with N % G == 0; got {q.shape}, "
                          f"{shapes}, {v.shape}")
     _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+    if t == 1:
+        return _dense_decode(q, k, v, sm_scale, visible_mask(q_pos, kv_pos, q_seg, kv_seg))
 
     def chunk(qc, pc, sc):
         vis = visible_mask(pc, kv_pos, sc, kv_seg)  # [B, C, S]
@@ -282,6 +308,42 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *
         return _softmax_attend(logits, values)
 
     return map_query_chunks(chunk, chunk_size, (q, q_pos, q_seg))
+
+
+def _dense_decode(q, k: tuple[jax.Array, ...], v, sm_scale: float, visible):
+    """:func:`dense_attention` of one query per row, keys-major: the logits are ``[B, S, G, R]``
+    (``R = N / G``) and the softmax runs over S in place. The query-major chunked form measured
+    3.6x slower for MLA's absorbed decode on XLA:CPU (8 x 32K keys of 576, 8 heads: 257 ms
+    against 71; ``docs/performance.md``). Same maths as the chunked path; ``visible [B, 1, S]``.
+    """
+    b, _, n, _ = q.shape
+    g = k[0].shape[2]
+    # with one key head (MLA's absorbed form) the head axis is dropped from the keys: as a
+    # dot batch dimension between S and D it made XLA transpose the whole cache first
+    keys = lambda a: a[:, :, 0] if g == 1 else a  # noqa: E731
+    spec = "bsd,brd->bsr" if g == 1 else "bsgd,bgrd->bsgr"
+    logits, start = 0.0, 0
+    for part in k:
+        d = part.shape[-1]
+        qg = q[:, 0, :, start:start + d].astype(f32).reshape(b, g, n // g, d)
+        logits = logits + jnp.einsum(spec, keys(part).astype(f32), qg[:, 0] if g == 1 else qg)
+        start += d
+    if g == 1:
+        logits = logits[:, :, None]  # [B, S, 1, R]
+    logits = jnp.where(visible[:, 0, :, None, None], logits * sm_scale, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=1, keepdims=True))  # [B, 1, G, R]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m)  # [B, S, G, R]; masked keys give 0
+    l = jnp.sum(p, axis=1)  # [B, G, R]
+    live = l > 0
+    l_safe = jnp.where(live, l, 1.0)
+    if g == 1:
+        out = jnp.einsum("bsr,bsd->brd", p[:, :, 0], keys(v).astype(f32))[:, None]
+    else:
+        out = jnp.einsum("bsgr,bsgd->bgrd", p, v.astype(f32))
+    out = out / l_safe[..., None]
+    lse = jnp.where(live, m[:, 0] + jnp.log(l_safe), -jnp.inf)
+    return out.reshape(b, 1, n, -1), lse.reshape(b, 1, n)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,15 +60,43 @@ class DSACache:
     kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
     RoPE; unrotated with NoPE), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``
     without an indexer).
+
+    Inside the layer scan a layer gets its whole stack's arrays, ``[repeats, B, L, D]``, with
+    ``layer`` its index there, and writes and reads ``buf[layer]`` in place (as
+    ``PagedDSACache`` does): slicing its own ``[B, L, D]`` out and stacking it back made XLA
+    copy the stack's caches several times per decode step.
     """
 
     kv_latent: jax.Array
     k_rope: jax.Array
     index_keys: jax.Array
+    layer: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
-        return self.kv_latent.shape[1]
+        return self.kv_latent.shape[-2]
+
+    def write(self, name: str, positions: jax.Array, values: jax.Array) -> jax.Array:
+        """Buffer ``name`` with ``values [B, T, D]`` at slots ``positions [B, T]`` (slots
+        ``>= max_len`` are dropped: padding)."""
+        buf = getattr(self, name)
+        rows = jnp.arange(positions.shape[0])[:, None]
+        values = values.astype(buf.dtype)
+        if self.layer is None:
+            return buf.at[rows, positions].set(values, mode="drop")
+        return buf.at[self.layer, rows, positions].set(values, mode="drop")
+
+    def view(self, name: str) -> jax.Array:
+        """This layer's ``[B, L, D]`` buffer ``name``, to read."""
+        buf = getattr(self, name)
+        return buf if self.layer is None else jax.lax.dynamic_index_in_dim(
+            buf, self.layer, keepdims=False)
+
+    def settled(self) -> "DSACache":
+        """The buffers after this step's writes, fenced from the reads that follow (see
+        ``PagedDSACache.settled``)."""
+        bufs = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
+        return self.replace(kv_latent=bufs[0], k_rope=bufs[1], index_keys=bufs[2])
 
 
 def _index_dim(config: ModelConfig) -> int:
@@ -254,16 +282,18 @@ class GatedDSA(nnx.Module):
         c = self.config
         b, t = positions.shape
         big = cache.max_len
-        rows = jnp.arange(b)[:, None]
         # padding tokens (segment 0) are not written; positions >= max_len are dropped too
         if segment_ids is None:
             write, q_seg = positions, jnp.ones((b, t), jnp.int32)
         else:
             write, q_seg = jnp.where(segment_ids != 0, positions, big), (segment_ids != 0)
             q_seg = q_seg.astype(jnp.int32)
-        put = lambda buf, new: buf.at[rows, write].set(new.astype(buf.dtype), mode="drop")  # noqa
-        kv_latent, k_rope = put(cache.kv_latent, c_kv), put(cache.k_rope, k_pe)
-        index_keys = cache.index_keys
+        written = dict(kv_latent=c_kv, k_rope=k_pe)
+        if self.indexer is not None:
+            iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
+        cache = cache.replace(**{name: cache.write(name, write, v)
+                                 for name, v in written.items()}).settled()
+        kv_latent, k_rope = cache.view("kv_latent"), cache.view("k_rope")
         vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(big, dtype=jnp.int32),
                                                              (b, big)),
                    q_seg=q_seg, kv_seg=jnp.ones((b, big), jnp.int32),
@@ -272,16 +302,13 @@ class GatedDSA(nnx.Module):
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if self.indexer is not None:
-            iq, ik, iw = self.indexer(x, q_latent, positions)
-            index_keys = put(index_keys, ik)
-            idx = indexer_topk(iq, index_keys, iw, c.index_topk, **vis)
+            idx = indexer_topk(iq, cache.view("index_keys"), iw, c.index_topk, **vis)
             o_lat, _ = _sparse_attention(c.attention_impl)(q_abs, kv, idx, scale, c.kv_lora_rank,
                                                            chunk_size=c.dsa_query_chunk_size)
         else:
             o_lat, _ = dense_attention(q_abs, (kv_latent[:, :, None], k_rope[:, :, None]),
                                        kv_latent[:, :, None], scale, **vis)  # MQA: G = 1
-        new_cache = DSACache(kv_latent=kv_latent, k_rope=k_rope, index_keys=index_keys)
-        return self._unabsorb(o_lat), new_cache
+        return self._unabsorb(o_lat), cache
 
     # ---- attention over a paged pool ----
     def _attend_pages(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
@@ -347,7 +374,7 @@ class GatedDSA(nnx.Module):
             raise ValueError(f"indexer_loss={indexer_loss!r} is for training without a cache")
         paged = isinstance(cache, PagedDSACache)
         want = (cache.num_rows,) if paged else (x.shape[0], cache.max_len)
-        if paged and cache.layer is not None:  # the stack's pools, [repeats, R, D]
+        if cache.layer is not None:  # the stack's buffers, [repeats, ...]
             want = cache.kv_latent.shape[:1] + want
         for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", c.qk_rope_head_dim),
                         ("index_keys", _index_dim(c))):

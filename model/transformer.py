@@ -27,7 +27,7 @@ from flax import nnx
 from kdsa.model.attn_res import AttnResScorer, Residual, initial_residual
 from kdsa.model.block import ACT, LayerGroup
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa_layer import init_dsa_cache
+from kdsa.model.dsa_layer import DSACache, init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
@@ -193,8 +193,8 @@ class Transformer(nnx.Module):
                                         expert_ids=ids, block_table=block_table)
             return carry, (cache, stats)
 
-        if block_table is not None and caches is not None:  # paged: pools written in place
-            return self._run_paged_segment(graphdef, state, firsts, res, caches, expert_ids,
+        if caches is not None:  # DSA caches written in place (dense-slot and paged)
+            return self._run_cached_segment(graphdef, state, firsts, res, caches, expert_ids,
                                            positions=positions, segment_ids=segment_ids,
                                            collect=collect, block_table=block_table)
         if self.config.remat_policy != "none":
@@ -211,14 +211,14 @@ class Transformer(nnx.Module):
         caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return res, caches, stats
 
-    def _run_paged_segment(self, graphdef, state, firsts, res, caches, expert_ids, *,
-                           positions, segment_ids, collect, block_table):
-        """``_run_segment`` with a paged cache (prefill and decode, no gradients): the caches
-        ride in the scan's carry; each layer gets its own slice of the per-slot (KDA) leaves,
-        and the whole stack's DSA pools with its index, which it updates in place
-        (``PagedDSACache.layer``): XLA copied every pool at every step when a layer's pool was
-        sliced out and stacked back."""
-        is_pool = lambda x: isinstance(x, PagedDSACache)  # noqa: E731
+    def _run_cached_segment(self, graphdef, state, firsts, res, caches, expert_ids, *,
+                            positions, segment_ids, collect, block_table):
+        """``_run_segment`` with a cache (prefill and decode, no gradients): the caches ride in
+        the scan's carry; each layer gets its own slice of the per-row (KDA) leaves, and the
+        whole stack's DSA buffers (dense slots or paged pools) with its index, which it updates
+        in place (``DSACache.layer``, ``PagedDSACache.layer``): XLA copied every DSA cache
+        several times per step when a layer's was sliced out and stacked back."""
+        is_pool = lambda x: isinstance(x, (DSACache, PagedDSACache))  # noqa: E731
 
         def body(carry, xs):
             res, stacked = carry

@@ -194,8 +194,10 @@ def test_indexer_topk_sets_match_numpy():
 
 @pytest.mark.parametrize("pool_rows", [40, 100])  # <= 2 S and one query: the pool scored whole
 @pytest.mark.parametrize("t", [1, 13])
-def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t):
+@pytest.mark.parametrize("key_block", [2048, 6])  # 6: one query scans 4 blocks, the last padded
+def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t, key_block, monkeypatch):
     """Keys in a pool [R, D] reached through key_rows [B, S] select what the gathered keys do."""
+    monkeypatch.setattr(dsa, "KEY_BLOCK", key_block)
     b, s, k_top = 2, 20, 4
     rng = np.random.default_rng(3)
     pool = randn(pool_rows, 4)
@@ -346,6 +348,36 @@ def test_dense_attention_mha_matches_numpy():
     with pytest.raises(ValueError, match="q_pos"):
         dsa.dense_attention(q, k, vv, 0.5, q_pos=pos[:, :3], kv_pos=pos, q_seg=seg, kv_seg=seg,
                             chunk_size=3)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])  # 1: MLA's absorbed decode (keys without heads)
+def test_dense_attention_one_query_matches_numpy(groups):
+    """The one-query (decode) path, keys-major, against NumPy: GQA groups, key parts, a row
+    that sees nothing (out 0, lse -inf), a row that sees part of the keys."""
+    b, s, n, v = 3, 11, 4, 3
+    q = randn(b, 1, n, 7)
+    k = (randn(b, s, groups, 5), randn(b, s, groups, 2))
+    vv = randn(b, s, groups, v)
+    kv_pos = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    q_pos = np.array([[s - 1], [4], [s - 1]], np.int32)
+    kv_seg = np.ones((b, s), np.int32)
+    q_seg = np.array([[1], [1], [0]], np.int32)  # row 2: a segment no key has
+    out, lse = dsa.dense_attention(q, k, vv, 0.5, q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg,
+                                   kv_seg=kv_seg, chunk_size=4)
+    keys = np.concatenate(k, -1).astype(np.float64)
+    for i in range(b):
+        for h in range(n):
+            gi = h // (n // groups)
+            lg = keys[i, :, gi] @ q[i, 0, h].astype(np.float64) * 0.5
+            seen = (kv_pos[i] <= q_pos[i, 0]) & (kv_seg[i] == q_seg[i, 0])
+            if not seen.any():
+                assert np.all(out[i, 0, h] == 0) and lse[i, 0, h] == -np.inf
+                continue
+            lg = np.where(seen, lg, -np.inf)
+            p = np.exp(lg - lg.max())
+            np.testing.assert_allclose(out[i, 0, h], p @ vv[i, :, gi] / p.sum(), rtol=1e-5,
+                                       atol=1e-6)
+            assert lse[i, 0, h] == pytest.approx(lg.max() + np.log(p.sum()), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

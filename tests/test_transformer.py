@@ -1,5 +1,7 @@
 """The decoder stack: scan vs loop vs an unrolled reference, caches, packing, determinism."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,10 +142,21 @@ def test_plain_residual_variant_and_gradients(ids):
     assert nonzero >= 0.9 * len(leaves)  # gradients reach (nearly) every parameter
 
 
-def test_prefill_then_decode_equals_full_forward(tiny_model, ids):
-    cfg = tiny_model.config
-    full = _forward(tiny_model, ids).logits
-    cache = tiny_model.init_cache(B, 32)
+def _dsa_stack():
+    """tiny with layers 2-4 Gated DSA: one scanned segment of 3 DSA layers, whose caches the
+    scan updates in place through ``DSACache.layer``."""
+    c = get_preset("tiny")
+    lac = dataclasses.replace(c.linear_attn_config, kda_layers=(1,), full_attn_layers=(2, 3, 4))
+    return Transformer(c.replace(linear_attn_config=lac), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("stack", ["tiny", "dsa_stack"])
+def test_prefill_then_decode_equals_full_forward(tiny_model, ids, stack):
+    model = tiny_model if stack == "tiny" else _dsa_stack()
+    cfg = model.config
+    assert stack == "tiny" or cfg.mixer_kinds == ("kda", "dsa", "dsa", "dsa")
+    full = _forward(model, ids).logits
+    cache = model.init_cache(B, 32)
     n_prefill = 15  # > index_topk, and not a multiple of the KDA chunk
 
     @nnx.jit
@@ -152,10 +165,10 @@ def test_prefill_then_decode_equals_full_forward(tiny_model, ids):
         return out.logits, out.cache
 
     pos = default_positions(ids, None)
-    logits, cache = step(tiny_model, ids[:, :n_prefill], pos[:, :n_prefill], cache)
+    logits, cache = step(model, ids[:, :n_prefill], pos[:, :n_prefill], cache)
     outs = [logits]
     for t in range(n_prefill, T):
-        logits, cache = step(tiny_model, ids[:, t:t + 1], pos[:, t:t + 1], cache)
+        logits, cache = step(model, ids[:, t:t + 1], pos[:, t:t + 1], cache)
         outs.append(logits)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full),
                                atol=2e-4, rtol=2e-4)
