@@ -203,3 +203,31 @@ def test_bad_inputs():
     # NoPE (every preset): nothing encodes positions, so the context is not capped by them
     assert model.config.context_limit is None and rope.config.context_limit == 1024
     assert jax.eval_shape(lambda: model.init_cache(1, 4096))[-1][0].kv_latent.shape[2] == 4096
+
+
+def test_scanned_dsa_caches_are_updated_in_place():
+    """The decode step of a scanned segment of 3 DSA layers writes the stacked dense-slot
+    caches in place: no copy, broadcast or dynamic-update-slice of a whole stacked buffer in
+    the compiled step (before ``DSACache.layer`` each step zeroed a new stack and wrote each
+    layer's whole cache into it)."""
+    import re
+
+    model = _dsa_stack()
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(2, 512)
+    stacked = [a.shape for a in jax.tree.leaves(cache) if a.ndim == 4 and a.shape[0] == 3
+               and a.shape[-1] > 0]
+    assert stacked, "the DSA segment's caches are stacked over its 3 repeats"
+
+    def step(state, cache, ids, pos):
+        out = nnx.merge(graphdef, state).forward(ids, positions=pos, cache=cache)
+        return out.logits, out.cache
+
+    ids, pos = jnp.ones((2, 1), jnp.int32), jnp.full((2, 1), 7, jnp.int32)
+    hlo = jax.jit(step, donate_argnums=(1,)).lower(state, cache, ids, pos).compile().as_text()
+    names = "|".join(re.escape(",".join(map(str, sh))) for sh in stacked)
+    whole = [line.strip()[:120] for line in hlo.splitlines()
+             if re.search(rf"= f32\[({names})\]\S* (copy|broadcast|dynamic-update-slice|fusion)\(",
+                          line)
+             and re.search(r"copy|broadcast|dynamic-update-slice", line.split("(")[0])]
+    assert not whole, whole
