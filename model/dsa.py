@@ -105,27 +105,6 @@ def select_topk(scores: jax.Array, visible: jax.Array, topk: int) -> jax.Array:
     return jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
 
 
-KEY_BLOCK = 2048  # keys gathered and scored per step of a paged decode step's scan
-
-
-def _scores_by_key_block(q: jax.Array, pool: jax.Array, weights: jax.Array,
-                         key_rows: jax.Array) -> jax.Array:
-    """:func:`indexer_scores` of ``q [B, 1, J, D]`` against the pool rows ``key_rows [B, S]``,
-    gathered ``KEY_BLOCK`` keys at a time inside a scan, so each gathered block is scored
-    while it is still in cache instead of writing all ``[B, S, D]`` rows to memory first.
-    Returns ``[B, 1, S]``."""
-    b, s = key_rows.shape
-    blk = min(KEY_BLOCK, s)
-    nblk = -(-s // blk)
-    rows = jnp.pad(key_rows, ((0, 0), (0, nblk * blk - s)))  # padding scores row 0, cut below
-    rows = jnp.moveaxis(rows.reshape(b, nblk, blk), 1, 0)  # [nblk, B, blk]
-    pool = jnp.asarray(pool)
-    _, scores = jax.lax.scan(
-        lambda _, r: (None, indexer_scores(q, jnp.take(pool, r, axis=0), weights)), None,
-        rows)  # [nblk, B, 1, blk]
-    return jnp.moveaxis(scores, 0, 2).reshape(b, 1, nblk * blk)[..., :s]
-
-
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q_pos, kv_pos,
                  q_seg, kv_seg, chunk_size: int, key_rows: jax.Array | None = None) -> jax.Array:
     """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
@@ -134,9 +113,8 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
     ``model/paged_cache.py``) whose row ``key_rows[b, s]`` is key ``s`` of batch row ``b``. A
     decode step (one query per row) whose rows reach over half the pool scores the whole pool
     and gathers the scores (one float per key instead of a ``D``-wide row: measured 1.6-2.7x
-    faster at 128K keys); a decode step over a larger pool gathers and scores ``KEY_BLOCK``
-    keys at a time (:func:`_scores_by_key_block`); a prefill chunk gathers the key rows once
-    for all its query chunks. Same products every way.
+    faster at 128K keys); otherwise the key rows are gathered once for all query chunks. Same
+    products either way.
 
     Never holds more than ``[B, C, J, max(S, R)]`` scores. Indices are not differentiable.
     """
@@ -151,8 +129,6 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
             _, c, j, d = qc.shape
             pooled = indexer_scores(qc.reshape(1, b * c, j, d), k[None], wc.reshape(1, b * c, j))
             return jnp.take_along_axis(pooled.reshape(b, c, -1), key_rows[:, None, :], axis=2)
-    elif t == 1:
-        key_side = lambda qc, wc: _scores_by_key_block(qc, k, wc, key_rows)  # noqa: E731
     else:
         rows = k[key_rows]  # [B, S, D]
         key_side = lambda qc, wc: indexer_scores(qc, rows, wc)  # noqa: E731

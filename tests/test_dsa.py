@@ -194,10 +194,8 @@ def test_indexer_topk_sets_match_numpy():
 
 @pytest.mark.parametrize("pool_rows", [40, 100])  # <= 2 S and one query: the pool scored whole
 @pytest.mark.parametrize("t", [1, 13])
-@pytest.mark.parametrize("key_block", [2048, 6])  # 6: one query scans 4 blocks, the last padded
-def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t, key_block, monkeypatch):
+def test_indexer_topk_through_key_rows_equals_gathered_keys(pool_rows, t):
     """Keys in a pool [R, D] reached through key_rows [B, S] select what the gathered keys do."""
-    monkeypatch.setattr(dsa, "KEY_BLOCK", key_block)
     b, s, k_top = 2, 20, 4
     rng = np.random.default_rng(3)
     pool = randn(pool_rows, 4)
