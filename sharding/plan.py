@@ -8,8 +8,11 @@ Memory terms (bytes on the busiest device):
 
 * ``parameters``: every variable's shard, stored dtype.
 * ``gradients`` (train): trainable (``nnx.Param``) shards in the parameter dtype.
-* ``optimizer`` (train): AdamW, two float32 moments + a float32 master copy = 12 bytes per
-  trainable element (8 when the parameters are already float32: the master is the parameter).
+* ``optimizer`` (train): AdamW's two moments per trainable element in the parameter dtype
+  (optax's default; the trainer keeps no separate master copy: set ``param_dtype=float32`` for
+  float32 master weights and moments). Until 2026-12-04 this term counted 12 bytes per bfloat16
+  parameter (float32 moments and master); the XLA:TPU compile of a K3 slice showed 4 (its
+  arguments are exactly 3x the bfloat16 parameters; docs/sharding.md section 9).
 * ``activations`` (train): ``B_l = batch / |act_batch|`` rows of ``T_l = seq / |act_seq|``
   tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
   its input carry, ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is
@@ -211,7 +214,7 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         if not train or not isinstance(var, nnx.Param):
             continue
         mem["gradients"] += elems * itemsize
-        mem["optimizer"] += elems * (8 if itemsize == 4 else 12)
+        mem["optimizer"] += elems * 2 * itemsize  # AdamW's two moments, parameter dtype
         used = _axes_of(spec)
         f = sizes["fsdp"]
         if "fsdp" in used and f > 1:
