@@ -13,6 +13,15 @@ Memory terms (bytes on the busiest device):
   float32 master weights and moments). Until 2026-12-04 this term counted 12 bytes per bfloat16
   parameter (float32 moments and master); the XLA:TPU compile of a K3 slice showed 4 (its
   arguments are exactly 3x the bfloat16 parameters; docs/sharding.md section 9).
+* ``gathered`` (train): weights sharded over ``fsdp`` (and, in the train layout, non-expert
+  weights over ``expert``, ZeRO-3 style) are all-gathered whole for their matmuls; the term is
+  the largest gathering unit. An unscanned weight (the vocabulary projections) is held whole
+  three times: gathered for the forward, gathered (and laid out) for the backward, and its
+  unsharded local gradient before the reduce-scatter; XLA:TPU's memory-usage report of a K3
+  slice (``expert=64``) shows three 2.19 GiB ``bf16[7168, 163840]`` buffers
+  (docs/sharding.md section 9). A layer repeat inside the scan counts twice (its weights,
+  gathered again for the remat backward, beside their unsharded gradients): an estimate, not
+  yet checked against a compile of a layer group that large.
 * ``activations`` (train): ``B_l = batch / |act_batch|`` rows of ``T_l = seq / |act_seq|``
   tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
   its input carry, ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is
@@ -139,6 +148,18 @@ def _shard_elements(shape, spec, sizes) -> int:
     return n
 
 
+def _gather_factor(logical, spec, sizes) -> int:
+    """How many times larger a weight is once gathered for its matmul: the product of the
+    ``fsdp`` and ``expert`` sizes sharding it, except ``expert`` on its ``experts`` dimension
+    (expert-parallel weights stay where they are)."""
+    f = 1
+    for name, entry in zip(logical, spec):
+        for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            if a == "fsdp" or (a == "expert" and name != "experts"):
+                f *= sizes[a]
+    return f
+
+
 def _axes_of(spec) -> set[str]:
     out: set[str] = set()
     for entry in spec:
@@ -201,13 +222,15 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         model = abstract_model(config)
     train = layout == "train"
     cb = jnp.dtype(dtype_of(config.compute_dtype)).itemsize
-    mem = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "logits",
-                         "moe_dispatch", "caches", "prefill"), 0)
+    mem = dict.fromkeys(("parameters", "gradients", "optimizer", "gathered", "activations",
+                         "logits", "moe_dispatch", "caches", "prefill"), 0)
+    gathered_units: dict = {}  # unit -> gathered bytes of its weights (one layer repeat)
     comm = dict.fromkeys(AXES, 0.0)
     passes = 3 if config.remat_policy in ("full", "nothing_saveable") else 2
     batch_like = ("data", "fsdp", "expert", "sequence")
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
-        spec = logical_to_spec(variable_axes(var), tuple(var.shape), mesh, rules)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
+        logical = variable_axes(var)
+        spec = logical_to_spec(logical, tuple(var.shape), mesh, rules)
         elems = _shard_elements(var.shape, spec, sizes)
         itemsize = var.dtype.itemsize
         mem["parameters"] += elems * itemsize
@@ -215,6 +238,13 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
             continue
         mem["gradients"] += elems * itemsize
         mem["optimizer"] += elems * 2 * itemsize  # AdamW's two moments, parameter dtype
+        factor = _gather_factor(logical, spec, sizes)
+        if factor > 1:  # a layer repeat's weights are gathered together; others one by one
+            stacked = bool(logical) and logical[0] == "layers"
+            unit = tuple(path[:2]) if stacked else tuple(path)
+            per_unit = elems * factor * itemsize // (var.shape[0] if stacked else 1)
+            copies = 2 if stacked else 3
+            gathered_units[unit] = gathered_units.get(unit, 0) + copies * per_unit
         used = _axes_of(spec)
         f = sizes["fsdp"]
         if "fsdp" in used and f > 1:
@@ -223,6 +253,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
             n = sizes[a]
             if n > 1 and a not in used:
                 comm[a] += 2 * (n - 1) / n * elems * itemsize
+    if gathered_units:
+        mem["gathered"] = max(gathered_units.values())
     b_l = batch // _prod(sizes, rules, "act_batch")
     t_l = seq // _prod(sizes, rules, "act_seq")
     tp = _prod(sizes, rules, "act_heads")

@@ -87,6 +87,24 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     assert set(gen.communication) == {"expert", "tensor"}
 
 
+def test_gathered_weights_term(tiny_abstract, k3_abstract):
+    """Nothing sharded over fsdp / expert: nothing gathered. Sharded: at least the vocabulary
+    projection whole three times (forward, backward, unsharded gradient); K3's largest unit
+    is a layer repeat of its scanned group (twice its gathered weights)."""
+    one = make_plan(TINY, "train", {}, device_memory=GiB, batch=8, seq=32, model=tiny_abstract)
+    assert one.memory["gathered"] == 0
+    sharded = make_plan(TINY, "train", dict(fsdp=2, expert=2), device_memory=GiB, batch=8,
+                        seq=32, model=tiny_abstract)
+    vocab_bytes = TINY.vocab_size * TINY.hidden_size * 4
+    assert sharded.memory["gathered"] >= 3 * vocab_bytes
+    gen = make_plan(TINY, "generate", dict(expert=2), device_memory=GiB, batch=8, seq=32,
+                    model=tiny_abstract)
+    assert gen.memory["gathered"] == 0
+    k3 = make_plan(K3, "train", dict(fsdp=16, expert=64), device_memory=parse_bytes("141GiB"),
+                   batch=1024, seq=8192, moe_capacity_factor=1.25, model=k3_abstract)
+    assert k3.memory["gathered"] > 3 * K3.vocab_size * K3.hidden_size * 2  # bf16
+
+
 def test_k3_train_on_1024_h200_fits_with_a_capacity_factor_and_on_256_is_refused(k3_abstract):
     """Dropless, the expert-parallel receive buffers are sized for every device's assignments
     landing on one owner (64 x the mean here) and alone exceed the device; with a capacity
