@@ -20,8 +20,10 @@ Memory terms (bytes on the busiest device):
   unsharded local gradient before the reduce-scatter; XLA:TPU's memory-usage report of a K3
   slice (``expert=64``) shows three 2.19 GiB ``bf16[7168, 163840]`` buffers
   (docs/sharding.md section 9). A layer repeat inside the scan counts twice (its weights,
-  gathered again for the remat backward, beside their unsharded gradients): an estimate, not
-  yet checked against a compile of a layer group that large.
+  gathered again for the remat backward, beside their unsharded gradients): with
+  ``expert=16,fsdp=4`` the same slice's report holds each of a MoE layer's gathered
+  ``bf16[56, 3584, 3072]`` expert matrices about twice, and its temporaries grew by 2.69 GiB
+  over ``expert=64`` where this term grew by 2.68.
 * ``activations`` (train): ``B_l = batch / |act_batch|`` rows of ``T_l = seq / |act_seq|``
   tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
   its input carry, ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is
