@@ -41,7 +41,7 @@ from kdsa.model.indexer import LightningIndexer
 from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
 from kdsa.model import paged_cache as pc
-from kdsa.model.paged_cache import PagedDSACache
+from kdsa.model.paged_cache import LayerBuffers, PagedDSACache
 from kdsa.model.rope import mla_softmax_scale, rope_interleaved, rope_inv_freq
 from kdsa.model import sequence_parallel as cp
 
@@ -54,7 +54,7 @@ MLA_LATENT_NORM_EPS = 1e-6
 
 
 @struct.dataclass
-class DSACache:
+class DSACache(LayerBuffers):
     """Per-layer decode cache, compute dtype. Slot ``s`` holds the token at position ``s``.
 
     kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
@@ -62,9 +62,9 @@ class DSACache:
     without an indexer).
 
     Inside the layer scan a layer gets its whole stack's arrays, ``[repeats, B, L, D]``, with
-    ``layer`` its index there, and writes and reads ``buf[layer]`` in place (as
-    ``PagedDSACache`` does): slicing its own ``[B, L, D]`` out and stacking it back made XLA
-    copy the stack's caches several times per decode step.
+    ``layer`` its index there (``LayerBuffers``, shared with ``PagedDSACache``): slicing its
+    own ``[B, L, D]`` out and stacking it back made XLA copy the stack's caches several times
+    per decode step.
     """
 
     kv_latent: jax.Array
@@ -85,18 +85,6 @@ class DSACache:
         if self.layer is None:
             return buf.at[rows, positions].set(values, mode="drop")
         return buf.at[self.layer, rows, positions].set(values, mode="drop")
-
-    def view(self, name: str) -> jax.Array:
-        """This layer's ``[B, L, D]`` buffer ``name``, to read."""
-        buf = getattr(self, name)
-        return buf if self.layer is None else jax.lax.dynamic_index_in_dim(
-            buf, self.layer, keepdims=False)
-
-    def settled(self) -> "DSACache":
-        """The buffers after this step's writes, fenced from the reads that follow (see
-        ``PagedDSACache.settled``)."""
-        bufs = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
-        return self.replace(kv_latent=bufs[0], k_rope=bufs[1], index_keys=bufs[2])
 
 
 def _index_dim(config: ModelConfig) -> int:

@@ -191,10 +191,7 @@ def compile_platform() -> str:
     """``"cpu" | "gpu" | "tpu"``: the platform of the active mesh's devices (ahead-of-time TPU
     compiles on a CPU host trace under a mesh of TPU devices), else the kernels' backend."""
     ctx = current_sharding()
-    if ctx is not None:
-        platform = ctx.mesh.devices.flat[0].platform
-        return "gpu" if platform in ("cuda", "rocm") else platform
-    return kernel_backend()
+    return kernel_backend() if ctx is None else ctx.platform
 
 
 def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,

@@ -28,8 +28,29 @@ from flax import struct
 PAGE_SIZE = 64
 
 
+class LayerBuffers:
+    """What a DSA layer's cache (``DSACache`` dense slots, :class:`PagedDSACache` pools) does
+    with its three buffers ``kv_latent``, ``k_rope``, ``index_keys`` and its ``layer`` index:
+    inside the layer scan a layer holds its whole stack's buffers ``[repeats, ...]`` and reads
+    and writes its own ``[layer]`` in place."""
+
+    def view(self, name: str) -> jax.Array:
+        """This layer's buffer ``name``, to read."""
+        buf = getattr(self, name)
+        return buf if self.layer is None else jax.lax.dynamic_index_in_dim(
+            buf, self.layer, keepdims=False)
+
+    def settled(self):
+        """The buffers after this step's writes, fenced from the reads that follow. Without the
+        fence XLA fuses a small gather (the top-k rows of a decode step) with the write before
+        it, reading the old buffer plus the written rows: the old buffer must then outlive the
+        in-place write, which costs two whole-buffer copies per buffer and step."""
+        bufs = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
+        return self.replace(kv_latent=bufs[0], k_rope=bufs[1], index_keys=bufs[2])
+
+
 @struct.dataclass
-class PagedDSACache:
+class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache, compute dtype: kv_latent ``[R, kv_lora]``, k_rope
     ``[R, rope]``, index_keys ``[R, Di]`` with ``R = num_pages * PAGE_SIZE + 1`` rows: the last,
     :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
@@ -60,20 +81,6 @@ class PagedDSACache:
         if self.layer is None:
             return pool.at[rows].set(values, mode="promise_in_bounds")
         return pool.at[self.layer, rows].set(values, mode="promise_in_bounds")
-
-    def settled(self) -> "PagedDSACache":
-        """The pools after this step's writes, fenced from the reads that follow. Without the
-        fence XLA fuses a small gather (the top-k rows of a decode step) with the write before
-        it, reading the old pool plus the written rows: the old pool must then outlive the
-        in-place write, which costs two whole-pool copies per pool and step."""
-        pools = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
-        return self.replace(kv_latent=pools[0], k_rope=pools[1], index_keys=pools[2])
-
-    def view(self, name: str) -> jax.Array:
-        """This layer's ``[R, D]`` pool ``name``, to read."""
-        pool = getattr(self, name)
-        return pool if self.layer is None else jax.lax.dynamic_index_in_dim(
-            pool, self.layer, keepdims=False)
 
 
 @struct.dataclass

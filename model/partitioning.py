@@ -104,12 +104,18 @@ class ShardingContext:
     def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape))
 
+    @property
+    def platform(self) -> str:
+        """``"cpu" | "gpu" | "tpu"``: the mesh's devices (abstract TPU devices when compiling
+        for a TPU topology on a CPU host)."""
+        platform = self.mesh.devices.flat[0].platform
+        return "gpu" if platform in ("cuda", "rocm") else platform
+
     def ep_collectives(self) -> str:
         """The EP exchange to use: ``padded``, ``ragged`` or ``ragged_emulated``."""
         if self.collectives != "auto":
             return self.collectives
-        platform = self.mesh.devices.flat[0].platform
-        return "padded" if platform == "cpu" else "ragged"
+        return "padded" if self.platform == "cpu" else "ragged"
 
 
 _CONTEXT = jax.make_user_context(None)

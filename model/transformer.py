@@ -184,32 +184,30 @@ class Transformer(nnx.Module):
                      block_table=None):
         graphdef, state = nnx.split(stack)
         firsts = start + period * jnp.arange(repeats, dtype=jnp.int32)
-
-        def body(carry, xs):
-            st, first, cache, ids = xs
-            group = nnx.merge(graphdef, st)
-            carry, cache, stats = group(carry, first, positions=positions,
-                                        segment_ids=segment_ids, caches=cache, collect=collect,
-                                        expert_ids=ids, block_table=block_table)
-            return carry, (cache, stats)
-
         if caches is not None:  # DSA caches written in place (dense-slot and paged)
             return self._run_cached_segment(graphdef, state, firsts, res, caches, expert_ids,
                                            positions=positions, segment_ids=segment_ids,
                                            collect=collect, block_table=block_table)
+
+        def body(carry, xs):  # no cache: the forward of training and scoring
+            st, first, ids = xs
+            group = nnx.merge(graphdef, st)
+            carry, _, stats = group(carry, first, positions=positions, segment_ids=segment_ids,
+                                    caches=None, collect=collect, expert_ids=ids)
+            return carry, stats
+
         if self.config.remat_policy != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat_policy],
                                   prevent_cse=False)
-        xs = (state, firsts, caches, expert_ids)
+        xs = (state, firsts, expert_ids)
         if self.config.scan_layers:
-            res, (caches, stats) = jax.lax.scan(body, res, xs)
-            return res, caches, stats
+            res, stats = jax.lax.scan(body, res, xs)
+            return res, None, stats
         outs = []
         for j in range(repeats):
             res, out = body(res, jax.tree.map(lambda a: a[j], xs))
             outs.append(out)
-        caches, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        return res, caches, stats
+        return res, None, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     def _run_cached_segment(self, graphdef, state, firsts, res, caches, expert_ids, *,
                             positions, segment_ids, collect, block_table):
