@@ -133,6 +133,8 @@ def _format_compiled(step: str, c, plan, hbm: int, topology: str) -> str:
                  f"({c.peak / max(plan.total, 1):.1f}x)")
     lines.append("  collectives: " + (", ".join(f"{op} x{n}" for op, n in c.collectives.items())
                                       or "none"))
+    if c.kernels:
+        lines.append("  Pallas kernels: " + ", ".join(f"{k} x{n}" for k, n in c.kernels.items()))
     lines.append("compiled program fits" if c.peak <= hbm else
                  f"REFUSED: the compiled program needs {c.peak / gib:,.2f} GiB per device > "
                  f"{hbm / gib:,.2f} GiB")

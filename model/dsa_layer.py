@@ -291,8 +291,9 @@ class GatedDSA(nnx.Module):
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if self.indexer is not None:
             idx = indexer_topk(iq, cache.view("index_keys"), iw, c.index_topk, **vis)
-            o_lat, _ = _sparse_attention(c.attention_impl)(q_abs, kv, idx, scale, c.kv_lora_rank,
-                                                           chunk_size=c.dsa_query_chunk_size)
+            o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
+                                               chunk_size=c.dsa_query_chunk_size,
+                                               impl=c.attention_impl)
         else:
             o_lat, _ = dense_attention(q_abs, (kv_latent[:, :, None], k_rope[:, :, None]),
                                        kv_latent[:, :, None], scale, **vis)  # MQA: G = 1

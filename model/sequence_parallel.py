@@ -189,6 +189,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if not _split_self_attention(spec, q.shape[1], parts[0].shape[1]):
+        if impl == "pallas" and ctx is not None and parts[0].shape[0] == q.shape[0]:
+            return _local_kernel(ctx, attend, q, parts, indices, sm_scale, v_dim, chunk_size)
         return attend(q, kv, indices, sm_scale, v_dim, chunk_size=chunk_size)
     bt, sq, hd = spec[0], spec[1], spec[2]
     axis = _axis_name(sq)
@@ -204,6 +206,27 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
                        in_specs=(P(bt, sq, hd, None), r3) + (r3,) * len(parts),
                        out_specs=(P(bt, sq, hd, None), P(bt, sq, hd)),
                        check_vma=impl != "pallas")
+    return fn(q, indices, *parts)
+
+
+def _local_kernel(ctx: ShardingContext, attend, q, parts, indices, sm_scale, v_dim, chunk_size):
+    """The Pallas kernel on each device's own rows and heads, the sequence whole (a cache, or
+    ``act_seq`` not split). XLA cannot partition a Mosaic or Triton call itself ("Mosaic kernels
+    cannot be automatically partitioned"), so the kernel runs inside an explicit ``shard_map``:
+    q ``[B, T, N, Dk]`` split as the rules split batch and heads, the key parts ``[B, S, D]``
+    and indices ``[B, T, K]`` by batch only (every head reads the shared MLA key)."""
+    spec = ctx.spec(("act_batch", None, "act_heads", None), q.shape)
+    bt, hd = spec[0], spec[2]
+
+    def body(q, idx, *parts):
+        return attend(q, parts, idx, sm_scale, v_dim, chunk_size=chunk_size)
+
+    r3 = P(bt, None, None)
+    # check_vma off, as in sparse_mla_attention: the interpret-mode grid loop carries the key
+    # refs as invariant
+    fn = jax.shard_map(body, mesh=ctx.mesh,
+                       in_specs=(P(bt, None, hd, None), r3) + (r3,) * len(parts),
+                       out_specs=(P(bt, None, hd, None), P(bt, None, hd)), check_vma=False)
     return fn(q, indices, *parts)
 
 

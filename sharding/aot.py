@@ -5,7 +5,8 @@ chips' HBM, and XLA's per-device memory of a compiled program.
 ``jax.experimental.topologies.get_topology_desc`` (libtpu, the XLA:TPU compiler, must import);
 ``compiled_memory(compiled, seconds)`` reads ``memory_analysis()`` and counts the collectives
 in the compiled HLO (so a report shows, e.g., that the MoE's expert-parallel exchange is the
-``ragged-all-to-all`` of ``model/expert_parallel.py``). Used by ``train/aot.py``
+``ragged-all-to-all`` of ``model/expert_parallel.py``) and the Pallas (Mosaic) kernels in it (so a
+report with ``attention_impl="pallas"`` shows the sparse MLA kernel inside the step). Used by ``train/aot.py``
 (the train step) and ``infer/aot.py`` (the generate steps), both behind ``kdsa plan --compile``.
 
 Per-device peak = arguments + outputs - aliased + temporaries + code. HBM per chip (per
@@ -37,6 +38,7 @@ class CompiledMemory:
     code: int
     compile_seconds: float
     collectives: dict = dataclasses.field(default_factory=dict)  # HLO op -> count
+    kernels: dict = dataclasses.field(default_factory=dict)  # Mosaic kernel name -> count
 
     @property
     def peak(self) -> int:
@@ -74,7 +76,8 @@ def compiled_memory(compiled, seconds: float) -> CompiledMemory:
     return CompiledMemory(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
                           aliased=m.alias_size_in_bytes, temporaries=m.temp_size_in_bytes,
                           code=m.generated_code_size_in_bytes, compile_seconds=round(seconds, 1),
-                          collectives=count_collectives(compiled.as_text()))
+                          collectives=count_collectives(hlo := compiled.as_text()),
+                          kernels=count_kernels(hlo))
 
 
 def count_collectives(hlo: str) -> dict[str, int]:
@@ -84,3 +87,12 @@ def count_collectives(hlo: str) -> dict[str, int]:
     found = collections.Counter(
         m.group(1) for m in re.finditer(rf"[\s)]({ops})(?:-start)?\(", hlo))
     return {op: found[op] for op in COLLECTIVES if found[op]}
+
+
+def count_kernels(hlo: str) -> dict[str, int]:
+    """``{kernel: count}`` of the Mosaic custom calls in an HLO text, by the kernel's name (the
+    instruction is named after it, e.g. ``%sparse_mla_fwd_tpu.1 = ... tpu_custom_call``); a
+    kernel in a loop body counts once."""
+    return dict(collections.Counter(
+        m.group(1) for m in re.finditer(r"%([A-Za-z_][\w]*?)(?:\.\d+)* = [^\n]*"
+                                        r'custom_call_target="tpu_custom_call"', hlo)))

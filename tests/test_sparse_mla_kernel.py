@@ -417,3 +417,23 @@ def test_gated_dsa_layer_pallas_sequence_parallel_matches_single_device_xla(laye
         (_, y), grads = lowered.compile(
             compiler_options={"xla_backend_optimization_level": 0})(params)
     _assert_layer_close(y, jax.tree.leaves(grads), want_y, want_grads)
+
+
+def test_gated_dsa_layer_pallas_on_a_mesh_without_sequence_split(layer_case):
+    """Without a sequence split (the ``train`` rules on ``fsdp=2,expert=2,tensor=2``; the cache
+    path under ``generate``) the kernel still runs inside a ``shard_map`` over the batch and
+    heads: XLA cannot partition a Mosaic or Triton call (on TPU the train step failed with
+    "Mosaic kernels cannot be automatically partitioned"). Equal to the single-device XLA layer,
+    output and every parameter gradient; a decode step over the dense-slot cache equal too."""
+    x, pos, params, want_y, want_grads = layer_case
+    _, run, decode = _layer_run("pallas", params, x, pos)
+    _, _, decode_xla = _layer_run("xla", params, x, pos)
+    with use_sharding(make_mesh("fsdp=2,expert=2,tensor=2"), "train"):
+        assert "shard_map" in str(jax.make_jaxpr(run)(params))
+        (_, y), grads = jax.jit(run).trace(params).lower().compile(
+            compiler_options={"xla_backend_optimization_level": 0})(params)
+    _assert_layer_close(y, jax.tree.leaves(grads), want_y, want_grads)
+    with use_sharding(make_mesh("expert=4,tensor=2"), "generate"):
+        assert "shard_map" in str(jax.make_jaxpr(decode)(params))
+        y_dec = jax.jit(decode)(params)
+    np.testing.assert_allclose(y_dec, jax.jit(decode_xla)(params), atol=1e-6, rtol=1e-5)

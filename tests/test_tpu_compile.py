@@ -127,3 +127,28 @@ def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
         assert c["peak"] < 40 * out["total"], (step, c, out["total"])
         assert c["aliased"] > 0  # the cache is donated, as the runner does
         assert c["collectives"].get("ragged-all-to-all", 0) == 3, (step, c["collectives"])
+
+
+@pytest.mark.parametrize("layout,mesh", [("train", "fsdp=2,expert=2"),
+                                         ("generate", "expert=2,tensor=2")])
+def test_plan_compile_with_the_pallas_attention_kernel(layout, mesh, capsys):
+    """``--set attention_impl=pallas``: the Mosaic sparse MLA kernel inside the whole train step
+    (forward, and its two backward kernels) and inside the prefill and decode steps, each on a
+    mesh (the kernel runs in a ``shard_map`` over batch and heads; without it XLA:TPU refuses:
+    "Mosaic kernels cannot be automatically partitioned")."""
+    import json
+
+    from kdsa.cli.main import main
+
+    rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=1",
+               "--set", "linear_attn_config.kda_layers=[]",
+               "--set", "linear_attn_config.full_attn_layers=[1]",
+               "--set", "first_k_dense_replace=0", "--set", "attention_impl=pallas",
+               "--layout", layout, "--mesh", mesh, "--batch", "4", "--seq", "256",
+               "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    want = ({"train step": {"sparse_mla_fwd_tpu": 1, "sparse_mla_bwd_tpu": 2}}
+            if layout == "train" else {"prefill": {"sparse_mla_fwd_tpu": 1},
+                                       "decode": {"sparse_mla_fwd_tpu": 1}})
+    assert {step: c["kernels"] for step, c in out["compiled"].items()} == want
