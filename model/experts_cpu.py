@@ -9,13 +9,15 @@ forward takes 4.2x a plain matmul chain over the same ``N*k`` rows at N = 1024, 
 step's routed experts cost ~200 ms for 176 MB of weights per matrix (``bench/bench_moe.py``).
 
 * :func:`experts_blocked`: the ``M = N*k`` assignments are sorted by expert and each expert's
-  rows padded to a multiple of ``block`` rows, so every block belongs to one expert. A scan
-  over the blocks multiplies each block by its expert's weights (indexed in place); blocks past
-  the last used one are skipped. FLOPs are the routed FLOPs plus the padding (at most
-  ``E * (block - 1)`` rows). Its VJP (:func:`_ffn_blocks`) runs a second scan that adds each
-  block's weight gradient into its expert's slice of one ``[E, ...]`` accumulator in place;
-  JAX's default transpose of a weight closed over by a scan adds a whole ``[E, De, I]`` array
-  per block (fwd+bwd 3.9 s against 2.3 s for the plain chain at the shape above, before this).
+  rows padded to a multiple of ``block`` rows, so every block belongs to one expert and each
+  expert's blocks are one contiguous run. A loop over experts slices each expert's weights
+  once and loops over its own blocks; unused blocks are never visited. FLOPs are the routed
+  FLOPs plus the padding (at most ``E * (block - 1)`` rows). Its VJP (:func:`_ffn_blocks`)
+  loops the same way, summing an expert's weight gradients locally and writing them once.
+  Two earlier forms measured slower: JAX's default transpose of a weight closed over by a scan
+  adds a whole ``[E, De, I]`` array per block (fwd+bwd 3.9 s against 2.3 s for the plain
+  chain at the shape above), and a flat scan over blocks indexing ``w1[e]`` per block made
+  XLA:CPU copy the expert's matrices for every block.
 * :func:`experts_batched`: every token through every expert, with the expert as the batch
   dimension of one product, so each expert's weights are read once where they lie. E/k times
   the routed FLOPs; for decode, where reading the weights is the cost.
@@ -108,7 +110,7 @@ def experts_blocked(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w
     sorted_row = jnp.where(valid, starts[slot_expert] + offset, 0)  # [P]
     token = jnp.take(order, sorted_row) // k  # [P]
     rows = jnp.where(valid[:, None], jnp.take(z, token, axis=0), 0).reshape(nb, b, de)
-    y = _ffn_blocks(config, rows, block_expert, block_used, w1.astype(z.dtype),
+    y = _ffn_blocks(config, rows, padded_starts // b, padded // b, w1.astype(z.dtype),
                     w3.astype(z.dtype), w2.astype(z.dtype)).reshape(nb * b, de)  # [P, De]
     # Sorted row j sits in slot padded_starts[expert] + (j - starts[expert]).
     sorted_expert = jnp.take(flat, order)  # [M]
@@ -122,55 +124,68 @@ def experts_blocked(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w
 # ---------------------------------------------------------------------------------------------
 # The per-block FFN and its VJP
 # ---------------------------------------------------------------------------------------------
+#
+# Both loop over experts, and within an expert over its own blocks (a contiguous run, since the
+# rows are sorted by expert): each expert's weights are sliced out of the stacked [E, ...]
+# arrays once, and its weight gradients summed locally and written back once. A flat scan over
+# blocks indexed ``w1[e]`` per block, and XLA:CPU copied the expert's three matrices each time
+# (~12 ms per block at k3-slice widths, measured as block-count overhead in bench/bench_moe.py).
 
-def _block_forward(config, x, e, w1, w3, w2):
-    """One block: ``(gate, up, out)`` for rows ``x [B, De]`` through expert ``e``."""
-    gate, up = x @ w1[e], x @ w3[e]  # [B, I]
-    return gate, up, gated_activation(gate, up, config) @ w2[e]  # [B, De]
+def _block_forward(config, x, w1, w3, w2):
+    """One block: ``(gate, up, out)`` for rows ``x [B, De]`` through one expert's weights."""
+    gate, up = x @ w1, x @ w3  # [B, I]
+    return gate, up, gated_activation(gate, up, config) @ w2  # [B, De]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ffn_blocks(config, rows, block_expert, block_used, w1, w3, w2):
-    """``rows [nb, B, De]`` -> ``[nb, B, De]``: block b through expert ``block_expert[b]``;
-    zeros where ``block_used[b]`` is false."""
-    return _ffn_blocks_fwd(config, rows, block_expert, block_used, w1, w3, w2)[0]
+def _ffn_blocks(config, rows, block_first, block_count, w1, w3, w2):
+    """``rows [nb, B, De]`` -> ``[nb, B, De]``: expert e's blocks are
+    ``block_first[e] .. block_first[e] + block_count[e] - 1``; other blocks give zeros."""
+    return _ffn_blocks_fwd(config, rows, block_first, block_count, w1, w3, w2)[0]
 
 
-def _ffn_blocks_fwd(config, rows, block_expert, block_used, w1, w3, w2):
+def _ffn_blocks_fwd(config, rows, block_first, block_count, w1, w3, w2):
     nb, b, de = rows.shape
     i = w1.shape[-1]
+    dt = rows.dtype
 
-    def body(_, xs):
-        x, e, used = xs
-        zeros = (jnp.zeros((b, i), x.dtype), jnp.zeros((b, i), x.dtype), jnp.zeros_like(x))
-        return None, jax.lax.cond(used, lambda: _block_forward(config, x, e, w1, w3, w2),
-                                  lambda: zeros)
+    def expert(e, carry):
+        we = (w1[e], w3[e], w2[e])  # sliced once per expert
 
-    _, (gate, up, out) = jax.lax.scan(body, None, (rows, block_expert, block_used))
-    return out, (rows, gate, up, block_expert, block_used, w1, w3, w2)
+        def block(j, carry):
+            gate, up, out = carry
+            g, u, o = _block_forward(config, rows[j], *we)
+            return (gate.at[j].set(g), up.at[j].set(u), out.at[j].set(o))
+        lo = block_first[e]
+        return jax.lax.fori_loop(lo, lo + block_count[e], block, carry)
+
+    init = (jnp.zeros((nb, b, i), dt), jnp.zeros((nb, b, i), dt), jnp.zeros_like(rows))
+    gate, up, out = jax.lax.fori_loop(0, w1.shape[0], expert, init)
+    return out, (rows, gate, up, block_first, block_count, w1, w3, w2)
 
 
 def _ffn_blocks_bwd(config, residuals, d_out):
-    rows, gate, up, block_expert, block_used, w1, w3, w2 = residuals
+    rows, gate, up, block_first, block_count, w1, w3, w2 = residuals
 
-    def contributions(x, g, u, dy, e):
-        h, act_vjp = jax.vjp(lambda g, u: gated_activation(g, u, config), g, u)
-        dg, du = act_vjp(dy @ w2[e].T)  # [B, I]
-        dx = dg @ w1[e].T + du @ w3[e].T  # [B, De]
-        return dx, x.T @ dg, x.T @ du, h.T @ dy  # [B, De], [De, I], [De, I], [I, De]
+    def expert(e, carry):
+        d_rows, d1, d3, d2 = carry
+        w1e, w3e, w2e = w1[e], w3[e], w2[e]
 
-    def body(acc, xs):
-        x, g, u, dy, e, used = xs
-        skip = (jnp.zeros_like(x), jnp.zeros(w1.shape[1:], w1.dtype),
-                jnp.zeros(w3.shape[1:], w3.dtype), jnp.zeros(w2.shape[1:], w2.dtype))
-        dx, *dws = jax.lax.cond(used, lambda: contributions(x, g, u, dy, e), lambda: skip)
-        acc = tuple(jax.lax.dynamic_update_index_in_dim(a, a[e] + dw, e, 0)
-                    for a, dw in zip(acc, dws))
-        return acc, dx
+        def block(j, acc):
+            d_rows, g1, g3, g2 = acc
+            x, dy = rows[j], d_out[j]
+            h, act_vjp = jax.vjp(lambda g, u: gated_activation(g, u, config), gate[j], up[j])
+            dg, du = act_vjp(dy @ w2e.T)  # [B, I]
+            dx = dg @ w1e.T + du @ w3e.T  # [B, De]
+            return (d_rows.at[j].set(dx), g1 + x.T @ dg, g3 + x.T @ du, g2 + h.T @ dy)
+        lo = block_first[e]
+        d_rows, g1, g3, g2 = jax.lax.fori_loop(
+            lo, lo + block_count[e], block,
+            (d_rows, jnp.zeros_like(w1e), jnp.zeros_like(w3e), jnp.zeros_like(w2e)))
+        return d_rows, d1.at[e].set(g1), d3.at[e].set(g3), d2.at[e].set(g2)
 
-    acc0 = (jnp.zeros_like(w1), jnp.zeros_like(w3), jnp.zeros_like(w2))
-    (d1, d3, d2), d_rows = jax.lax.scan(
-        body, acc0, (rows, gate, up, d_out, block_expert, block_used))
+    init = (jnp.zeros_like(rows), jnp.zeros_like(w1), jnp.zeros_like(w3), jnp.zeros_like(w2))
+    d_rows, d1, d3, d2 = jax.lax.fori_loop(0, w1.shape[0], expert, init)
     return d_rows, None, None, d1, d3, d2
 
 
