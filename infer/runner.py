@@ -23,6 +23,10 @@ context in use rather than ``max_len`` (one decode compile per width: powers of 
 for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe, k]`` int32 for
 a prefill chunk's real tokens, ``[S, L_moe, k]`` for a decode step; the MoE layers in order).
 
+On one CPU device the runner keeps the scanned layers' weights as per-layer arrays
+(``Transformer.per_layer_state``, a copy beside the model's stacked arrays): XLA:CPU otherwise
+copies each layer's weights out of the stacked arrays at every step.
+
 With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
 
 * weights: a model whose arrays already live on a mesh (the trainer's ``train`` layout, an RL
@@ -120,6 +124,8 @@ class ModelRunner:
                 self.cache)
             self._save, self._restore = _save_jit, _restore_jit
         self.graphdef, self.state = nnx.split(model)
+        if mesh is None and _on_cpu(self.state):  # per-layer weights: no copies per step
+            self.state = model.per_layer_state(self.state)
         if mesh is None:  # runners of one model structure share their compiled steps
             options = tuple(sorted((compiler_options or {}).items()))
             self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
@@ -353,6 +359,13 @@ def cache_shardings(cache, mesh, layout: str):
 def _host(x) -> np.ndarray:
     """A replicated step output on the host (a multi-process mesh: this process's copy)."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def _on_cpu(state) -> bool:
+    """Whether the weights live on CPU devices (XLA:CPU copies a scanned layer's weights out of
+    their stacked arrays each step: ``Transformer.per_layer_state``)."""
+    leaves = jax.tree.leaves(state)
+    return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].devices())
 
 
 def _encode_step(graphdef, state, images):

@@ -235,14 +235,35 @@ class Transformer(nnx.Module):
             return (res, stacked), stats
 
         xs = (state, firsts, jnp.arange(len(firsts), dtype=jnp.int32), expert_ids)
-        if self.config.scan_layers:
+        per_layer = any(isinstance(x, LayerSlices) for x in jax.tree.leaves(
+            state, is_leaf=lambda x: isinstance(x, LayerSlices)))
+        if self.config.scan_layers and not per_layer:
             (res, caches), stats = jax.lax.scan(body, (res, caches), xs)
             return res, caches, stats
         outs, carry = [], (res, caches)
         for j in range(len(firsts)):
-            carry, out = body(carry, jax.tree.map(lambda a: a[j], xs))
+            carry, out = body(carry, jax.tree.map(
+                lambda a: a.parts[j] if isinstance(a, LayerSlices) else a[j], xs,
+                is_leaf=lambda x: isinstance(x, LayerSlices)))
             outs.append(out)
         return carry[0], carry[1], jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    def per_layer_state(self, state: nnx.State) -> nnx.State:
+        """``state`` (``nnx.split(model)[1]``) with each repeated segment's stacked parameters
+        ``[R, ...]`` held as their R per-layer arrays (:class:`LayerSlices`, copies), for the
+        cached steps (prefill, decode) on CPU: XLA:CPU copies a layer's weights out of a stacked
+        array on every use, sliced by a scan or by a static index alike (the routed experts of a
+        ``k3-slice`` MoE layer: 504 MB per layer and decode step), and a weight passed as its
+        own array is read where it lies. The cached path then loops over the layers in Python.
+        The stacked arrays stay in the model; the copies double those weights' memory."""
+        repeats = [r for _, _, r in self.segment_layout]
+        flat = []
+        for path, var in nnx.to_flat_state(state):
+            if path[0] == "segments" and repeats[int(path[1])] > 1:
+                value = var[...]
+                var = var.replace(LayerSlices([value[j] for j in range(value.shape[0])]))
+            flat.append((path, var))
+        return nnx.from_flat_state(flat)
 
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
@@ -275,6 +296,22 @@ class Transformer(nnx.Module):
                                           one))
             out.append(tuple(group))
         return tuple(out)
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerSlices:
+    """A stacked parameter ``[R, ...]`` as its R per-layer arrays (:meth:`Transformer.
+    per_layer_state`); a pytree whose children are the arrays."""
+
+    def __init__(self, parts):
+        self.parts = tuple(parts)
+
+    def tree_flatten(self):
+        return self.parts, None
+
+    @classmethod
+    def tree_unflatten(cls, _, parts):
+        return cls(parts)
 
 
 def _check_replay(expert_ids: jax.Array, ids_shape: tuple, num_moe: int) -> jax.Array:

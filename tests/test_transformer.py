@@ -231,3 +231,40 @@ def test_scanned_dsa_caches_are_updated_in_place():
                           line)
              and re.search(r"copy|broadcast|dynamic-update-slice", line.split("(")[0])]
     assert not whole, whole
+
+
+def test_per_layer_state_equals_stacked_and_slices_no_weights():
+    """``Transformer.per_layer_state`` (the CPU runner's weights): prefill + decode give the
+    same logits and caches as the stacked state, and the compiled decode step slices no
+    weight out of a stacked array (with the stacked state XLA:CPU copies each repeated layer's
+    weights every step: a dynamic-slice per weight of tiny's 2-repeat KDA + MoE segment)."""
+    import re
+
+    model = _dsa_stack()  # segments: KDA, then 3 x Gated DSA (+ MoE)
+    graphdef, state = nnx.split(model)
+    per_layer = model.per_layer_state(state)
+    w1 = [v.shape for p, v in nnx.to_flat_state(state)
+          if p[0] == "segments" and p[-2:] == ("experts", "w1")]
+    assert any(sh[0] == 3 for sh in w1), w1
+
+    def run(state, ids, pos, cache):
+        out = nnx.merge(graphdef, state).forward(ids, positions=pos, cache=cache)
+        return out.logits, out.cache
+
+    ids = jax.random.randint(jax.random.key(3), (2, 9), 0, model.config.vocab_size)
+    pos = default_positions(ids, None)
+    outs = []
+    for st in (state, per_layer):
+        logits, cache = jax.jit(run)(st, ids[:, :8], pos[:, :8], model.init_cache(2, 16))
+        step, cache = jax.jit(run)(st, ids[:, 8:], pos[:, 8:], cache)
+        outs.append((logits, step, cache))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+
+    def sliced_weights(st):
+        hlo = jax.jit(run).lower(st, ids[:, 8:], pos[:, 8:], cache).compile().as_text()
+        shape = ",".join(map(str, w1[0][1:]))  # one layer's routed-expert w1
+        return [ln for ln in hlo.splitlines()
+                if re.search(rf"= f32\[{shape}\]\S* (fusion|dynamic-slice|slice|copy)\(", ln)]
+    assert sliced_weights(state)  # the stacked weights are copied per layer
+    assert not sliced_weights(per_layer)
