@@ -23,7 +23,7 @@ context in use rather than ``max_len`` (one decode compile per width: powers of 
 for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe, k]`` int32 for
 a prefill chunk's real tokens, ``[S, L_moe, k]`` for a decode step; the MoE layers in order).
 
-On one CPU device the runner keeps the scanned layers' weights as per-layer arrays
+On one CPU device the decode step reads the scanned layers' weights as per-layer arrays
 (``Transformer.per_layer_state``, a copy beside the model's stacked arrays): XLA:CPU otherwise
 copies each layer's weights out of the stacked arrays at every step.
 
@@ -123,9 +123,8 @@ class ModelRunner:
                 lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
                 self.cache)
             self._save, self._restore = _save_jit, _restore_jit
+        self._per_layer = mesh is None and model.per_layer_state
         self.graphdef, self.state = nnx.split(model)
-        if mesh is None and _on_cpu(self.state):  # per-layer weights: no copies per step
-            self.state = model.per_layer_state(self.state)
         if mesh is None:  # runners of one model structure share their compiled steps
             options = tuple(sorted((compiler_options or {}).items()))
             self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
@@ -133,6 +132,20 @@ class ModelRunner:
         else:
             self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
+
+    @property
+    def state(self):
+        """The model's weights (``nnx.split``), as the steps take them."""
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+        # the decode step on one CPU device reads per-layer weight arrays (module docstring);
+        # prefill measured the same on either (a k3-slice 256-token chunk at depth 32K: 2.2 s,
+        # alternating in one process), so it keeps the stacked ones
+        self._decode_state = (self._per_layer(value) if self._per_layer and _on_cpu(value)
+                              else value)
 
     def _place_weights(self, model) -> None:
         """Check the layout fits, then reshard on-mesh weights or place host-built ones."""
@@ -299,7 +312,7 @@ class ModelRunner:
             table = self.block_table[:, :self.table_width(far // PAGE_SIZE + 1)].copy()
         args = self._args(np.asarray(tokens, np.int32), positions, active, table)
         with self._rules():
-            logits, self.cache, *routing = self._decode(self.state, self.cache, *args)
+            logits, self.cache, *routing = self._decode(self._decode_state, self.cache, *args)
         if routing:
             self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits

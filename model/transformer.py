@@ -251,7 +251,7 @@ class Transformer(nnx.Module):
     def per_layer_state(self, state: nnx.State) -> nnx.State:
         """``state`` (``nnx.split(model)[1]``) with each repeated segment's stacked parameters
         ``[R, ...]`` held as their R per-layer arrays (:class:`LayerSlices`, copies), for the
-        cached steps (prefill, decode) on CPU: XLA:CPU copies a layer's weights out of a stacked
+        decode step on CPU (``infer/runner.py``): XLA:CPU copies a layer's weights out of a stacked
         array on every use, sliced by a scan or by a static index alike (the routed experts of a
         ``k3-slice`` MoE layer: 504 MB per layer and decode step), and a weight passed as its
         own array is read where it lies. The cached path then loops over the layers in Python.
