@@ -254,14 +254,13 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64,
         o = _ein("nbhck,nbhkv->nbhcv", qh, s_in) + _ein("nbhci,nbhiv->nbhcv", aqk, v_new)
         return s, jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, -1, h, dv)  # [B, L, H, V]
 
-    # Differentiated, a piece keeps only its inputs and incoming state for the backward and
-    # recomputes its chunk intermediates there, one piece at a time: saved whole, those (f32,
-    # about 9K + 5V + 4C + KV/C floats per token and head: W, U, the pair products and their
-    # inverse, the chunk states...) were the largest temporaries of a K3 train step compiled
-    # for TPU (docs/sharding.md section 9). Recomputing them costs a few percent of a KDA
-    # layer's FLOPs (the projections dominate).
-    piece = jax.checkpoint(piece, prevent_cse=False)
-    if m == 1:
+    # Differentiated, each of several pieces keeps only its inputs and incoming state for the
+    # backward and recomputes its chunk intermediates there, one piece at a time. Saved, those
+    # (f32, about 9K + 5V + 4C + KV/C floats per token and head: W, U, the pair products and
+    # their inverse, the chunk states...) were the largest temporaries of a K3 train step
+    # compiled for TPU (docs/sharding.md section 9). Recomputing them costs a few percent of a
+    # KDA layer's FLOPs (the projections dominate).
+    if m == 1:  # at most SEGMENT_CHUNKS chunks: their intermediates are small, keep them
         s, o = piece(s0, (qf, kf, vf, gf, bf, seg, None))
     else:  # pieces in sequence, the state carried (cache-sized working set per piece)
         split = lambda x: None if x is None else jnp.moveaxis(  # noqa: E731
@@ -269,7 +268,8 @@ def kda_chunked(q, k, v, g, beta, scale=None, initial_state=None, chunk_size=64,
         segs = split(seg)
         prev = None if seg is None else jnp.concatenate(
             [jnp.zeros_like(segs[:1, :, 0]), segs[:-1, :, -1]])        # [m, B]
-        s, o = lax.scan(piece, s0, tuple(map(split, (qf, kf, vf, gf, bf))) + (segs, prev))
+        s, o = lax.scan(jax.checkpoint(piece, prevent_cse=False), s0,
+                        tuple(map(split, (qf, kf, vf, gf, bf))) + (segs, prev))
         o = jnp.moveaxis(o, 0, 1).reshape(b, -1, h, dv)
     o = o[:, :t]                                                       # [B, T, H, V]
     if valid is not None:
