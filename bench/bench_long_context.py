@@ -131,7 +131,7 @@ def decode_against_context(a, max_len: int) -> dict:
                 if _is_pool(x)).num_rows
     args = runner._args(one, np.full(1, 4095, np.int32), active,
                         runner.block_table[:, :runner.table_width(64)].copy())
-    hlo = runner._decode.lower(runner.state, runner.cache, *args).compile().as_text()
+    hlo = runner._decode.lower(runner.decode_state(), runner.cache, *args).compile().as_text()
     pool_copies = sum(1 for line in hlo.splitlines()
                       if " copy(" in line and re.search(rf"[\[,]{rows},", line))
     # what the runner holds: the per-slot (KDA) leaves of one slot, and the DSA page pool

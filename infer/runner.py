@@ -55,6 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
 from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
+from kdsa.model.transformer import per_layer_state
 
 
 def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
@@ -123,7 +124,10 @@ class ModelRunner:
                 lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
                 self.cache)
             self._save, self._restore = _save_jit, _restore_jit
-        self._per_layer = mesh is None and model.per_layer_state
+        # the decode step on one CPU device reads per-layer weight arrays (module docstring),
+        # built from the current weights at the first decode after they change
+        self._segment_layout = model.segment_layout if mesh is None else None
+        self._decode_weights = (None, None)  # (the weights' leaves it was built from, state)
         self.graphdef, self.state = nnx.split(model)
         if mesh is None:  # runners of one model structure share their compiled steps
             options = tuple(sorted((compiler_options or {}).items()))
@@ -133,19 +137,22 @@ class ModelRunner:
             self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
         self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
 
-    @property
-    def state(self):
-        """The model's weights (``nnx.split``), as the steps take them."""
-        return self._state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._state = value
-        # the decode step on one CPU device reads per-layer weight arrays (module docstring);
-        # prefill measured the same on either (a k3-slice 256-token chunk at depth 32K: 2.2 s,
-        # alternating in one process), so it keeps the stacked ones
-        self._decode_state = (self._per_layer(value) if self._per_layer and _on_cpu(value)
-                              else value)
+    def decode_state(self):
+        """The weights the decode step reads: ``state``, or on one CPU device its per-layer
+        form (``per_layer_state``), rebuilt whenever any weight array changed (a new
+        ``state``, or the model updated in place: ``nnx.split`` shares its Variables). Prefill
+        keeps the stacked arrays: a k3-slice 256-token chunk at depth 32K measured 2.2 s on
+        either (alternating in one process)."""
+        if self._segment_layout is None:
+            return self.state
+        leaves = jax.tree.leaves(self.state)
+        built_from, state = self._decode_weights
+        if built_from is None or len(built_from) != len(leaves) or any(
+                a is not b for a, b in zip(built_from, leaves)):
+            state = (per_layer_state(self.state, self._segment_layout) if _on_cpu(self.state)
+                     else self.state)
+            self._decode_weights = (leaves, state)
+        return state
 
     def _place_weights(self, model) -> None:
         """Check the layout fits, then reshard on-mesh weights or place host-built ones."""
@@ -312,7 +319,7 @@ class ModelRunner:
             table = self.block_table[:, :self.table_width(far // PAGE_SIZE + 1)].copy()
         args = self._args(np.asarray(tokens, np.int32), positions, active, table)
         with self._rules():
-            logits, self.cache, *routing = self._decode(self._decode_state, self.cache, *args)
+            logits, self.cache, *routing = self._decode(self.decode_state(), self.cache, *args)
         if routing:
             self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits

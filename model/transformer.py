@@ -249,21 +249,8 @@ class Transformer(nnx.Module):
         return carry[0], carry[1], jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
     def per_layer_state(self, state: nnx.State) -> nnx.State:
-        """``state`` (``nnx.split(model)[1]``) with each repeated segment's stacked parameters
-        ``[R, ...]`` held as their R per-layer arrays (:class:`LayerSlices`, copies), for the
-        decode step on CPU (``infer/runner.py``): XLA:CPU copies a layer's weights out of a stacked
-        array on every use, sliced by a scan or by a static index alike (the routed experts of a
-        ``k3-slice`` MoE layer: 504 MB per layer and decode step), and a weight passed as its
-        own array is read where it lies. The cached path then loops over the layers in Python.
-        The stacked arrays stay in the model; the copies double those weights' memory."""
-        repeats = [r for _, _, r in self.segment_layout]
-        flat = []
-        for path, var in nnx.to_flat_state(state):
-            if path[0] == "segments" and repeats[int(path[1])] > 1:
-                value = var[...]
-                var = var.replace(LayerSlices([value[j] for j in range(value.shape[0])]))
-            flat.append((path, var))
-        return nnx.from_flat_state(flat)
+        """:func:`per_layer_state` for this model's segments."""
+        return per_layer_state(state, self.segment_layout)
 
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
@@ -298,10 +285,28 @@ class Transformer(nnx.Module):
         return tuple(out)
 
 
+def per_layer_state(state: nnx.State, segment_layout: tuple[Segment, ...]) -> nnx.State:
+    """``state`` (``nnx.split(model)[1]``) with each repeated segment's stacked parameters
+    ``[R, ...]`` held as their R per-layer arrays (:class:`LayerSlices`, copies), for the decode
+    step on CPU (``infer/runner.py``): XLA:CPU copies a layer's weights out of a stacked array on
+    every use, sliced by a scan or by a static index alike (the routed experts of a ``k3-slice``
+    MoE layer: 504 MB per layer and decode step), and a weight passed as its own array is read
+    where it lies. The cached path then loops over the layers in Python. The stacked arrays stay
+    in the model; the copies double those weights' memory."""
+    repeats = [r for _, _, r in segment_layout]
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        if path[0] == "segments" and repeats[int(path[1])] > 1:
+            value = var[...]
+            var = var.replace(LayerSlices([value[j] for j in range(value.shape[0])]))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
 @jax.tree_util.register_pytree_node_class
 class LayerSlices:
-    """A stacked parameter ``[R, ...]`` as its R per-layer arrays (:meth:`Transformer.
-    per_layer_state`); a pytree whose children are the arrays."""
+    """A stacked parameter ``[R, ...]`` as its R per-layer arrays (:func:`per_layer_state`); a
+    pytree whose children are the arrays."""
 
     def __init__(self, parts):
         self.parts = tuple(parts)

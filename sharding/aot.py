@@ -91,8 +91,8 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 def count_kernels(hlo: str) -> dict[str, int]:
     """``{kernel: count}`` of the Mosaic custom calls in an HLO text, by the kernel's name (the
-    instruction is named after it, e.g. ``%sparse_mla_fwd_tpu.1 = ... tpu_custom_call``); a
-    kernel in a loop body counts once."""
+    instruction is named after it, e.g. ``%sparse_mla_fwd_tpu.1 = ... tpu_custom_call``, or
+    ``%sparse_mla_bwd_tpu.2.clone``); a kernel in a loop body counts once."""
     return dict(collections.Counter(
-        m.group(1) for m in re.finditer(r"%([A-Za-z_][\w]*?)(?:\.\d+)* = [^\n]*"
+        m.group(1) for m in re.finditer(r"%([A-Za-z_][\w-]*?)(?:\.[\w-]+)* = [^\n]*"
                                         r'custom_call_target="tpu_custom_call"', hlo)))

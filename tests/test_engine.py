@@ -301,3 +301,29 @@ def test_real_model_over_http(engine):
         assert got[0] == got[1] == [engine.tok.token_bytes(t) for t in want[0].token_ids]
     finally:
         handle.stop()
+
+
+def test_cpu_decode_weights_follow_the_model():
+    """On one CPU device the decode step reads per-layer copies of the scanned layers'
+    weights (``Transformer.per_layer_state``). They are rebuilt when the weights change: a new
+    ``runner.state`` or the model updated in place (``nnx.split`` shares its Variables), so
+    decode never runs on older weights than prefill."""
+    from kdsa.model.transformer import LayerSlices
+
+    model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, num_slots=1, max_len=32, prefill_chunk=16)
+    first = runner.decode_state()
+    assert runner.decode_state() is first  # cached while nothing changed
+
+    def w1(state):
+        (leaf,) = [v for p, v in nnx.to_flat_state(state)
+                   if p[:2] == ("segments", 1) and p[-2:] == ("experts", "w1")]
+        return leaf.get_value()
+    assert isinstance(w1(first), LayerSlices) and len(w1(first).parts) == 2
+    stacked = nnx.state(model)
+    nnx.update(model, jax.tree.map(lambda a: a * 2.0, stacked))  # in place
+    again = runner.decode_state()
+    assert again is not first
+    for j, part in enumerate(w1(again).parts):
+        np.testing.assert_array_equal(part, w1(nnx.state(model))[j])
+        np.testing.assert_array_equal(part, 2.0 * w1(first).parts[j])
