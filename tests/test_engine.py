@@ -303,14 +303,14 @@ def test_real_model_over_http(engine):
         handle.stop()
 
 
-def test_cpu_decode_weights_follow_the_model():
+def test_cpu_decode_weights_follow_the_model(model):
     """On one CPU device the decode step reads per-layer copies of the scanned layers'
     weights (``Transformer.per_layer_state``). They are rebuilt when the weights change: a new
     ``runner.state`` or the model updated in place (``nnx.split`` shares its Variables), so
     decode never runs on older weights than prefill."""
     from kdsa.model.transformer import LayerSlices
 
-    model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+    model = nnx.clone(model)  # updated in place below
     runner = ModelRunner(model, num_slots=1, max_len=32, prefill_chunk=16)
     first = runner.decode_state()
     assert runner.decode_state() is first  # cached while nothing changed

@@ -71,7 +71,8 @@ def test_sparse_mla_mosaic_forward_and_backward_compile(topology):
 
 def test_plan_compile_tiny_train_step_for_v5e(capsys):
     """``kdsa plan --compile --topology v5e:2x2``: the real train step of a 1-layer tiny model
-    (Gated DSA with its indexer, MoE) compiled with XLA:TPU on ``fsdp=2,expert=2``; XLA's memory beside
+    (Gated DSA with its indexer and the Pallas attention kernel, MoE) compiled with XLA:TPU on
+    ``fsdp=2,expert=2``; XLA's memory beside
     the estimate, and a refusal (exit 3) when the compiled peak exceeds --device-memory although
     the estimate fits. Stated factors at this size: the compiled arguments (state + batch) are
     1-4x the estimated parameters + optimizer state (TPU tiles pad 16-wide dims to 128 lanes),
@@ -84,7 +85,7 @@ def test_plan_compile_tiny_train_step_for_v5e(capsys):
     rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=1",
                "--set", "linear_attn_config.kda_layers=[]",
                "--set", "linear_attn_config.full_attn_layers=[1]",
-               "--set", "first_k_dense_replace=0",
+               "--set", "first_k_dense_replace=0", "--set", "attention_impl=pallas",
                "--mesh", "fsdp=2,expert=2", "--batch", "4", "--seq", "64", "--compile",
                "--topology", "v5e:2x2", "--device-memory", "10MiB", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -100,6 +101,10 @@ def test_plan_compile_tiny_train_step_for_v5e(capsys):
     # not the CPU's padded one: rows, expert ids and the way back forward, the two float
     # exchanges again backward
     assert c["collectives"].get("ragged-all-to-all", 0) == 5, c["collectives"]
+    # with attention_impl=pallas the Mosaic sparse MLA kernel is inside the sharded step (in a
+    # shard_map over batch and heads; without it XLA:TPU refuses: "Mosaic kernels cannot be
+    # automatically partitioned"): its forward, and the two kernels of its backward
+    assert c["kernels"] == {"sparse_mla_fwd_tpu": 1, "sparse_mla_bwd_tpu": 2}, c["kernels"]
 
 
 def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
@@ -129,13 +134,10 @@ def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
         assert c["collectives"].get("ragged-all-to-all", 0) == 3, (step, c["collectives"])
 
 
-@pytest.mark.parametrize("layout,mesh", [("train", "fsdp=2,expert=2"),
-                                         ("generate", "expert=2,tensor=2")])
-def test_plan_compile_with_the_pallas_attention_kernel(layout, mesh, capsys):
-    """``--set attention_impl=pallas``: the Mosaic sparse MLA kernel inside the whole train step
-    (forward, and its two backward kernels) and inside the prefill and decode steps, each on a
-    mesh (the kernel runs in a ``shard_map`` over batch and heads; without it XLA:TPU refuses:
-    "Mosaic kernels cannot be automatically partitioned")."""
+def test_plan_compile_generate_steps_with_the_pallas_attention_kernel(capsys):
+    """``--set attention_impl=pallas``: the Mosaic sparse MLA kernel inside the prefill and
+    decode steps on ``expert=2,tensor=2`` (the cache path runs it in a ``shard_map`` too; the
+    train step with the kernel is the test above)."""
     import json
 
     from kdsa.cli.main import main
@@ -144,11 +146,10 @@ def test_plan_compile_with_the_pallas_attention_kernel(layout, mesh, capsys):
                "--set", "linear_attn_config.kda_layers=[]",
                "--set", "linear_attn_config.full_attn_layers=[1]",
                "--set", "first_k_dense_replace=0", "--set", "attention_impl=pallas",
-               "--layout", layout, "--mesh", mesh, "--batch", "4", "--seq", "256",
-               "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2", "--json"])
+               "--layout", "generate", "--mesh", "expert=2,tensor=2", "--batch", "4",
+               "--seq", "256", "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2",
+               "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    want = ({"train step": {"sparse_mla_fwd_tpu": 1, "sparse_mla_bwd_tpu": 2}}
-            if layout == "train" else {"prefill": {"sparse_mla_fwd_tpu": 1},
-                                       "decode": {"sparse_mla_fwd_tpu": 1}})
-    assert {step: c["kernels"] for step, c in out["compiled"].items()} == want
+    assert {step: c["kernels"] for step, c in out["compiled"].items()} == {
+        "prefill": {"sparse_mla_fwd_tpu": 1}, "decode": {"sparse_mla_fwd_tpu": 1}}

@@ -253,18 +253,16 @@ def test_per_layer_state_equals_stacked_and_slices_no_weights():
 
     ids = jax.random.randint(jax.random.key(3), (2, 9), 0, model.config.vocab_size)
     pos = default_positions(ids, None)
-    outs = []
+    shape = ",".join(map(str, w1[0][1:]))  # one layer's routed-expert w1
+    outs, sliced = [], []
     for st in (state, per_layer):
         logits, cache = jax.jit(run)(st, ids[:, :8], pos[:, :8], model.init_cache(2, 16))
-        step, cache = jax.jit(run)(st, ids[:, 8:], pos[:, 8:], cache)
+        decode = jax.jit(run).lower(st, ids[:, 8:], pos[:, 8:], cache).compile()
+        step, cache = decode(st, ids[:, 8:], pos[:, 8:], cache)
         outs.append((logits, step, cache))
+        sliced.append([ln for ln in decode.as_text().splitlines() if re.search(
+            rf"= f32\[{shape}\]\S* (fusion|dynamic-slice|slice|copy)\(", ln)])
     for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
-
-    def sliced_weights(st):
-        hlo = jax.jit(run).lower(st, ids[:, 8:], pos[:, 8:], cache).compile().as_text()
-        shape = ",".join(map(str, w1[0][1:]))  # one layer's routed-expert w1
-        return [ln for ln in hlo.splitlines()
-                if re.search(rf"= f32\[{shape}\]\S* (fusion|dynamic-slice|slice|copy)\(", ln)]
-    assert sliced_weights(state)  # the stacked weights are copied per layer
-    assert not sliced_weights(per_layer)
+    assert sliced[0]  # the stacked weights are copied per layer
+    assert not sliced[1]
