@@ -24,8 +24,9 @@ for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe,
 a prefill chunk's real tokens, ``[S, L_moe, k]`` for a decode step; the MoE layers in order).
 
 On one CPU device the decode step reads the scanned layers' weights as per-layer arrays
-(``Transformer.per_layer_state``, a copy beside the model's stacked arrays): XLA:CPU otherwise
-copies each layer's weights out of the stacked arrays at every step.
+(``Transformer.per_layer_state``, a copy beside the model's stacked arrays) when a repeated
+layer's weights are large (``PER_LAYER_MIN_BYTES``): XLA:CPU otherwise copies each layer's
+weights out of the stacked arrays at every step.
 
 With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
 
@@ -149,8 +150,10 @@ class ModelRunner:
         built_from, state = self._decode_weights
         if built_from is None or len(built_from) != len(leaves) or any(
                 a is not b for a, b in zip(built_from, leaves)):
-            state = (per_layer_state(self.state, self._segment_layout) if _on_cpu(self.state)
-                     else self.state)
+            state = self.state
+            if _on_cpu(state) and _repeated_layer_bytes(state, self._segment_layout) \
+                    >= PER_LAYER_MIN_BYTES:
+                state = per_layer_state(state, self._segment_layout)
             self._decode_weights = (leaves, state)
         return state
 
@@ -379,6 +382,23 @@ def cache_shardings(cache, mesh, layout: str):
 def _host(x) -> np.ndarray:
     """A replicated step output on the host (a multi-process mesh: this process's copy)."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+# Per-layer decode weights pay off when copying a layer's weights costs more than the longer
+# unrolled program: a k3-slice decode step (560 MB per repeated layer) went 358 -> 169 ms at
+# 32K, a tiny one (0.1 MB) 0.9-1.1 -> 1.3 ms at 4K (bench_model_decode, bench_long_context
+# --step-only, 2026-12-05). Above this many bytes per repeated layer, past the CPU's caches:
+PER_LAYER_MIN_BYTES = 32 << 20
+
+
+def _repeated_layer_bytes(state, segment_layout) -> int:
+    """The largest weight bytes of one layer repeat among the segments that repeat."""
+    per_segment: dict[int, int] = {}
+    for path, var in nnx.to_flat_state(state):
+        if path[0] == "segments" and segment_layout[int(path[1])][2] > 1:
+            value = var.get_value()
+            per_segment[int(path[1])] = per_segment.get(int(path[1]), 0) + value.nbytes
+    return max((b // segment_layout[i][2] for i, b in per_segment.items()), default=0)
 
 
 def _on_cpu(state) -> bool:

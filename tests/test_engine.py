@@ -303,14 +303,20 @@ def test_real_model_over_http(engine):
         handle.stop()
 
 
-def test_cpu_decode_weights_follow_the_model(model):
+def test_cpu_decode_weights_follow_the_model(model, monkeypatch):
     """On one CPU device the decode step reads per-layer copies of the scanned layers'
-    weights (``Transformer.per_layer_state``). They are rebuilt when the weights change: a new
+    weights (``Transformer.per_layer_state``) when a repeated layer's weights are large
+    (``PER_LAYER_MIN_BYTES``, lowered here). They are rebuilt when the weights change: a new
     ``runner.state`` or the model updated in place (``nnx.split`` shares its Variables), so
     decode never runs on older weights than prefill."""
     from kdsa.model.transformer import LayerSlices
 
+    import kdsa.infer.runner as runner_module
+
     model = nnx.clone(model)  # updated in place below
+    runner = ModelRunner(model, num_slots=1, max_len=32, prefill_chunk=16)
+    assert runner.decode_state() is runner.state  # tiny's layers: too small to pay off
+    monkeypatch.setattr(runner_module, "PER_LAYER_MIN_BYTES", 0)
     runner = ModelRunner(model, num_slots=1, max_len=32, prefill_chunk=16)
     first = runner.decode_state()
     assert runner.decode_state() is first  # cached while nothing changed
