@@ -24,9 +24,9 @@ for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe,
 a prefill chunk's real tokens, ``[S, L_moe, k]`` for a decode step; the MoE layers in order).
 
 On one CPU device the decode step reads the scanned layers' weights as per-layer arrays
-(``Transformer.per_layer_state``, a copy beside the model's stacked arrays) when a repeated
-layer's weights are large (``PER_LAYER_MIN_BYTES``): XLA:CPU otherwise copies each layer's
-weights out of the stacked arrays at every step.
+(``model/transformer.py : per_layer_state``, a copy beside the model's stacked arrays) when a
+repeated layer's weights are large (``PER_LAYER_MIN_BYTES``): XLA:CPU otherwise copies each
+layer's weights out of the stacked arrays at every step.
 
 With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layout:
 
@@ -56,7 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
 from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
-from kdsa.model.transformer import per_layer_state
+from kdsa.model.transformer import per_layer_state, repeated_layer_bytes
 
 
 def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
@@ -125,11 +125,14 @@ class ModelRunner:
                 lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
                 self.cache)
             self._save, self._restore = _save_jit, _restore_jit
-        # the decode step on one CPU device reads per-layer weight arrays (module docstring),
-        # built from the current weights at the first decode after they change
-        self._segment_layout = model.segment_layout if mesh is None else None
-        self._decode_weights = (None, None)  # (the weights' leaves it was built from, state)
         self.graphdef, self.state = nnx.split(model)
+        # the decode step on one CPU device reads per-layer weight arrays when a repeated
+        # layer's weights are large (module docstring); decided once from the shapes, the
+        # arrays built from the current weights at the first decode after they change
+        self._segment_layout = model.segment_layout
+        self._per_layer_decode = (mesh is None and _on_cpu(self.state) and repeated_layer_bytes(
+            self.state, self._segment_layout) >= PER_LAYER_MIN_BYTES)
+        self._decode_weights = (None, None)  # (the weights' leaves it was built from, state)
         if mesh is None:  # runners of one model structure share their compiled steps
             options = tuple(sorted((compiler_options or {}).items()))
             self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
@@ -144,16 +147,13 @@ class ModelRunner:
         ``state``, or the model updated in place: ``nnx.split`` shares its Variables). Prefill
         keeps the stacked arrays: a k3-slice 256-token chunk at depth 32K measured 2.2 s on
         either (alternating in one process)."""
-        if self._segment_layout is None:
+        if not self._per_layer_decode:
             return self.state
         leaves = jax.tree.leaves(self.state)
         built_from, state = self._decode_weights
         if built_from is None or len(built_from) != len(leaves) or any(
                 a is not b for a, b in zip(built_from, leaves)):
-            state = self.state
-            if _on_cpu(state) and _repeated_layer_bytes(state, self._segment_layout) \
-                    >= PER_LAYER_MIN_BYTES:
-                state = per_layer_state(state, self._segment_layout)
+            state = per_layer_state(self.state, self._segment_layout)
             self._decode_weights = (leaves, state)
         return state
 
@@ -386,24 +386,14 @@ def _host(x) -> np.ndarray:
 
 # Per-layer decode weights pay off when copying a layer's weights costs more than the longer
 # unrolled program: a k3-slice decode step (560 MB per repeated layer) went 358 -> 169 ms at
-# 32K, a tiny one (0.1 MB) 0.9-1.1 -> 1.3 ms at 4K (bench_model_decode, bench_long_context
+# 32K, a tiny one (0.18 MB) 0.9-1.1 -> 1.3 ms at 4K (bench_model_decode, bench_long_context
 # --step-only, 2026-12-05). Above this many bytes per repeated layer, past the CPU's caches:
 PER_LAYER_MIN_BYTES = 32 << 20
 
 
-def _repeated_layer_bytes(state, segment_layout) -> int:
-    """The largest weight bytes of one layer repeat among the segments that repeat."""
-    per_segment: dict[int, int] = {}
-    for path, var in nnx.to_flat_state(state):
-        if path[0] == "segments" and segment_layout[int(path[1])][2] > 1:
-            value = var.get_value()
-            per_segment[int(path[1])] = per_segment.get(int(path[1]), 0) + value.nbytes
-    return max((b // segment_layout[i][2] for i, b in per_segment.items()), default=0)
-
-
 def _on_cpu(state) -> bool:
     """Whether the weights live on CPU devices (XLA:CPU copies a scanned layer's weights out of
-    their stacked arrays each step: ``Transformer.per_layer_state``)."""
+    their stacked arrays each step: ``per_layer_state``)."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].devices())
 

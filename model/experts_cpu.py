@@ -125,11 +125,9 @@ def experts_blocked(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w
 # The per-block FFN and its VJP
 # ---------------------------------------------------------------------------------------------
 #
-# Both loop over experts, and within an expert over its own blocks (a contiguous run, since the
-# rows are sorted by expert): each expert's weights are sliced out of the stacked [E, ...]
-# arrays once, and its weight gradients summed locally and written back once. A flat scan over
-# blocks indexed ``w1[e]`` per block, and XLA:CPU copied the expert's three matrices each time
-# (~12 ms per block at k3-slice widths, measured as block-count overhead in bench/bench_moe.py).
+# Both loop over experts, then over the expert's own run of blocks (module docstring): a flat
+# scan indexing ``w1[e]`` per block made XLA:CPU copy the expert's matrices for every block,
+# ~12 ms each at k3-slice widths (docs/performance.md, MoE dispatch).
 
 def _block_forward(config, x, w1, w3, w2):
     """One block: ``(gate, up, out)`` for rows ``x [B, De]`` through one expert's weights."""

@@ -248,10 +248,6 @@ class Transformer(nnx.Module):
             outs.append(out)
         return carry[0], carry[1], jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    def per_layer_state(self, state: nnx.State) -> nnx.State:
-        """:func:`per_layer_state` for this model's segments."""
-        return per_layer_state(state, self.segment_layout)
-
     def init_cache(self, batch_size: int, max_len: int) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats."""
         cfg = self.config
@@ -293,14 +289,28 @@ def per_layer_state(state: nnx.State, segment_layout: tuple[Segment, ...]) -> nn
     MoE layer: 504 MB per layer and decode step), and a weight passed as its own array is read
     where it lies. The cached path then loops over the layers in Python. The stacked arrays stay
     in the model; the copies double those weights' memory."""
-    repeats = [r for _, _, r in segment_layout]
     flat = []
     for path, var in nnx.to_flat_state(state):
-        if path[0] == "segments" and repeats[int(path[1])] > 1:
+        if _repeated(path, segment_layout):
             value = var[...]
             var = var.replace(LayerSlices([value[j] for j in range(value.shape[0])]))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
+
+
+def repeated_layer_bytes(state: nnx.State, segment_layout: tuple[Segment, ...]) -> int:
+    """The largest weight bytes of one layer repeat among the segments that repeat (what
+    :func:`per_layer_state` would copy per layer)."""
+    per_segment: dict[int, int] = {}
+    for path, var in nnx.to_flat_state(state):
+        if _repeated(path, segment_layout):
+            per_segment[int(path[1])] = per_segment.get(int(path[1]), 0) + var[...].nbytes
+    return max((n // segment_layout[i][2] for i, n in per_segment.items()), default=0)
+
+
+def _repeated(path: tuple, segment_layout: tuple[Segment, ...]) -> bool:
+    """Whether a state path lies in a segment of more than one repeat (stacked ``[R, ...]``)."""
+    return path[0] == "segments" and segment_layout[int(path[1])][2] > 1
 
 
 @jax.tree_util.register_pytree_node_class

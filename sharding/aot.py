@@ -5,9 +5,10 @@ chips' HBM, and XLA's per-device memory of a compiled program.
 ``jax.experimental.topologies.get_topology_desc`` (libtpu, the XLA:TPU compiler, must import);
 ``compiled_memory(compiled, seconds)`` reads ``memory_analysis()`` and counts the collectives
 in the compiled HLO (so a report shows, e.g., that the MoE's expert-parallel exchange is the
-``ragged-all-to-all`` of ``model/expert_parallel.py``) and the Pallas (Mosaic) kernels in it (so a
-report with ``attention_impl="pallas"`` shows the sparse MLA kernel inside the step). Used by ``train/aot.py``
-(the train step) and ``infer/aot.py`` (the generate steps), both behind ``kdsa plan --compile``.
+``ragged-all-to-all`` of ``model/expert_parallel.py``) and the Pallas (Mosaic) kernels in it
+(so a report with ``attention_impl="pallas"`` shows the sparse MLA kernel inside the step). Used
+by ``train/aot.py`` (the train step) and ``infer/aot.py`` (the generate steps), both behind
+``kdsa plan --compile``.
 
 Per-device peak = arguments + outputs - aliased + temporaries + code. HBM per chip (per
 TensorCore device, as ``jax.devices()`` sees it), from the public chip specs: v4 32 GiB, v5e

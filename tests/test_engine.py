@@ -305,7 +305,7 @@ def test_real_model_over_http(engine):
 
 def test_cpu_decode_weights_follow_the_model(model, monkeypatch):
     """On one CPU device the decode step reads per-layer copies of the scanned layers'
-    weights (``Transformer.per_layer_state``) when a repeated layer's weights are large
+    weights (``model/transformer.py : per_layer_state``) when a repeated layer's weights are large
     (``PER_LAYER_MIN_BYTES``, lowered here). They are rebuilt when the weights change: a new
     ``runner.state`` or the model updated in place (``nnx.split`` shares its Variables), so
     decode never runs on older weights than prefill."""

@@ -10,7 +10,8 @@ from flax import nnx
 
 from kdsa.model.config import get_preset
 from kdsa.model.outputs import Collect, layers_of
-from kdsa.model.transformer import Transformer, default_positions, layer_segments
+from kdsa.model.transformer import (Transformer, default_positions, layer_segments,
+                                    per_layer_state)
 
 B, T = 2, 24
 
@@ -234,7 +235,7 @@ def test_scanned_dsa_caches_are_updated_in_place():
 
 
 def test_per_layer_state_equals_stacked_and_slices_no_weights():
-    """``Transformer.per_layer_state`` (the CPU runner's weights): prefill + decode give the
+    """``per_layer_state`` (the CPU runner's decode weights): prefill + decode give the
     same logits and caches as the stacked state, and the compiled decode step slices no
     weight out of a stacked array (with the stacked state XLA:CPU copies each repeated layer's
     weights every step: a dynamic-slice per weight of tiny's 2-repeat KDA + MoE segment)."""
@@ -242,7 +243,7 @@ def test_per_layer_state_equals_stacked_and_slices_no_weights():
 
     model = _dsa_stack()  # segments: KDA, then 3 x Gated DSA (+ MoE)
     graphdef, state = nnx.split(model)
-    per_layer = model.per_layer_state(state)
+    per_layer = per_layer_state(state, model.segment_layout)
     w1 = [v.shape for p, v in nnx.to_flat_state(state)
           if p[0] == "segments" and p[-2:] == ("experts", "w1")]
     assert any(sh[0] == 3 for sh in w1), w1
