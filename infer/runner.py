@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
 from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
+from kdsa.model.partitioning import current as current_sharding
 from kdsa.model.transformer import per_layer_state, repeated_layer_bytes
 
 
@@ -467,12 +468,41 @@ _save_jit = jax.jit(_save_state, donate_argnums=(1,))
 _restore_jit = jax.jit(_restore_state, donate_argnums=(0,))
 
 
+def _slots_split() -> bool:
+    """Whether the traced step runs under a layout that splits the cache's slots over devices."""
+    ctx = current_sharding()
+    return ctx is not None and ctx.size(ctx.axes("act_batch")) > 1
+
+
+def _take_slot(a: jax.Array, slot) -> jax.Array:
+    """Slot ``slot`` of a per-slot cache leaf ``[repeats, S, ...]`` -> ``[repeats, 1, ...]``.
+
+    With the slots split over devices, a dynamic slice of the slot axis makes XLA's partitioner
+    gather every device's slots first (K3 on ``v5p:4x8x8``, 64 x 128K slots: 230 GB of
+    temporaries per device); a one-hot select summed over the slot axis is a local reduction
+    and an all-reduce of one row. Exact: every other term is a selected zero."""
+    if not _slots_split():
+        return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
+    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
+    return jnp.sum(jnp.where(hit, a, jnp.zeros((), a.dtype)), axis=1, keepdims=True,
+                   dtype=a.dtype)
+
+
+def _put_slot(a: jax.Array, row: jax.Array, slot) -> jax.Array:
+    """``a`` with slot ``slot`` replaced by ``row`` ``[repeats, 1, ...]`` (:func:`_take_slot`'s
+    inverse; with split slots a select, which each device applies to its own slots)."""
+    if not _slots_split():
+        return jax.lax.dynamic_update_slice_in_dim(a, row, slot, axis=1)
+    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
+    return jnp.where(hit, row.astype(a.dtype), a)
+
+
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
                   mask=None, table=None, *, record_routing=False):
     """``table`` ``[max_pages]``: the slot's pages (paged cache; None: dense slots)."""
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
-    row = _per_slot(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1), cache)
+    row = _per_slot(lambda a: _take_slot(a, slot), cache)
     row = _per_slot(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
     if table is not None:
         row = PagedCache(layers=row, block_table=table[None])
@@ -483,8 +513,7 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
                         logits_at=jnp.reshape(length - 1, (1, 1)))  # the last real token only
     last = out.logits[:, 0]
     new = out.cache.layers if table is not None else out.cache
-    cache = _per_slot(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=1),
-                      cache, new)
+    cache = _per_slot(lambda a, r: _put_slot(a, r, slot), cache, new)
     if record_routing:                                                  # [b, L_moe, k]
         return last, cache, jnp.transpose(out.stats.expert_ids[:, 0], (1, 0, 2))
     return last, cache                                                  # [1, V]
