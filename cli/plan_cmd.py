@@ -12,7 +12,8 @@ update, the configured remat; ``train/aot.py``), with ``--layout generate`` the 
 chunk and decode step over the dense-slot cache (``--batch`` slots of ``--seq`` tokens,
 ``--prefill-chunk``; ``infer/aot.py``). It prints XLA's per-device memory of each beside the
 estimate and the compile time, and refuses (exit 3) a program whose compiled peak exceeds the
-chip's HBM (``--device-memory`` when given, else the chip's: ``sharding/aot.py``).
+chip's HBM (``--device-memory`` when given, else the chip's: ``sharding/aot.py``), or one
+XLA:TPU itself refuses for its HBM (its message is printed; the other steps still compile).
 """
 
 from __future__ import annotations
@@ -77,18 +78,22 @@ def run(args) -> int:
     plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,
                      moe_capacity_factor=args.moe_capacity_factor)
-    compiled = _compile(args, config, sizes, batch) if args.compile else {}
+    compiled, refused = _compile(args, config, sizes, batch) if args.compile else ({}, {})
     if args.json:
         out = plan.to_json()
         for step, c in compiled.items():
             out.setdefault("compiled", {})[step] = {**c.to_dict(), "device_memory": hbm,
                                                     "fits": c.peak <= hbm}
+        for step, why in refused.items():
+            out.setdefault("compiled", {})[step] = {"refused_by_xla": why, "fits": False}
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(plan, name))
         for step, c in compiled.items():
             print(_format_compiled(step, c, plan, hbm, args.topology))
-    if any(c.peak > hbm for c in compiled.values()):
+        for step, why in refused.items():
+            print(f"REFUSED: XLA:TPU would not compile the {step} for {args.topology}: {why}")
+    if refused or any(c.peak > hbm for c in compiled.values()):
         return 3
     return 0 if plan.fits else 3
 
@@ -105,20 +110,37 @@ def _device_memory(args) -> int:
     return parse_bytes("141GiB")
 
 
-def _compile(args, config, sizes, batch) -> dict:
-    """``{step name: CompiledMemory}`` of the layout's steps on ``--topology``."""
-    if args.layout == "generate":
-        from kdsa.infer.aot import compile_generate_steps
+def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
+    """``({step: CompiledMemory}, {step: why XLA refused it})`` for the layout's steps on
+    ``--topology``. XLA:TPU itself refuses a program whose temporaries exceed the chip's HBM
+    ("RESOURCE_EXHAUSTED ... CompileTimeHbmOom"): that is an answer (it does not fit), not a
+    crash; every other compile error propagates."""
+    import functools
 
-        return compile_generate_steps(config, args.topology, sizes, slots=batch,
-                                      max_len=args.seq, prefill_chunk=min(args.prefill_chunk,
-                                                                          args.seq))
+    import jax
+
+    from kdsa.infer.aot import compile_generate_steps
     from kdsa.train.aot import compile_train_step
     from kdsa.train.config import TrainConfig
 
-    return {"train step": compile_train_step(
-        config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,
-        moe_capacity_factor=args.moe_capacity_factor)}
+    if args.layout == "generate":
+        steps = {name: functools.partial(
+            compile_generate_steps, config, args.topology, sizes, slots=batch, max_len=args.seq,
+            prefill_chunk=min(args.prefill_chunk, args.seq), only=(name,))
+            for name in ("prefill", "decode")}
+    else:
+        steps = {"train step": lambda: {"train step": compile_train_step(
+            config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,
+            moe_capacity_factor=args.moe_capacity_factor)}}
+    compiled, refused = {}, {}
+    for name, compile_step in steps.items():
+        try:
+            compiled.update(compile_step())
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            refused[name] = str(e).splitlines()[0]
+    return compiled, refused
 
 
 def _format_compiled(step: str, c, plan, hbm: int, topology: str) -> str:

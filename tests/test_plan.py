@@ -147,6 +147,37 @@ def test_plan_cli_exit_codes(capsys):
     assert "give --devices" in capsys.readouterr().err
 
 
+def test_plan_compile_reports_a_program_xla_refuses(capsys, monkeypatch):
+    """XLA:TPU refusing a step for its HBM (what the whole K3's prefill step did before its slot
+    read stopped gathering every slot) is a "does not fit" answer, exit 3, with XLA's message;
+    the other step is still compiled. Any other compile error propagates."""
+    import jax
+
+    from kdsa.infer import aot
+
+    def fake(config, topology, sizes, *, slots, max_len, prefill_chunk, only):
+        raise jax.errors.JaxRuntimeError(
+            f"RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: temporaries of the {only[0]}\nmore")
+
+    monkeypatch.setattr(aot, "compile_generate_steps", fake)
+    args = ["plan", "--preset", "tiny", "--layout", "generate", "--mesh", "data=4", "--batch",
+            "4", "--seq", "64", "--compile", "--topology", "v5e:2x2"]
+    assert main(args) == 3
+    out = capsys.readouterr().out
+    for step in ("prefill", "decode"):
+        assert (f"REFUSED: XLA:TPU would not compile the {step} for v5e:2x2: RESOURCE_EXHAUSTED: "
+                f"E1000: CompileTimeHbmOom: temporaries of the {step}\n") in out
+    assert main(args + ["--json"]) == 3
+    assert '"refused_by_xla"' in capsys.readouterr().out
+
+    def broken(*a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(aot, "compile_generate_steps", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        main(args)
+
+
 def test_layouts_from_a_file_and_the_config(tmp_path, capsys):
     """``--layouts FILE`` and a ``mesh`` section of the ``--config`` file set a layout's mesh:
     ``--mesh`` > ``--layouts`` > ``--config`` > the preset default; bad sections are errors
