@@ -17,7 +17,9 @@ Shapes are static, so prefill compiles once per bucket and decode once. The cach
 each step. With the paged cache the decode step reads the first :meth:`ModelRunner.table_width`
 columns of the block table, enough for the furthest active row, so its cost follows the
 context in use rather than ``max_len`` (one decode compile per width: powers of two from
-``MIN_TABLE_PAGES`` to ``max_pages``, all compiled by :meth:`ModelRunner.warmup`).
+``MIN_TABLE_PAGES`` to ``max_pages``, all compiled by :meth:`ModelRunner.warmup`). A prefill
+chunk reads the same widths up to its end (paged, or the first positions of a dense slot on
+one device), so a short prompt in a long-context server does not scan ``max_len`` keys.
 
 ``record_routing`` (RL routing replay): both steps also return the experts every MoE layer used
 for the tokens they ran, kept on the host in ``last_routing`` (``[tokens, L_moe, k]`` int32 for
@@ -55,6 +57,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.outputs import Collect, ImageInputs
+from kdsa.model.dsa_layer import DSACache
 from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
 from kdsa.model.partitioning import current as current_sharding
 from kdsa.model.transformer import per_layer_state, repeated_layer_bytes
@@ -99,11 +102,11 @@ class ModelRunner:
         self.batch_prefill = batch_prefill
         jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
         self.num_pages, self.block_table = num_pages, None
+        self.max_pages = pages_for(max_len)  # (the context widths count pages, paged or not)
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
             if mesh is not None:
                 raise ValueError("paged caches run on one device for now: drop --num-pages / "
                                  "--cache-memory or --mesh")
-            self.max_pages = pages_for(max_len)
             self.cache = model.init_paged_cache(num_slots, num_pages, self.max_pages).layers
             self.block_table = np.full((num_slots, self.max_pages), -1, np.int32)
         elif mesh is None:
@@ -229,11 +232,13 @@ class ModelRunner:
                 emb[0, :n], mask[0, :n] = image_embeds, image_mask
         elif image_embeds is not None:
             raise ValueError("this model has no vision tower: no image embeddings")
-        table = None if self.block_table is None else self.block_table[slot].copy()
+        table, width = self._context(start + n)
+        table = None if table is None else table[slot].copy()
         args = self._args(np.int32(slot), ids, np.int32(start), np.int32(n),
                           np.bool_(start == 0), emb, mask, table)
         with self._rules():
-            logits, self.cache, *routing = self._prefill(self.state, self.cache, *args)
+            logits, self.cache, *routing = self._prefill(self.state, self.cache, *args,
+                                                         width=width)
         if routing:
             self.last_routing = _host(routing[0])[:n]                     # [n, L_moe, k]
         return logits
@@ -277,13 +282,27 @@ class ModelRunner:
                 raise ValueError(f"prefill of {len(chunk)} tokens at {start} does not fit "
                                  f"max_len {self.max_len}")
             ids[r, :len(chunk)], slot_ids[r], st[r], ln[r] = chunk, slot, start, len(chunk)
+        cut, width = self._context(int((st + ln).max()))
         table = None
-        if self.block_table is not None:
-            table = np.full((rows, self.max_pages), -1, np.int32)
-            table[:n] = self.block_table[list(slots)]
+        if cut is not None:
+            table = np.full((rows, cut.shape[1]), -1, np.int32)
+            table[:n] = cut[list(slots)]
         logits, self.cache = self._prefill_batch(self.state, self.cache, slot_ids, ids, st, ln,
-                                                 (st == 0) & (ln > 0), table)
+                                                 (st == 0) & (ln > 0), table, width=width)
         return logits
+
+    def _context(self, end: int) -> tuple[np.ndarray | None, int | None]:
+        """What a prefill whose rows end by position ``end`` reads of the DSA caches, so that its
+        indexer scores (and dense MLA attends) the context in use rather than ``max_len``
+        (the keys past ``end`` are invisible to its queries: the same keys are selected): the
+        block table cut to :meth:`table_width` pages (paged), or ``width`` positions, the same
+        widths in tokens (dense slots, one device; on a mesh all ``max_len``)."""
+        if self.block_table is not None:
+            return self.block_table[:, :self.table_width(pages_for(end))], None
+        if self.mesh is not None:
+            return None, None
+        width = self.table_width(pages_for(end)) * PAGE_SIZE
+        return None, (None if width >= self.max_len else width)
 
     def encode_images(self, images) -> np.ndarray:
         """Patched images of one request (prompt order) -> features ``[tokens, D]`` float32:
@@ -357,12 +376,17 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """Compile every prefill bucket (one slot, and every row count of a batched prefill)
-        and the decode step, at every block-table width when paged (on the slots, which are
-        then reset by the next prefill into them)."""
+        at the narrowest context width, the largest bucket (a long prompt's chunks) at every
+        width, and the decode step at every block-table width when paged (on the slots, which
+        are then reset by the next prefill into them). Other (bucket, width) pairs, e.g. a short
+        suffix after a deep prefix-cache hit, compile when first used."""
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
             for rows in self.row_buckets if self.batched_prefill else ():
                 self.prefill_batch(list(range(rows)), [[0] * b] * rows, [0] * rows)
+        b = self.buckets[-1]
+        for w in self.table_widths[1:]:  # a chunk ending at the width's last position
+            self.prefill(0, [0] * b, min(w * PAGE_SIZE, self.max_len) - b)
         s = self.num_slots
         for w in self.table_widths if self.block_table is not None else (1,):
             pos = np.full(s, (w - 1) * PAGE_SIZE, np.int32)  # compiles the width of ``w``
@@ -434,7 +458,8 @@ def _restore_state(cache, snapshots, slot, snapshot):
 
 def _steps(jit, graphdef, record_routing: bool):
     """The jitted (prefill, decode) steps of one model structure."""
-    return (jit(functools.partial(_prefill_step, graphdef, record_routing=record_routing)),
+    return (jit(functools.partial(_prefill_step, graphdef, record_routing=record_routing),
+                static_argnames=("width",)),
             jit(functools.partial(_decode_step, graphdef, record_routing=record_routing)))
 
 
@@ -460,7 +485,7 @@ def _copy_page(cache, src, dst):
 @functools.lru_cache(maxsize=16)
 def _shared_batch_step(graphdef, options: tuple):
     return jax.jit(functools.partial(_prefill_batch_step, graphdef), donate_argnums=(1,),
-                   compiler_options=dict(options) or None)
+                   compiler_options=dict(options) or None, static_argnames=("width",))
 
 
 _copy_page_jit = jax.jit(_copy_page, donate_argnums=(0,))
@@ -491,18 +516,31 @@ def _take_slot(a: jax.Array, slot) -> jax.Array:
 def _put_slot(a: jax.Array, row: jax.Array, slot) -> jax.Array:
     """``a`` with slot ``slot`` replaced by ``row`` ``[repeats, 1, ...]`` (:func:`_take_slot`'s
     inverse; with split slots a select, which each device applies to its own slots)."""
-    if not _slots_split():
-        return jax.lax.dynamic_update_slice_in_dim(a, row, slot, axis=1)
+    if not _slots_split():  # (a row cut to its first positions updates those)
+        return jax.lax.dynamic_update_slice_in_dim(a, row.astype(a.dtype), slot, axis=1)
     hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
     return jnp.where(hit, row.astype(a.dtype), a)
 
 
+def _context_cut(cache, width: int | None):
+    """The dense-slot DSA caches ``[repeats, rows, L, D]`` cut to their first ``width``
+    positions (None: whole); KDA states and paged pools as they are."""
+    if width is None:
+        return cache
+    return jax.tree.map(lambda x: x.replace(kv_latent=x.kv_latent[:, :, :width],
+                                            k_rope=x.k_rope[:, :, :width],
+                                            index_keys=x.index_keys[:, :, :width])
+                        if isinstance(x, DSACache) else x,
+                        cache, is_leaf=lambda x: isinstance(x, (DSACache, PagedDSACache)))
+
+
 def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
-                  mask=None, table=None, *, record_routing=False):
-    """``table`` ``[max_pages]``: the slot's pages (paged cache; None: dense slots)."""
+                  mask=None, table=None, *, width=None, record_routing=False):
+    """``table`` ``[pages]``: the slot's first pages (paged cache; None: dense slots, of which
+    the first ``width`` positions are read and written; None: all)."""
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
-    row = _per_slot(lambda a: _take_slot(a, slot), cache)
+    row = _context_cut(_per_slot(lambda a: _take_slot(a, slot), cache), width)
     row = _per_slot(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
     if table is not None:
         row = PagedCache(layers=row, block_table=table[None])
@@ -520,13 +558,15 @@ def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embed
 
 
 def _prefill_batch_step(graphdef, state, cache, slots, ids, starts, lengths, fresh,
-                        table=None):
+                        table=None, *, width=None):
     """Chunks of several slots at once: ``slots`` ``[n]`` (``num_slots``: a padding row, read
     as zeros, written nowhere), ``ids`` ``[n, b]``, ``starts`` / ``lengths`` ``[n]``, ``fresh``
-    ``[n]`` (a new request: its rows start from zeros), ``table`` ``[n, max_pages]``."""
+    ``[n]`` (a new request: its rows start from zeros), ``table`` ``[n, pages]``; ``width`` as
+    in :func:`_prefill_step`."""
     model = nnx.merge(graphdef, state)
     n, b = ids.shape
-    rows = _per_slot(lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0), cache)
+    rows = _context_cut(_per_slot(
+        lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0), cache), width)
     rows = _per_slot(lambda a: jnp.where(fresh.reshape((1, n) + (1,) * (a.ndim - 2)),
                                          jnp.zeros_like(a), a), rows)
     if table is not None:
@@ -536,7 +576,8 @@ def _prefill_batch_step(graphdef, state, cache, slots, ids, starts, lengths, fre
                         segment_ids=(idx < lengths[:, None]).astype(jnp.int32),
                         logits_at=jnp.maximum(lengths - 1, 0)[:, None])
     new = out.cache.layers if table is not None else out.cache
-    cache = _per_slot(lambda a, r: a.at[:, slots].set(r, mode="drop"), cache, new)
+    cache = _per_slot(lambda a, r: a.at[(slice(None), slots) + tuple(
+        slice(0, d) for d in r.shape[2:])].set(r, mode="drop"), cache, new)
     return out.logits[:, 0], cache                                      # [n, V]
 
 

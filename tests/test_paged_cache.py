@@ -120,6 +120,44 @@ def test_decode_reads_only_the_table_width_in_use(model):
     np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense-slots", "paged"])
+def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
+    """A prefill chunk reads the DSA caches up to the width its end needs (64 pages, then all
+    65): the logits of a runner that always reads its whole cache, for chunks inside the first
+    width, a chunk crossing into the next, and a decode step after them."""
+    from kdsa.infer import runner as runner_mod
+
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, CFG.vocab_size, 70).tolist()
+    tail = rng.integers(0, CFG.vocab_size, 32).tolist()
+
+    def run():
+        runner = runner_mod.ModelRunner(model, num_slots=2, max_len=65 * P, prefill_chunk=32,
+                                        min_bucket=32, **({"num_pages": 66} if paged else {}))
+        if paged:
+            runner.set_pages(1, rng.permutation(66)[:65].tolist())
+        for start in range(0, len(prompt), 32):
+            first = runner.prefill(1, prompt[start:start + 32], start)
+        crossing = runner.prefill(1, tail, 64 * P - 16)  # positions 4080..4111
+        step = runner.decode(np.asarray([0, 9]), np.asarray([0, 64 * P + 16]),
+                             np.asarray([False, True]))[1:]
+        return runner, np.concatenate([np.asarray(x).reshape(-1) for x in (first, crossing,
+                                                                            step)])
+
+    runner, got = run()
+    table, width = runner._context(70)
+    if paged:
+        assert table.shape[1] == 64 and width is None
+    else:
+        assert table is None and width == 64 * P
+    assert runner._context(64 * P + 16)[1] is None  # past 64 pages: the whole cache
+    rng = np.random.default_rng(5)  # the same pages for the runner that reads everything
+    rng.integers(0, CFG.vocab_size, 70), rng.integers(0, CFG.vocab_size, 32)
+    monkeypatch.setattr(runner_mod, "MIN_TABLE_PAGES", 1 << 20)
+    _, want = run()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ---- the engine on a paged cache --------------------------------------------------------------
 
 def _engine(model, **kw):
