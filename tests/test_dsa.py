@@ -222,6 +222,33 @@ def test_select_topk_wider_than_keys():
     assert list(idx[0, 2]) == [-1, -1, -1]
 
 
+@pytest.mark.parametrize("k,block", [(5, 4), (3, 8), (1, 16)])
+def test_blockwise_top_k_is_lax_top_k_exactly(k, block):
+    """The two-stage top-k returns ``lax.top_k``'s values and indices, tie order included:
+    scores on 4 levels (many ties), masked entries, a row with fewer than k visible entries, a
+    row with none, and a length that is no multiple of the block."""
+    x = RNG.integers(0, 4, (2, 4, 103)).astype(np.float32)
+    x[RNG.random(x.shape) < 0.3] = -np.inf
+    x[0, 1, 3:] = -np.inf  # 3 entries at most visible
+    x[1, 2] = -np.inf      # nothing visible
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    got_v, got_i = dsa._blockwise_top_k(jnp.asarray(x), k, block)
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    finite = np.isfinite(np.asarray(want_v))  # -inf slots are -1 after select_topk either way
+    np.testing.assert_array_equal(np.asarray(got_i)[finite], np.asarray(want_i)[finite])
+
+
+def test_select_topk_takes_the_blockwise_path_on_long_rows(monkeypatch):
+    scores, vis = jnp.asarray(randn(2, 3, 300)), jnp.asarray(RNG.random((2, 3, 300)) < 0.8)
+    want = np.asarray(dsa.select_topk(scores, vis, 4))
+    called = []
+    monkeypatch.setattr(dsa, "TOPK_BLOCK", 8)
+    real = dsa._blockwise_top_k
+    monkeypatch.setattr(dsa, "_blockwise_top_k", lambda *a: called.append(a[1:]) or real(*a))
+    np.testing.assert_array_equal(np.asarray(dsa.select_topk(scores, vis, 4)), want)
+    assert called == [(4, 8)]
+
+
 # ---------------------------------------------------------------------------------------------
 # sparse attention
 # ---------------------------------------------------------------------------------------------
