@@ -255,11 +255,11 @@ def main() -> None:
         for row in prefill:
             for name in ("dsa", "dense", "kda"):
                 sec = row[f"{name}_ms"] / 1e3
-                row[f"{name}_flops_fraction"] = row[f"{name}_model_flops"] / sec / rate
+                row[f"{name}_model_flops_fraction"] = row[f"{name}_model_flops"] / sec / rate
                 row[f"{name}_executed_flops_fraction"] = row[f"{name}_executed_flops"] / sec / rate
             print(f"  T={row['length']:>5}: " + ", ".join(
-                f"{n} {row[f'{n}_flops_fraction']:.2f} ({row[f'{n}_executed_flops_fraction']:.2f})"
-                for n in ("dsa", "dense", "kda")))
+                f"{n} {row[f'{n}_model_flops_fraction']:.2f} "
+                f"({row[f'{n}_executed_flops_fraction']:.2f})" for n in ("dsa", "dense", "kda")))
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         "dsa.json" if not wide else f"dsa_{args.preset}.json")
     out.parent.mkdir(exist_ok=True)

@@ -103,7 +103,8 @@ def decode_against_context(a, max_len: int) -> dict:
 
     from kdsa.infer.page_pool import page_bytes
     from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
-    from kdsa.infer.runner import ModelRunner, _is_pool
+    from kdsa.infer.runner import ModelRunner
+    from kdsa.infer.runner_steps import is_pool
     from kdsa.model.config import get_preset
     from kdsa.model.paged_cache import pages_for
     from kdsa.model.transformer import Transformer
@@ -127,16 +128,16 @@ def decode_against_context(a, max_len: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     # whole-pool copies in the compiled step (XLA's optimized HLO): 0 when the pools are
     # written in place (docs/serving.md)
-    rows = next(x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool)
-                if _is_pool(x)).num_rows
+    rows = next(x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool)
+                if is_pool(x)).num_rows
     args = runner._args(one, np.full(1, 4095, np.int32), active,
                         runner.block_table[:, :runner.table_width(64)].copy())
     hlo = runner._decode.lower(runner.decode_state(), runner.cache, *args).compile().as_text()
     pool_copies = sum(1 for line in hlo.splitlines()
                       if " copy(" in line and re.search(rf"[\[,]{rows},", line))
     # what the runner holds: the per-slot (KDA) leaves of one slot, and the DSA page pool
-    per_slot = [x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool) if not _is_pool(x)]
-    pools = [x for x in jax.tree.leaves(runner.cache, is_leaf=_is_pool) if _is_pool(x)]
+    per_slot = [x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if not is_pool(x)]
+    pools = [x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if is_pool(x)]
     return {"max_len": max_len, "step_s": med, "pool_copies_per_step": pool_copies,
             "long_over_short": med[str(a.context)] / med["4096"],
             "table_pages_read": {k: runner.table_width(pages_for(c)) for k, c in contexts.items()},

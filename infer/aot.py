@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdsa.infer.runner import _decode_step, _prefill_step, cache_shardings
+from kdsa.infer.runner import cache_shardings
+from kdsa.infer.runner_steps import decode_step, prefill_step
 from kdsa.model.config import ModelConfig
 from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
 
@@ -54,9 +55,9 @@ def compile_generate_steps(config: ModelConfig, topology: str, sizes: dict[str, 
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     i32, scalar = jnp.int32, ()
     steps = {
-        "prefill": (_prefill_step, (arg(scalar, i32), arg((1, prefill_chunk), i32),
+        "prefill": (prefill_step, (arg(scalar, i32), arg((1, prefill_chunk), i32),
                                     arg(scalar, i32), arg(scalar, i32), arg(scalar, jnp.bool_))),
-        "decode": (_decode_step, (arg((slots,), i32), arg((slots,), i32),
+        "decode": (decode_step, (arg((slots,), i32), arg((slots,), i32),
                                   arg((slots,), jnp.bool_))),
     }
     out = {}

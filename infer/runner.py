@@ -5,8 +5,10 @@
 
 * ``prefill(slot, tokens, start)``: one chunk of one request's prompt, padded to a length
   bucket (powers of two from ``min_bucket`` to ``prefill_chunk``; right padding marked by
-  ``segment_ids = 0``), run on that slot's cache row (``dynamic_slice`` on axis 1, zeroed when
-  ``start == 0`` so a reused slot starts clean), written back with ``dynamic_update_slice``.
+  ``segment_ids = 0``), run on that slot's cache row (read and written back with a dynamic
+  slice of axis 1, or a one-hot select when the slots are split over devices: ``take_slot``),
+  its DSA caches cut to the context width the chunk's end needs, and zeroed when ``start == 0``
+  so a reused slot starts clean (past the width old keys stay, behind the causal mask).
   Returns the logits of the chunk's last real token ``[1, V]``. A prompt longer than
   ``prefill_chunk`` is prefilled chunk by chunk (the KDA state and DSA cache continue).
 * ``decode(tokens, positions, active)``: one token for every slot ``[S]``, each at its own
@@ -56,10 +58,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kdsa.model.outputs import Collect, ImageInputs
-from kdsa.model.dsa_layer import DSACache
-from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache, pages_for
-from kdsa.model.partitioning import current as current_sharding
+from kdsa.infer.runner_steps import (copy_page, decode_step, encode_step, prefill_batch_step,
+                                     prefill_step, restore_state, save_state, states)
+from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 from kdsa.model.transformer import per_layer_state, repeated_layer_bytes
 
 
@@ -125,7 +126,7 @@ class ModelRunner:
         if num_snapshots:  # KDA states of the prefix cache (infer/prefix_cache.py)
             if num_pages is None:
                 raise ValueError("KDA state snapshots (prefix caching) need a paged cache")
-            self.snapshots = jax.jit(lambda c: _states(
+            self.snapshots = jax.jit(lambda c: states(
                 lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
                 self.cache)
             self._save, self._restore = _save_jit, _restore_jit
@@ -143,7 +144,7 @@ class ModelRunner:
             self._prefill_batch = _shared_batch_step(self.graphdef, options)
         else:
             self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
-        self._encode = jax.jit(functools.partial(_encode_step, self.graphdef))
+        self._encode = jax.jit(functools.partial(encode_step, self.graphdef))
 
     def decode_state(self):
         """The weights the decode step reads: ``state``, or on one CPU device its per-layer
@@ -379,14 +380,17 @@ class ModelRunner:
         at the narrowest context width, the largest bucket (a long prompt's chunks) at every
         width, and the decode step at every block-table width when paged (on the slots, which
         are then reset by the next prefill into them). Other (bucket, width) pairs, e.g. a short
-        suffix after a deep prefix-cache hit, compile when first used."""
+        suffix after a deep prefix-cache hit, and batched prefills past the narrowest width
+        compile when first used."""
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
             for rows in self.row_buckets if self.batched_prefill else ():
                 self.prefill_batch(list(range(rows)), [[0] * b] * rows, [0] * rows)
         b = self.buckets[-1]
-        for w in self.table_widths[1:]:  # a chunk ending at the width's last position
-            self.prefill(0, [0] * b, min(w * PAGE_SIZE, self.max_len) - b)
+        cuts = self.block_table is not None or self.mesh is None  # (on a mesh: no widths)
+        for w in self.table_widths[1:] if cuts else ():
+            if w * PAGE_SIZE >= b:  # a chunk ending at the width's last position
+                self.prefill(0, [0] * b, min(w * PAGE_SIZE, self.max_len) - b)
         s = self.num_slots
         for w in self.table_widths if self.block_table is not None else (1,):
             pos = np.full(s, (w - 1) * PAGE_SIZE, np.int32)  # compiles the width of ``w``
@@ -423,44 +427,11 @@ def _on_cpu(state) -> bool:
     return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].devices())
 
 
-def _encode_step(graphdef, state, images):
-    from kdsa.model.vision.assemble import encode_images
-
-    return encode_images(nnx.merge(graphdef, state), images)            # [1, P / m, D]
-
-
-def _is_pool(x) -> bool:
-    return isinstance(x, PagedDSACache)
-
-
-def _per_slot(fn, *trees):
-    """``fn`` on every per-slot leaf (``[repeats, slots, ...]``); shared DSA pools are kept
-    from the last tree."""
-    return jax.tree.map(lambda *xs: xs[-1] if _is_pool(xs[0]) else fn(*xs), *trees,
-                        is_leaf=_is_pool)
-
-
-def _states(fn, cache):
-    """``fn`` of every per-slot (KDA) leaf, None for the shared DSA pools."""
-    return jax.tree.map(lambda x: None if _is_pool(x) else fn(x), cache, is_leaf=_is_pool)
-
-
-def _save_state(cache, snapshots, slot, snapshot):
-    return jax.tree.map(lambda s, a: s.at[:, snapshot].set(a[:, slot]), snapshots,
-                        _states(lambda a: a, cache))
-
-
-def _restore_state(cache, snapshots, slot, snapshot):
-    saved = iter(jax.tree.leaves(snapshots))  # the per-slot leaves, in the cache's order
-    return jax.tree.map(lambda x: x if _is_pool(x) else x.at[:, slot].set(
-        next(saved)[:, snapshot]), cache, is_leaf=_is_pool)
-
-
 def _steps(jit, graphdef, record_routing: bool):
     """The jitted (prefill, decode) steps of one model structure."""
-    return (jit(functools.partial(_prefill_step, graphdef, record_routing=record_routing),
+    return (jit(functools.partial(prefill_step, graphdef, record_routing=record_routing),
                 static_argnames=("width",)),
-            jit(functools.partial(_decode_step, graphdef, record_routing=record_routing)))
+            jit(functools.partial(decode_step, graphdef, record_routing=record_routing)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -473,123 +444,12 @@ def _shared_steps(graphdef, record_routing: bool, options: tuple):
                   graphdef, record_routing)
 
 
-def _copy_page(cache, src, dst):
-    def copy(pool):  # [..., R, D]: rows on axis -2
-        rows = jax.lax.dynamic_slice_in_dim(pool, src * PAGE_SIZE, PAGE_SIZE, axis=pool.ndim - 2)
-        return jax.lax.dynamic_update_slice_in_dim(pool, rows, dst * PAGE_SIZE,
-                                                   axis=pool.ndim - 2)
-    return jax.tree.map(lambda x: jax.tree.map(copy, x) if _is_pool(x) else x, cache,
-                        is_leaf=_is_pool)
-
-
 @functools.lru_cache(maxsize=16)
 def _shared_batch_step(graphdef, options: tuple):
-    return jax.jit(functools.partial(_prefill_batch_step, graphdef), donate_argnums=(1,),
+    return jax.jit(functools.partial(prefill_batch_step, graphdef), donate_argnums=(1,),
                    compiler_options=dict(options) or None, static_argnames=("width",))
 
 
-_copy_page_jit = jax.jit(_copy_page, donate_argnums=(0,))
-_save_jit = jax.jit(_save_state, donate_argnums=(1,))
-_restore_jit = jax.jit(_restore_state, donate_argnums=(0,))
-
-
-def _slots_split() -> bool:
-    """Whether the traced step runs under a layout that splits the cache's slots over devices."""
-    ctx = current_sharding()
-    return ctx is not None and ctx.size(ctx.axes("act_batch")) > 1
-
-
-def _take_slot(a: jax.Array, slot) -> jax.Array:
-    """Slot ``slot`` of a per-slot cache leaf ``[repeats, S, ...]`` -> ``[repeats, 1, ...]``.
-
-    With the slots split over devices, a dynamic slice of the slot axis makes XLA's partitioner
-    gather every device's slots first (K3 on ``v5p:4x8x8``, 64 x 128K slots: 230 GB of
-    temporaries per device); a one-hot select summed over the slot axis is a local reduction
-    and an all-reduce of one row. Exact: every other term is a selected zero."""
-    if not _slots_split():
-        return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
-    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
-    return jnp.sum(jnp.where(hit, a, jnp.zeros((), a.dtype)), axis=1, keepdims=True,
-                   dtype=a.dtype)
-
-
-def _put_slot(a: jax.Array, row: jax.Array, slot) -> jax.Array:
-    """``a`` with slot ``slot`` replaced by ``row`` ``[repeats, 1, ...]`` (:func:`_take_slot`'s
-    inverse; with split slots a select, which each device applies to its own slots)."""
-    if not _slots_split():  # (a row cut to its first positions updates those)
-        return jax.lax.dynamic_update_slice_in_dim(a, row.astype(a.dtype), slot, axis=1)
-    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
-    return jnp.where(hit, row.astype(a.dtype), a)
-
-
-def _context_cut(cache, width: int | None):
-    """The dense-slot DSA caches ``[repeats, rows, L, D]`` cut to their first ``width``
-    positions (None: whole); KDA states and paged pools as they are."""
-    if width is None:
-        return cache
-    return jax.tree.map(lambda x: x.replace(kv_latent=x.kv_latent[:, :, :width],
-                                            k_rope=x.k_rope[:, :, :width],
-                                            index_keys=x.index_keys[:, :, :width])
-                        if isinstance(x, DSACache) else x,
-                        cache, is_leaf=lambda x: isinstance(x, (DSACache, PagedDSACache)))
-
-
-def _prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds=None,
-                  mask=None, table=None, *, width=None, record_routing=False):
-    """``table`` ``[pages]``: the slot's first pages (paged cache; None: dense slots, of which
-    the first ``width`` positions are read and written; None: all)."""
-    model = nnx.merge(graphdef, state)
-    b = ids.shape[1]
-    row = _context_cut(_per_slot(lambda a: _take_slot(a, slot), cache), width)
-    row = _per_slot(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
-    if table is not None:
-        row = PagedCache(layers=row, block_table=table[None])
-    idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
-    images = None if embeds is None else ImageInputs(embeds=embeds, mask=mask)
-    out = model.forward(ids, start + idx, row, segment_ids=(idx < length).astype(jnp.int32),
-                        images=images, collect=Collect(routing=record_routing),
-                        logits_at=jnp.reshape(length - 1, (1, 1)))  # the last real token only
-    last = out.logits[:, 0]
-    new = out.cache.layers if table is not None else out.cache
-    cache = _per_slot(lambda a, r: _put_slot(a, r, slot), cache, new)
-    if record_routing:                                                  # [b, L_moe, k]
-        return last, cache, jnp.transpose(out.stats.expert_ids[:, 0], (1, 0, 2))
-    return last, cache                                                  # [1, V]
-
-
-def _prefill_batch_step(graphdef, state, cache, slots, ids, starts, lengths, fresh,
-                        table=None, *, width=None):
-    """Chunks of several slots at once: ``slots`` ``[n]`` (``num_slots``: a padding row, read
-    as zeros, written nowhere), ``ids`` ``[n, b]``, ``starts`` / ``lengths`` ``[n]``, ``fresh``
-    ``[n]`` (a new request: its rows start from zeros), ``table`` ``[n, pages]``; ``width`` as
-    in :func:`_prefill_step`."""
-    model = nnx.merge(graphdef, state)
-    n, b = ids.shape
-    rows = _context_cut(_per_slot(
-        lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0), cache), width)
-    rows = _per_slot(lambda a: jnp.where(fresh.reshape((1, n) + (1,) * (a.ndim - 2)),
-                                         jnp.zeros_like(a), a), rows)
-    if table is not None:
-        rows = PagedCache(layers=rows, block_table=table)
-    idx = jnp.arange(b, dtype=jnp.int32)[None]                          # [1, b]
-    out = model.forward(ids, starts[:, None] + idx, rows,
-                        segment_ids=(idx < lengths[:, None]).astype(jnp.int32),
-                        logits_at=jnp.maximum(lengths - 1, 0)[:, None])
-    new = out.cache.layers if table is not None else out.cache
-    cache = _per_slot(lambda a, r: a.at[(slice(None), slots) + tuple(
-        slice(0, d) for d in r.shape[2:])].set(r, mode="drop"), cache, new)
-    return out.logits[:, 0], cache                                      # [n, V]
-
-
-def _decode_step(graphdef, state, cache, tokens, positions, active, table=None, *,
-                 record_routing=False):
-    """``table`` ``[S, max_pages]``: every slot's pages (paged cache; None: dense slots)."""
-    model = nnx.merge(graphdef, state)
-    out = model.forward(tokens[:, None], positions[:, None],
-                        cache if table is None else PagedCache(layers=cache, block_table=table),
-                        segment_ids=active[:, None].astype(jnp.int32),
-                        collect=Collect(routing=record_routing))
-    new = out.cache if table is None else out.cache.layers
-    if record_routing:                                                  # [S, L_moe, k]
-        return (out.logits[:, 0], new, jnp.transpose(out.stats.expert_ids[:, :, 0], (1, 0, 2)))
-    return out.logits[:, 0], new                                        # [S, V]
+_copy_page_jit = jax.jit(copy_page, donate_argnums=(0,))
+_save_jit = jax.jit(save_state, donate_argnums=(1,))
+_restore_jit = jax.jit(restore_state, donate_argnums=(0,))

@@ -124,7 +124,9 @@ def test_decode_reads_only_the_table_width_in_use(model):
 def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
     """A prefill chunk reads the DSA caches up to the width its end needs (64 pages, then all
     65): the logits of a runner that always reads its whole cache, for chunks inside the first
-    width, a chunk crossing into the next, and a decode step after them."""
+    width, a chunk crossing into the next, a decode step after them, then a batched prefill of
+    two fresh rows inside the first width (one of them reusing the long row: its old keys past
+    the width stay behind the causal mask) and a decode step of both."""
     from kdsa.infer import runner as runner_mod
 
     rng = np.random.default_rng(5)
@@ -133,16 +135,21 @@ def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
 
     def run():
         runner = runner_mod.ModelRunner(model, num_slots=2, max_len=65 * P, prefill_chunk=32,
-                                        min_bucket=32, **({"num_pages": 66} if paged else {}))
+                                        min_bucket=32, batch_prefill=True,
+                                        **({"num_pages": 66} if paged else {}))
         if paged:
-            runner.set_pages(1, rng.permutation(66)[:65].tolist())
+            pages = rng.permutation(66).tolist()
+            runner.set_pages(1, pages[:65])
+            runner.set_pages(0, pages[65:])
         for start in range(0, len(prompt), 32):
             first = runner.prefill(1, prompt[start:start + 32], start)
         crossing = runner.prefill(1, tail, 64 * P - 16)  # positions 4080..4111
         step = runner.decode(np.asarray([0, 9]), np.asarray([0, 64 * P + 16]),
                              np.asarray([False, True]))[1:]
+        both = runner.prefill_batch([0, 1], [prompt[:20], tail[:30]], [0, 0])
+        step2 = runner.decode(np.asarray([3, 4]), np.asarray([20, 30]), np.ones(2, bool))
         return runner, np.concatenate([np.asarray(x).reshape(-1) for x in (first, crossing,
-                                                                            step)])
+                                                                            step, both, step2)])
 
     runner, got = run()
     table, width = runner._context(70)

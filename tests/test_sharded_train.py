@@ -201,7 +201,7 @@ def test_a_prefill_reads_and_writes_its_slot_without_gathering_every_slot():
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from kdsa.infer.runner import _put_slot, _take_slot
+    from kdsa.infer.runner_steps import put_slot, take_slot
     from kdsa.sharding.constrain import use_sharding
 
     mesh = make_mesh("data=4,expert=2")
@@ -209,13 +209,13 @@ def test_a_prefill_reads_and_writes_its_slot_without_gathering_every_slot():
     a = jax.device_put(a, NamedSharding(mesh, P(None, ("data", "expert"))))
     row = -jnp.ones((3, 1, 5, 2), jnp.float32)
     with use_sharding(mesh, "generate"):
-        take, put = jax.jit(_take_slot), jax.jit(_put_slot)
+        take, put = jax.jit(take_slot), jax.jit(put_slot)
         hlo = take.lower(a, 5).compile().as_text() + put.lower(a, row, 5).compile().as_text()
         got_row, got_put = take(a, 5), put(a, row, 5)
     assert "all-gather" not in hlo and "all-reduce" in hlo
     np.testing.assert_array_equal(got_row, a[:, 5:6])
     np.testing.assert_array_equal(got_put, a.at[:, 5:6].set(row))
-    np.testing.assert_array_equal(_take_slot(a, 2), a[:, 2:3])  # no mesh: the dynamic slice
+    np.testing.assert_array_equal(take_slot(a, 2), a[:, 2:3])  # no mesh: the dynamic slice
 
 
 # ---------------------------------------------------------------------------------------------
