@@ -115,27 +115,24 @@ def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
     ``--topology``. XLA:TPU itself refuses a program whose temporaries exceed the chip's HBM
     ("RESOURCE_EXHAUSTED ... CompileTimeHbmOom"): that is an answer (it does not fit), not a
     crash; every other compile error propagates."""
-    import functools
-
     import jax
 
-    from kdsa.infer.aot import compile_generate_steps
+    from kdsa.infer.aot import generate_step_compiles
     from kdsa.train.aot import compile_train_step
     from kdsa.train.config import TrainConfig
 
     if args.layout == "generate":
-        steps = {name: functools.partial(
-            compile_generate_steps, config, args.topology, sizes, slots=batch, max_len=args.seq,
-            prefill_chunk=min(args.prefill_chunk, args.seq), only=(name,))
-            for name in ("prefill", "decode")}
+        steps = generate_step_compiles(config, args.topology, sizes, slots=batch,
+                                       max_len=args.seq,
+                                       prefill_chunk=min(args.prefill_chunk, args.seq))
     else:
-        steps = {"train step": lambda: {"train step": compile_train_step(
+        steps = {"train step": lambda: compile_train_step(
             config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,
-            moe_capacity_factor=args.moe_capacity_factor)}}
+            moe_capacity_factor=args.moe_capacity_factor)}
     compiled, refused = {}, {}
     for name, compile_step in steps.items():
         try:
-            compiled.update(compile_step())
+            compiled[name] = compile_step()
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e) or "HBM" not in str(e):
                 raise  # (the host running out of memory while compiling is not an answer)

@@ -1,8 +1,9 @@
 """The engine's generate steps compiled for a named TPU topology on this host (no TPU needed).
 
-``compile_generate_steps(config, topology, sizes, slots=S, max_len=L, prefill_chunk=C)``
-compiles the runner's own two programs (``infer/runner.py``) under the ``generate`` layout
-with XLA:TPU (libtpu), from sharded ``ShapeDtypeStruct``s (nothing is allocated):
+``generate_step_compiles(config, topology, sizes, slots=S, max_len=L, prefill_chunk=C)``
+gives, for each of the runner's own two programs (``infer/runner_steps.py``), a function that
+compiles it under the ``generate`` layout with XLA:TPU (libtpu), from sharded
+``ShapeDtypeStruct``s (nothing is allocated; the abstract model is built once for both):
 
 * ``prefill``: one chunk of ``C`` tokens of one request into its slot of the dense-slot cache
   (``[repeats, S, L, ...]``, slots over the layout's batch axes), with the chunk's last logits;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +30,11 @@ from kdsa.model.config import ModelConfig
 from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
 
 
-def compile_generate_steps(config: ModelConfig, topology: str, sizes: dict[str, int], *,
-                           slots: int, max_len: int, prefill_chunk: int,
-                           only: tuple[str, ...] = ("prefill", "decode")
-                           ) -> dict[str, CompiledMemory]:
-    """``{"prefill": ..., "decode": ...}`` (the steps named in ``only``): see the module
-    docstring."""
+def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, int], *,
+                           slots: int, max_len: int, prefill_chunk: int
+                           ) -> dict[str, Callable[[], CompiledMemory]]:
+    """``{"prefill": f, "decode": f}``, each ``f()`` compiling its step (module docstring); the
+    caller decides what a refused compile means (``kdsa plan``: that step does not fit)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from kdsa.kernels_pallas.common import compile_target
@@ -60,16 +61,15 @@ def compile_generate_steps(config: ModelConfig, topology: str, sizes: dict[str, 
         "decode": (decode_step, (arg((slots,), i32), arg((slots,), i32),
                                   arg((slots,), jnp.bool_))),
     }
-    out = {}
-    for name, (fn, args) in steps.items():
-        if name not in only:
-            continue
+
+    def compile_step(fn, args) -> CompiledMemory:
         t0 = time.perf_counter()
         with compile_target("tpu"), use_sharding(mesh, "generate"):
             compiled = jax.jit(functools.partial(fn, graphdef), donate_argnums=(1,)).lower(
                 state, cache, *args).compile()
-        out[name] = compiled_memory(compiled, time.perf_counter() - t0)
-    return out
+        return compiled_memory(compiled, time.perf_counter() - t0)
+
+    return {name: functools.partial(compile_step, fn, args) for name, (fn, args) in steps.items()}
 
 
 def _sharded(tree, shardings):

@@ -337,10 +337,9 @@ class ModelRunner:
         scans only that many pages; the selected keys are the same, as no row has keys past
         its position)."""
         positions, active = np.asarray(positions, np.int32), np.asarray(active, bool)
-        table = None
-        if self.block_table is not None:
-            far = int(positions[active].max()) if active.any() else 0
-            table = self.block_table[:, :self.table_width(far // PAGE_SIZE + 1)].copy()
+        far = int(positions[active].max()) if active.any() else 0
+        table = self._context(far + 1)[0]  # (dense slots: decode reads every position)
+        table = None if table is None else table.copy()
         args = self._args(np.asarray(tokens, np.int32), positions, active, table)
         with self._rules():
             logits, self.cache, *routing = self._decode(self.decode_state(), self.cache, *args)

@@ -109,7 +109,7 @@ def prefill_step(graphdef, state, cache, slot, ids, start, length, fresh, embeds
     the first ``width`` positions are read and written; None: all)."""
     model = nnx.merge(graphdef, state)
     b = ids.shape[1]
-    row = context_cut(per_slot(lambda a: take_slot(a, slot), cache), width)
+    row = per_slot(lambda a: take_slot(a, slot), context_cut(cache, width))  # only what it reads
     row = per_slot(lambda a: jnp.where(fresh, jnp.zeros_like(a), a), row)
     if table is not None:
         row = PagedCache(layers=row, block_table=table[None])
@@ -134,8 +134,8 @@ def prefill_batch_step(graphdef, state, cache, slots, ids, starts, lengths, fres
     in :func:`prefill_step`."""
     model = nnx.merge(graphdef, state)
     n, b = ids.shape
-    rows = context_cut(per_slot(
-        lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0), cache), width)
+    rows = per_slot(lambda a: jnp.take(a, slots, axis=1, mode="fill", fill_value=0),
+                    context_cut(cache, width))  # only what it reads
     rows = per_slot(lambda a: jnp.where(fresh.reshape((1, n) + (1,) * (a.ndim - 2)),
                                          jnp.zeros_like(a), a), rows)
     if table is not None:

@@ -155,12 +155,15 @@ def test_plan_compile_reports_a_program_xla_refuses(capsys, monkeypatch):
 
     from kdsa.infer import aot
 
-    def fake(config, topology, sizes, *, slots, max_len, prefill_chunk, only):
+    def refuse(step):
         raise jax.errors.JaxRuntimeError(
-            f"RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: temporaries of the {only[0]} exceed "
+            f"RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: temporaries of the {step} exceed "
             "available HBM\nmore")
 
-    monkeypatch.setattr(aot, "compile_generate_steps", fake)
+    def fake(config, topology, sizes, *, slots, max_len, prefill_chunk):
+        return {step: lambda step=step: refuse(step) for step in ("prefill", "decode")}
+
+    monkeypatch.setattr(aot, "generate_step_compiles", fake)
     args = ["plan", "--preset", "tiny", "--layout", "generate", "--mesh", "data=4", "--batch",
             "4", "--seq", "64", "--compile", "--topology", "v5e:2x2"]
     assert main(args) == 3
@@ -171,10 +174,10 @@ def test_plan_compile_reports_a_program_xla_refuses(capsys, monkeypatch):
     assert main(args + ["--json"]) == 3
     assert '"refused_by_xla"' in capsys.readouterr().out
 
-    def broken(*a, **k):
+    def host_oom():
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: the host ran out of memory")
 
-    monkeypatch.setattr(aot, "compile_generate_steps", broken)
+    monkeypatch.setattr(aot, "generate_step_compiles", lambda *a, **k: {"prefill": host_oom})
     with pytest.raises(jax.errors.JaxRuntimeError, match="host ran out of memory"):
         main(args)
 
