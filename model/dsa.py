@@ -29,12 +29,25 @@ f32 = jnp.float32
 # query chunking and visibility
 # ---------------------------------------------------------------------------------------------
 
-def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Array]):
-    """``fn(*chunks)`` over query chunks of ``per_query`` arrays (query axis 1), outputs joined.
+def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Array],
+                     per_key: Sequence[jax.Array] = (), *, windows: int = 1,
+                     key_slack: int = 0, pad_keys: Callable | None = None):
+    """``fn(*chunks, *keys)`` over query chunks of ``per_query`` arrays (query axis 1), outputs
+    joined.
 
     Pads T with zeros to a multiple of the chunk (padded rows are computed, then dropped), runs
     ``lax.map`` over a rematerialised body and puts the query axis back at position 1 of every
-    output. ``fn`` may close over shared (key-side) arrays.
+    output. ``fn`` may close over shared (key-side) arrays, or get them as ``per_key`` (key axis
+    1) to be cut to causal windows:
+
+    Causal windows (``windows > 1``): the chunks are split into that many consecutive groups and
+    group ``g`` sees only the first ``W_g = min(S, key_slack + end_g)`` keys, ``end_g`` its last
+    query index + 1. The caller promises that key ``s`` is invisible to query ``t`` whenever
+    ``s > t + key_slack`` (a causal prefill whose keys sit at their positions: ``key_slack = 0``
+    for a sequence attending to itself, ``S - T`` for T queries at the end of S keys), so the
+    cut keys change nothing and a causal prefill scores about ``(windows + 1) / (2 windows)`` of
+    the ``T x S`` pairs. Groups may return outputs narrower than the full-width call along some
+    axis (top-k over ``W_g < k`` keys); ``pad_keys(out, s)`` restores them.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -42,19 +55,42 @@ def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Arra
     c = min(chunk_size, t)
     n = -(-t // c)
 
-    def split(a):  # [B, T, ...] -> [n, B, C, ...]
-        a = jnp.pad(a, [(0, 0), (0, n * c - t)] + [(0, 0)] * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape((a.shape[0], n, c) + a.shape[2:]), 1, 0)
+    def split(a, lo, hi):  # [B, T, ...] -> [hi - lo, B, C, ...], chunks lo..hi
+        a = jnp.pad(a, [(0, 0), (0, n * c - t)] + [(0, 0)] * (a.ndim - 2))[:, lo * c:hi * c]
+        return jnp.moveaxis(a.reshape((a.shape[0], hi - lo, c) + a.shape[2:]), 1, 0)
 
-    def join(a):  # [n, B, C, ...] -> [B, T, ...]
+    def join(a):  # [m, B, C, ...] -> [B, m * C, ...]
         a = jnp.moveaxis(a, 0, 1)
-        return a.reshape((a.shape[0], n * c) + a.shape[3:])[:, :t]
+        return a.reshape((a.shape[0], a.shape[1] * c) + a.shape[3:])
 
-    body = jax.checkpoint(lambda xs: fn(*xs))
-    if n == 1:  # decode and short inputs: no loop (a while loop would copy the key side)
-        return body(tuple(per_query))
-    out = jax.lax.map(body, tuple(split(a) for a in per_query))
-    return jax.tree.map(join, out)
+    keys = tuple(per_key)
+    windows = max(1, min(windows, n)) if keys else 1
+    if windows == 1:
+        body = jax.checkpoint(lambda xs: fn(*xs, *keys))
+        if n == 1:  # decode and short inputs: no loop (a while loop would copy the key side)
+            return body(tuple(per_query))
+        out = jax.lax.map(body, tuple(split(a, 0, n) for a in per_query))
+        return jax.tree.map(lambda a: join(a)[:, :t], out)
+    s = keys[0].shape[1]
+    outs = []
+    for g in range(windows):
+        lo, hi = g * n // windows, (g + 1) * n // windows
+        width = min(s, key_slack + hi * c)
+        cut = tuple(a[:, :width] for a in keys)
+        body = jax.checkpoint(lambda xs, cut=cut: fn(*xs, *cut))
+        out = jax.tree.map(join, jax.lax.map(body, tuple(split(a, lo, hi) for a in per_query)))
+        outs.append(out if pad_keys is None or width == s else pad_keys(out, s))
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1)[:, :t], *outs)
+
+
+# Query counts from which a causal prefill splits its chunks into key windows (``causal_windows``):
+# measured on XLA:CPU (docs/performance.md); shorter calls keep one loop and one compile.
+CAUSAL_WINDOWS, CAUSAL_WINDOWS_FROM = 4, 1024
+
+
+def causal_windows(t: int) -> int:
+    """How many causal key windows (:func:`map_query_chunks`) a prefill of ``t`` queries uses."""
+    return CAUSAL_WINDOWS if t >= CAUSAL_WINDOWS_FROM else 1
 
 
 def visible_mask(q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array,
@@ -96,7 +132,8 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q_pos, kv_pos,
-                 q_seg, kv_seg, chunk_size: int, key_rows: jax.Array | None = None) -> jax.Array:
+                 q_seg, kv_seg, chunk_size: int, key_rows: jax.Array | None = None,
+                 windows: int = 1, key_slack: int = 0) -> jax.Array:
     """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
 
     ``k`` is ``[B, S, D]``; or, with ``key_rows [B, S]`` int32, a pool ``[R, D]`` (a paged cache,
@@ -107,27 +144,32 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
     products either way.
 
     Never holds more than ``[B, C, J, max(S, R)]`` scores. Indices are not differentiable.
+    ``windows`` / ``key_slack``: causal key windows (:func:`map_query_chunks`; the same indices).
     """
     b, t, s = q.shape[0], q.shape[1], (k if key_rows is None else key_rows).shape[1]
     _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    if key_rows is None:
-        key_side = lambda qc, wc: indexer_scores(qc, k, wc)  # noqa: E731
-    elif t == 1 and k.shape[0] <= 2 * s:
-        def key_side(qc, wc):  # [1, B*C] queries against the pool, then each row's keys
+    if key_rows is not None and t == 1 and k.shape[0] <= 2 * s:
+        def chunk(qc, wc, pc, sc):  # [1, B*C] queries against the pool, then each row's keys
             _, c, j, d = qc.shape
             pooled = indexer_scores(qc.reshape(1, b * c, j, d), k[None], wc.reshape(1, b * c, j))
-            return jnp.take_along_axis(pooled.reshape(b, c, -1), key_rows[:, None, :], axis=2)
-    else:
-        rows = k[key_rows]  # [B, S, D]
-        key_side = lambda qc, wc: indexer_scores(qc, rows, wc)  # noqa: E731
+            scores = jnp.take_along_axis(pooled.reshape(b, c, -1), key_rows[:, None, :], axis=2)
+            return select_topk(scores, visible_mask(pc, kv_pos, sc, kv_seg), topk)
 
-    def chunk(qc, wc, pc, sc):
-        vis = visible_mask(pc, kv_pos, sc, kv_seg)
-        return select_topk(key_side(qc, wc), vis, topk)
+        return jax.lax.stop_gradient(map_query_chunks(chunk, chunk_size,
+                                                      (q, weights, q_pos, q_seg)))
+    keys = k if key_rows is None else k[key_rows]  # [B, S, D]: rows gathered once
 
-    idx = map_query_chunks(chunk, chunk_size, (q, weights, q_pos, q_seg))
+    def chunk(qc, wc, pc, sc, keys, kp, ks):
+        return select_topk(indexer_scores(qc, keys, wc), visible_mask(pc, kp, sc, ks), topk)
+
+    def pad(idx, s):  # a window narrower than topk: its -1 columns past the window
+        width = min(topk, s)
+        return jnp.pad(idx, [(0, 0), (0, 0), (0, width - idx.shape[2])], constant_values=-1)
+
+    idx = map_query_chunks(chunk, chunk_size, (q, weights, q_pos, q_seg), (keys, kv_pos, kv_seg),
+                           windows=windows, key_slack=key_slack, pad_keys=pad)
     return jax.lax.stop_gradient(idx)
 
 
@@ -240,13 +282,15 @@ def _gqa_logits(q: jax.Array, k: tuple[jax.Array, ...]) -> jax.Array:
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *, q_pos, kv_pos,
-                    q_seg, kv_seg, chunk_size: int) -> tuple[jax.Array, jax.Array]:
+                    q_seg, kv_seg, chunk_size: int, windows: int = 1,
+                    key_slack: int = 0) -> tuple[jax.Array, jax.Array]:
     """Chunked dense attention over visible keys; out ``[B, T, N, Dv]`` f32, lse ``[B, T, N]``.
 
     q ``[B, T, N, D]``, k ``[B, S, G, D]``, v ``[B, S, G, Dv]`` with ``N % G == 0`` (each group of
     N/G query heads reads one key/value head): G = N is MLA's MHA (training) form, G = 1 its
     absorbed MQA (decode) form with ``k = kv`` and ``v = kv[..., :v_dim]``. k may be a tuple of
     parts ``[B, S, G, D_i]`` that concatenate to D (latent and RoPE key kept apart).
+    ``windows`` / ``key_slack``: causal key windows (:func:`map_query_chunks`).
     """
     b, t, n, _ = q.shape
     k = tuple(k) if isinstance(k, (tuple, list)) else (k,)
@@ -262,18 +306,19 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *
     if t == 1:
         return _dense_decode(q, k, v, sm_scale, visible_mask(q_pos, kv_pos, q_seg, kv_seg))
 
-    def chunk(qc, pc, sc):
-        vis = visible_mask(pc, kv_pos, sc, kv_seg)  # [B, C, S]
+    def chunk(qc, pc, sc, kp, ks, v, *k):  # keys: the first W of S
+        vis = visible_mask(pc, kp, sc, ks)  # [B, C, W]
         logits = jnp.where(vis[:, :, None, :], _gqa_logits(qc, k) * sm_scale, -jnp.inf)
-        c = qc.shape[1]
+        c, w = qc.shape[1], kp.shape[1]
 
-        def values(p):  # p [B, C, N, S] -> [B, C, N, Dv]
-            pg = p.reshape(b, c, g, n // g, s)
+        def values(p):  # p [B, C, N, W] -> [B, C, N, Dv]
+            pg = p.reshape(b, c, g, n // g, w)
             return jnp.einsum("bcgrs,bsgd->bcgrd", pg, v.astype(f32)).reshape(b, c, n, -1)
 
         return _softmax_attend(logits, values)
 
-    return map_query_chunks(chunk, chunk_size, (q, q_pos, q_seg))
+    return map_query_chunks(chunk, chunk_size, (q, q_pos, q_seg), (kv_pos, kv_seg, v) + k,
+                            windows=windows, key_slack=key_slack)
 
 
 def _dense_decode(q, k: tuple[jax.Array, ...], v, sm_scale: float, visible):

@@ -36,7 +36,7 @@ from flax import nnx, struct
 
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention
+from kdsa.model.dsa import causal_windows, dense_attention, indexer_topk, sparse_mla_attention
 from kdsa.model.indexer import LightningIndexer
 from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
@@ -236,6 +236,7 @@ class GatedDSA(nnx.Module):
         order = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         vis = dict(q_pos=order, kv_pos=order, q_seg=seg, kv_seg=seg, chunk_size=chunk)
+        win = dict(windows=causal_windows(t))  # keys at their positions: key_slack 0
         kl_t = None
         if self.indexer is None or indexer_loss == "dense":  # dense causal, MHA form
             kv = self.kv_b_proj(c_kv).reshape(b, t, n, c.qk_nope_head_dim + c.v_head_dim)
@@ -243,7 +244,7 @@ class GatedDSA(nnx.Module):
             k_pe_h = jnp.broadcast_to(k_pe[:, :, None, :], (b, t, n, k_pe.shape[-1]))
             q = jnp.concatenate([q_nope, q_pe], axis=-1)  # [B, T, N, nope + rope]
             k = jnp.concatenate([k_nope, k_pe_h.astype(k_nope.dtype)], axis=-1)
-            o, _ = cp.dense_attention(q, k, v, scale, **vis)  # (seq-parallel)
+            o, _ = cp.dense_attention(q, k, v, scale, **vis, **win)  # (seq-parallel)
             if self.indexer is not None:  # dense warm-up loss
                 iq, ik, iw = self.indexer(*_detached(x, q_latent), positions)
                 kl_t = cp.indexer_kl_dense(q, k, scale, iq, ik, iw, **vis)
@@ -251,7 +252,7 @@ class GatedDSA(nnx.Module):
             detach = indexer_loss == "sparse"
             iq, ik, iw = self.indexer(*(_detached(x, q_latent) if detach else (x, q_latent)),
                                       positions)
-            idx = cp.indexer_topk(iq, ik, iw, c.index_topk, **vis)  # [B, T, K] (seq-parallel)
+            idx = cp.indexer_topk(iq, ik, iw, c.index_topk, **vis, **win)  # [B, T, K] (SP)
             q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
             kv = (c_kv, k_pe)  # [B, T, kv_lora] and [B, T, rope]: the key parts, kept apart
             o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
@@ -290,13 +291,15 @@ class GatedDSA(nnx.Module):
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if self.indexer is not None:
-            idx = indexer_topk(iq, cache.view("index_keys"), iw, c.index_topk, **vis)
+            idx = _windowed(lambda **w: indexer_topk(iq, cache.view("index_keys"), iw,
+                                                     c.index_topk, **vis, **w), big, **vis)
             o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
                                                chunk_size=c.dsa_query_chunk_size,
                                                impl=c.attention_impl)
         else:
-            o_lat, _ = dense_attention(q_abs, (kv_latent[:, :, None], k_rope[:, :, None]),
-                                       kv_latent[:, :, None], scale, **vis)  # MQA: G = 1
+            o_lat, _ = _windowed(lambda **w: dense_attention(
+                q_abs, (kv_latent[:, :, None], k_rope[:, :, None]), kv_latent[:, :, None], scale,
+                **vis, **w), big, **vis)  # MQA: G = 1
         return self._unabsorb(o_lat), cache
 
     # ---- attention over a paged pool ----
@@ -328,8 +331,9 @@ class GatedDSA(nnx.Module):
         scale = mla_softmax_scale(c)
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         if self.indexer is not None:
-            idx = indexer_topk(iq, cache.view("index_keys"), iw, c.index_topk, key_rows=ctx,
-                               **vis)  # positions
+            idx = _windowed(lambda **w: indexer_topk(
+                iq, cache.view("index_keys"), iw, c.index_topk, key_rows=ctx, **vis, **w),
+                s, **vis)  # positions
             rows = pc.positions_to_slots(idx, block_table)  # [B, T, K] pool rows, -1 unused
             n, dk = q_abs.shape[2:]
             o_lat, _ = _sparse_attention(c.attention_impl)(
@@ -341,8 +345,9 @@ class GatedDSA(nnx.Module):
         else:
             lat, rope = cache.view("kv_latent")[ctx], cache.view("k_rope")[ctx]  # [B, S, .]:
             # dense MLA reads every key
-            o_lat, _ = dense_attention(q_abs, (lat[:, :, None], rope[:, :, None]),
-                                       lat[:, :, None], scale, **vis)  # MQA: G = 1
+            o_lat, _ = _windowed(lambda **w: dense_attention(
+                q_abs, (lat[:, :, None], rope[:, :, None]), lat[:, :, None], scale, **vis, **w),
+                s, **vis)  # MQA: G = 1
         return self._unabsorb(o_lat), cache
 
     # ---- input checks ----
@@ -371,6 +376,21 @@ class GatedDSA(nnx.Module):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
                                  f"{want + (d,)} " + ("(pool rows)" if paged else
                                                       f"(batch {x.shape[0]})"))
+
+
+def _windowed(attend, num_keys: int, *, q_pos, q_seg, **_):
+    """``attend(windows=, key_slack=)`` of a prefill over a cache whose key ``s`` sits at
+    position ``s``: with causal key windows (``model/dsa.py : map_query_chunks``) when the call
+    is long and every real query ``t`` (``q_seg != 0``) has position ``<= t + S - T`` (its chunk
+    fits the cache; checked at run time, a ``lax.cond`` takes the full call otherwise, e.g. a
+    padded chunk past ``S``), else the full call. Same outputs either way."""
+    t = q_pos.shape[1]
+    windows = causal_windows(t)
+    if windows == 1 or t > num_keys:
+        return attend()
+    slack = num_keys - t
+    fits = jnp.all((q_seg == 0) | (q_pos - jnp.arange(t, dtype=q_pos.dtype) <= slack))
+    return jax.lax.cond(fits, lambda: attend(windows=windows, key_slack=slack), attend)
 
 
 def _sparse_attention(impl: str):

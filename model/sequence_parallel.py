@@ -156,15 +156,19 @@ def _split_self_attention(spec, q_len: int, kv_len: int) -> bool:
     return spec is not None and q_len == kv_len
 
 
-def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chunk_size: int):
+def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chunk_size: int,
+                 windows: int = 1):
     """``kdsa.model.dsa.indexer_topk``; with ``act_seq`` split, keys gathered, queries local.
 
-    Returned indices are global key positions, as unsharded."""
+    Returned indices are global key positions, as unsharded. ``windows``: causal key windows
+    of a sequence attending to itself (``key_slack`` 0), unsplit only (a split's local query
+    indices are not their positions)."""
     ctx = current()
     spec = _seq_spec(ctx, ("act_batch", "act_seq", None, None), q.shape)
     if not _split_self_attention(spec, q.shape[1], k.shape[1]):
         return dsa_math.indexer_topk(q, k, weights, topk, q_pos=q_pos, kv_pos=kv_pos,
-                                     q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
+                                     q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size,
+                                     windows=windows)
     bt, sq = spec[0], spec[1]
     axis = _axis_name(sq)
 
@@ -234,16 +238,19 @@ def _local_kernel(ctx: ShardingContext, attend, q, parts, indices, sm_scale, v_d
 # Dense MHA attention (no indexer, dense warm-up) and the indexer KL losses
 # ---------------------------------------------------------------------------------------------
 
-def dense_attention(q, k, v, sm_scale: float, *, q_pos, kv_pos, q_seg, kv_seg, chunk_size: int):
+def dense_attention(q, k, v, sm_scale: float, *, q_pos, kv_pos, q_seg, kv_seg, chunk_size: int,
+                    windows: int = 1):
     """``kdsa.model.dsa.dense_attention``; with ``act_seq`` split, keys, values and their
     positions gathered, queries local, heads as the rules split them (k, v with G = N heads
-    follow the queries' heads; G < N key heads stay whole)."""
+    follow the queries' heads; G < N key heads stay whole). ``windows`` as in
+    :func:`indexer_topk`."""
     ctx = current()
     ks = tuple(k) if isinstance(k, (tuple, list)) else (k,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if not _split_self_attention(spec, q.shape[1], ks[0].shape[1]):
         return dsa_math.dense_attention(q, k, v, sm_scale, q_pos=q_pos, kv_pos=kv_pos,
-                                        q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
+                                        q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size,
+                                        windows=windows)
     bt, sq, hd = spec[0], spec[1], spec[2]
     kh = hd if ks[0].shape[2] == q.shape[2] else None
     axis = _axis_name(sq)

@@ -1,0 +1,157 @@
+"""Causal key windows (``model/dsa.py : map_query_chunks``): a long causal prefill scores each
+group of query chunks against only the keys its last query can see; the outputs equal the
+full-width call, in the math functions, in the layer's three attention paths (sequence, dense
+slots, paged pool) and in gradients. A call whose promise does not hold (a padded chunk past
+the cache) takes the full width."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdsa.model import dsa
+from kdsa.model import dsa_layer
+from kdsa.model.config import get_preset
+from kdsa.model.overrides import apply_overrides
+from kdsa.model.transformer import Transformer
+
+
+def _inputs(seed=0, b=2, t=200, s=230, n=4, d=24, j=3, di=8, starts=(30, 23)):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    vis = dict(q_pos=jnp.asarray(np.asarray(starts)[:, None] + np.arange(t), jnp.int32),
+               kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
+               q_seg=jnp.asarray(rng.integers(1, 3, (b, t)), jnp.int32),  # packed segments
+               kv_seg=jnp.asarray(rng.integers(1, 3, (b, s)), jnp.int32), chunk_size=16)
+    return vis, f(b, t, n, d), f(b, s, 1, d), (f(b, t, j, di), f(b, s, di), f(b, t, j))
+
+
+@pytest.mark.parametrize("windows", [2, 3, 4, 50])
+def test_windows_equal_the_full_width(windows):
+    """Rows starting at or below ``S - T`` (the promise): the same outputs and indices, top-k
+    wider than a group's window included (its -1 columns padded back)."""
+    vis, q, kv, (iq, ik, iw) = _inputs()
+    slack = kv.shape[1] - q.shape[1]
+    out, lse = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis)
+    got, got_lse = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis, windows=windows,
+                                       key_slack=slack)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=1e-6, atol=1e-6)
+    for k in (16, 64):
+        want = dsa.indexer_topk(iq, ik, iw, k, **vis)
+        idx = dsa.indexer_topk(iq, ik, iw, k, **vis, windows=windows, key_slack=slack)
+        assert idx.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+
+
+def test_a_broken_promise_changes_the_outputs():
+    """The windows really drop keys: a row starting past ``S - T`` loses visible ones."""
+    vis, q, kv, (iq, ik, iw) = _inputs(starts=(50, 23))
+    slack = kv.shape[1] - q.shape[1]
+    out, _ = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis)
+    got, _ = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis, windows=4, key_slack=slack)
+    assert np.abs(np.asarray(got - out))[0].max() > 1e-3
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(out[1]), rtol=1e-6, atol=1e-6)
+    want = dsa.indexer_topk(iq, ik, iw, 16, **vis)
+    idx = dsa.indexer_topk(iq, ik, iw, 16, **vis, windows=4, key_slack=slack)
+    assert (np.asarray(idx[0]) != np.asarray(want[0])).any()
+
+
+def test_the_layer_checks_the_promise_at_run_time(monkeypatch):
+    """``_windowed`` takes the windows only when every real query fits its chunk."""
+    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 8)
+    which = jax.jit(lambda pos, seg: dsa_layer._windowed(
+        lambda windows=1, key_slack=0: jnp.int32(windows * 1000 + key_slack), 64, q_pos=pos,
+        q_seg=seg))
+    pos = jnp.arange(32, dtype=jnp.int32)[None]
+    seg = jnp.ones((1, 32), jnp.int32)
+    assert int(which(pos + 32, seg)) == dsa.CAUSAL_WINDOWS * 1000 + 32  # fits: windows
+    assert int(which(pos + 40, seg)) == 1000  # a chunk past the cache: full width
+    assert int(which(pos + 40, seg.at[:, 24:].set(0))) == 1000  # its real queries past S - T too
+    assert int(which(pos + 30, seg.at[:, 24:].set(0))) == dsa.CAUSAL_WINDOWS * 1000 + 32
+
+
+CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
+                                            "linear_attn_config.kda_layers=[1, 2]",
+                                            "linear_attn_config.full_attn_layers=[3]",
+                                            "max_position_embeddings=192"])
+DENSE = CFG.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
+
+
+# chunks (tokens, real tokens) into a 128-token cache: the last ending exactly at the cache's
+# end (no room to spare in the windows), or 16 real tokens padded past it (the full-width branch)
+TIGHT, PAST = ((64, 64), (32, 32), (32, 32)), ((64, 64), (48, 48), (32, 16))
+
+
+def _prefills(model, paged: bool, chunks):
+    """Logits of the chunks' real tokens, then a decode step if there is room.
+    (A fresh jit each call: the windows are chosen at trace time.)"""
+
+    @nnx.jit
+    def _step(model, ids, pos, seg, cache):
+        out = model.forward(ids, pos, cache, segment_ids=seg)
+        return out.logits, out.cache
+
+    rng = np.random.default_rng(3)
+    b, max_len = 2, 128
+    if paged:
+        from kdsa.model.paged_cache import PAGE_SIZE
+
+        per = max_len // PAGE_SIZE
+        cache = model.init_paged_cache(b, b * per, per)
+        cache = cache.replace(block_table=jnp.asarray(
+            rng.permutation(b * per).reshape(b, per), jnp.int32))
+    else:
+        cache = model.init_cache(b, max_len)
+    outs, start = [], 0
+    for t, real in chunks:
+        ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (b, t)), jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), (b, t))
+        seg = jnp.asarray((np.arange(t) < real)[None].repeat(b, 0), jnp.int32)
+        logits, cache = _step(model, ids, pos, seg, cache)
+        outs.append(np.asarray(logits)[:, :real])
+        start += real
+    if start < max_len:
+        logits, cache = _step(model, jnp.ones((b, 1), jnp.int32),
+                              jnp.full((b, 1), start, jnp.int32), jnp.ones((b, 1), jnp.int32),
+                              cache)
+        outs.append(np.asarray(logits))
+    return np.concatenate([o.reshape(-1) for o in outs])
+
+
+@pytest.mark.parametrize("cfg", [CFG, DENSE], ids=["dsa", "dense_mla"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense_slots", "paged"])
+@pytest.mark.parametrize("chunks", [TIGHT, PAST], ids=["tight", "past_the_cache"])
+def test_cached_prefill_with_windows_equals_without(cfg, paged, chunks, monkeypatch):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 1 << 30)
+    want = _prefills(model, paged, chunks)
+    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 16)
+    got = _prefills(model, paged, chunks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [CFG, DENSE], ids=["dsa", "dense_mla"])
+def test_training_forward_and_gradients_with_windows_equal_without(cfg, monkeypatch):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 96)), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 50 + [2] * 40 + [0] * 6], 2, 0), jnp.int32)  # packed
+
+    def loss(model):
+        out = model.forward(ids, jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96)),
+                            segment_ids=seg)
+        return jnp.mean(out.logits ** 2)
+
+    def run():
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+        return float(value), jax.tree.leaves(nnx.state(grads))
+
+    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 1 << 30)
+    want, want_g = run()
+    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 16)
+    got, got_g = run()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
