@@ -23,8 +23,12 @@ Prints ratios dense / DSA (> 1: DSA faster) and writes bench/results/dsa.json.
 the same run (``matmul_flops_per_s``); no Pallas rows (the interpreter at these widths only
 measures itself). Writes bench/results/dsa_k3-slice.json.
 
+``--prefill-only`` skips the decode rows; ``--without-windows`` also times each prefill with
+causal key windows off (``model/dsa.py : causal_windows``; the before/after in one run, rows
+``*_no_windows_ms``).
+
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
-    .venv/bin/python bench/bench_dsa.py --preset k3-slice
+    .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from flax import nnx  # noqa: E402
 
 from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noqa: E402
+from kdsa.model import dsa as dsa_math  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
@@ -160,6 +165,9 @@ def main() -> None:
     p.add_argument("--preset", default="tiny", help="layer widths (tiny or k3-slice)")
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--batch", type=int, default=None, help="decode batch (4; k3-slice: 8)")
+    p.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    p.add_argument("--without-windows", action="store_true",
+                   help="also time each prefill with causal key windows off")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
                                                "dsa_PRESET.json for another preset)")
     args = p.parse_args()
@@ -188,7 +196,7 @@ def main() -> None:
     x = jax.random.normal(jax.random.key(0), (b, 1, dsa_cfg.hidden_size))
 
     decode = []
-    for length in contexts:
+    for length in [] if args.prefill_only else contexts:
         row = {"context": length}
         pos = jnp.full((b, 1), length - 1, jnp.int32)
         for name, (step, state) in decoders.items():
@@ -217,6 +225,12 @@ def main() -> None:
             cache = (init_kda_cache(dsa_cfg, 1) if name == "kda"
                      else init_dsa_cache(cfgs[name], 1, length))
             row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
+            if args.without_windows and name != "kda":  # a fresh jit: windows chosen at trace
+                windows_from, dsa_math.CAUSAL_WINDOWS_FROM = dsa_math.CAUSAL_WINDOWS_FROM, 1 << 62
+                off, off_state = layer_fn(cfgs[name], donate=False)
+                row[f"{name}_no_windows_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
+                                                             reps=max(2, reps // 5))
+                dsa_math.CAUSAL_WINDOWS_FROM = windows_from
             if wide:  # the model's FLOPs; XLA's count (it counts a loop body once)
                 row[f"{name}_model_flops"] = (projection_flops(state, length) + attention_flops(
                     dsa_cfg, name, length))
@@ -233,14 +247,20 @@ def main() -> None:
         print(f"prefill T={length:>5}: dsa {row['dsa_ms']:9.2f} ms, dense "
               f"{row['dense_ms']:9.2f} ms, dense/dsa {row['ratio_dense_over_dsa']:5.2f}x"
               + (f", kda {row['kda_ms']:9.2f} ms, dense/kda {row['ratio_dense_over_kda']:5.2f}x"
-                 if "kda_ms" in row else ""), flush=True)
+                 if "kda_ms" in row else "")
+              + (f" | windows off: dsa {row['dsa_no_windows_ms']:9.2f} ms, dense "
+                 f"{row['dense_no_windows_ms']:9.2f} ms" if args.without_windows else ""),
+              flush=True)
 
-    first, last = decode[0], decode[-1]
-    growth = {part: last[part] / first[part]
-              for part in ("indexer_topk_ms", "sparse_attention_ms", "dense_attention_ms",
-                           "dsa_step_ms", "dense_step_ms")}
-    print(f"growth {first['context']} -> {last['context']} ({last['context'] // first['context']}x"
-          " context): " + ", ".join(f"{k[:-3]} {v:.2f}x" for k, v in growth.items()))
+    growth = None
+    if decode:
+        first, last = decode[0], decode[-1]
+        growth = {part: last[part] / first[part]
+                  for part in ("indexer_topk_ms", "sparse_attention_ms", "dense_attention_ms",
+                               "dsa_step_ms", "dense_step_ms")}
+        print(f"growth {first['context']} -> {last['context']} "
+              f"({last['context'] // first['context']}x context): "
+              + ", ".join(f"{k[:-3]} {v:.2f}x" for k, v in growth.items()))
     c = dsa_cfg
     result = {"device": str(jax.devices()[0]), "quick": args.quick, "batch": b,
               "pallas_interpret": interpret, "index_topk": args.topk,

@@ -85,7 +85,7 @@ def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Arra
 
 # Query counts from which a causal prefill splits its chunks into key windows (``causal_windows``):
 # measured on XLA:CPU (docs/performance.md); shorter calls keep one loop and one compile.
-CAUSAL_WINDOWS, CAUSAL_WINDOWS_FROM = 4, 1024
+CAUSAL_WINDOWS, CAUSAL_WINDOWS_FROM = 8, 1024
 
 
 def causal_windows(t: int) -> int:

@@ -19,7 +19,9 @@ within a segment (``segment_ids``, 0 = padding). Dense attention (no indexer, or
 warm-up) uses MLA's MHA form (``kv_b_proj`` expanded, cheaper in training); sparse attention uses
 the absorbed form (``W_UK`` folded into the query, one 576-d key shared by all heads, ``W_UV``
 after attention). With a cache (prefill and decode) new tokens are written at their
-``positions`` and every query reads slots ``<= its position``, always in absorbed form.
+``positions`` and every query reads slots ``<= its position``, always in absorbed form
+(``kdsa.model.dsa_cache_attention``). Long prefills take causal key windows (both paths) and,
+over a cache, attend densely while a query sees at most top-k keys: the same outputs.
 
 Measured (f32, CPU, ``tiny`` dims, B 2, T 24 > topk 8): max abs error of the full forward
 against a float64 NumPy MHA-form reference 4.7e-7 (NoPE), 6.1e-7 (RoPE + YaRN), 8.9e-7 (no
@@ -36,7 +38,8 @@ from flax import nnx, struct
 
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa import causal_windows, dense_attention, indexer_topk, sparse_mla_attention
+from kdsa.model.dsa import causal_windows, sparse_mla_attention
+from kdsa.model.dsa_cache_attention import attend_cache
 from kdsa.model.indexer import LightningIndexer
 from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
@@ -290,16 +293,14 @@ class GatedDSA(nnx.Module):
         scale = mla_softmax_scale(c)
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
-        if self.indexer is not None:
-            idx = _windowed(lambda **w: indexer_topk(iq, cache.view("index_keys"), iw,
-                                                     c.index_topk, **vis, **w), big, **vis)
-            o_lat, _ = cp.sparse_mla_attention(q_abs, kv, idx, scale, c.kv_lora_rank,
-                                               chunk_size=c.dsa_query_chunk_size,
-                                               impl=c.attention_impl)
-        else:
-            o_lat, _ = _windowed(lambda **w: dense_attention(
-                q_abs, (kv_latent[:, :, None], k_rope[:, :, None]), kv_latent[:, :, None], scale,
-                **vis, **w), big, **vis)  # MQA: G = 1
+        index = (None if self.indexer is None
+                 else (iq, cache.view("index_keys"), iw, None))
+        o_lat = attend_cache(
+            q_abs, index, keys=lambda w: (kv_latent[:, :w], k_rope[:, :w]),
+            sparse=lambda q, idx: cp.sparse_mla_attention(
+                q, kv, idx, scale, c.kv_lora_rank, chunk_size=c.dsa_query_chunk_size,
+                impl=c.attention_impl)[0],
+            topk=c.index_topk, scale=scale, num_keys=big, **vis)
         return self._unabsorb(o_lat), cache
 
     # ---- attention over a paged pool ----
@@ -330,24 +331,22 @@ class GatedDSA(nnx.Module):
                    chunk_size=c.dsa_query_chunk_size)
         scale = mla_softmax_scale(c)
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
-        if self.indexer is not None:
-            idx = _windowed(lambda **w: indexer_topk(
-                iq, cache.view("index_keys"), iw, c.index_topk, key_rows=ctx, **vis, **w),
-                s, **vis)  # positions
-            rows = pc.positions_to_slots(idx, block_table)  # [B, T, K] pool rows, -1 unused
-            n, dk = q_abs.shape[2:]
-            o_lat, _ = _sparse_attention(c.attention_impl)(
-                q_abs.reshape(1, b * t, n, dk),
-                (cache.view("kv_latent")[None], cache.view("k_rope")[None]),
-                rows.reshape(1, b * t, -1), scale, c.kv_lora_rank,
+        lat_pool, rope_pool = cache.view("kv_latent"), cache.view("k_rope")
+
+        def sparse(q, idx):  # top-k positions -> pool rows (-1 stays -1); one batch of queries
+            rows = pc.positions_to_slots(idx, block_table)  # [B, T', K]
+            bt, n, dk = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+            o, _ = _sparse_attention(c.attention_impl)(
+                q.reshape(1, bt, n, dk), (lat_pool[None], rope_pool[None]),
+                rows.reshape(1, bt, -1), scale, c.kv_lora_rank,
                 chunk_size=c.dsa_query_chunk_size)
-            o_lat = o_lat.reshape(b, t, n, -1)
-        else:
-            lat, rope = cache.view("kv_latent")[ctx], cache.view("k_rope")[ctx]  # [B, S, .]:
-            # dense MLA reads every key
-            o_lat, _ = _windowed(lambda **w: dense_attention(
-                q_abs, (lat[:, :, None], rope[:, :, None]), lat[:, :, None], scale, **vis, **w),
-                s, **vis)  # MQA: G = 1
+            return o.reshape(q.shape[0], q.shape[1], n, -1)
+
+        index = (None if self.indexer is None
+                 else (iq, cache.view("index_keys"), iw, ctx))  # the indexer reads positions
+        o_lat = attend_cache(
+            q_abs, index, keys=lambda w: (lat_pool[ctx[:, :w]], rope_pool[ctx[:, :w]]),
+            sparse=sparse, topk=c.index_topk, scale=scale, num_keys=s, **vis)
         return self._unabsorb(o_lat), cache
 
     # ---- input checks ----
@@ -376,21 +375,6 @@ class GatedDSA(nnx.Module):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
                                  f"{want + (d,)} " + ("(pool rows)" if paged else
                                                       f"(batch {x.shape[0]})"))
-
-
-def _windowed(attend, num_keys: int, *, q_pos, q_seg, **_):
-    """``attend(windows=, key_slack=)`` of a prefill over a cache whose key ``s`` sits at
-    position ``s``: with causal key windows (``model/dsa.py : map_query_chunks``) when the call
-    is long and every real query ``t`` (``q_seg != 0``) has position ``<= t + S - T`` (its chunk
-    fits the cache; checked at run time, a ``lax.cond`` takes the full call otherwise, e.g. a
-    padded chunk past ``S``), else the full call. Same outputs either way."""
-    t = q_pos.shape[1]
-    windows = causal_windows(t)
-    if windows == 1 or t > num_keys:
-        return attend()
-    slack = num_keys - t
-    fits = jnp.all((q_seg == 0) | (q_pos - jnp.arange(t, dtype=q_pos.dtype) <= slack))
-    return jax.lax.cond(fits, lambda: attend(windows=windows, key_slack=slack), attend)
 
 
 def _sparse_attention(impl: str):

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from kdsa.model import dsa
-from kdsa.model import dsa_layer
+from kdsa.model import dsa_cache_attention
 from kdsa.model.config import get_preset
 from kdsa.model.overrides import apply_overrides
 from kdsa.model.transformer import Transformer
@@ -61,7 +61,7 @@ def test_a_broken_promise_changes_the_outputs():
 def test_the_layer_checks_the_promise_at_run_time(monkeypatch):
     """``_windowed`` takes the windows only when every real query fits its chunk."""
     monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 8)
-    which = jax.jit(lambda pos, seg: dsa_layer._windowed(
+    which = jax.jit(lambda pos, seg: dsa_cache_attention.windowed(
         lambda windows=1, key_slack=0: jnp.int32(windows * 1000 + key_slack), 64, q_pos=pos,
         q_seg=seg))
     pos = jnp.arange(32, dtype=jnp.int32)[None]
@@ -76,12 +76,16 @@ CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
                                             "linear_attn_config.kda_layers=[1, 2]",
                                             "linear_attn_config.full_attn_layers=[3]",
                                             "max_position_embeddings=192"])
+# top-k 40 over query chunks of 8: a prefill from the cache's start has 40 queries that see
+# at most top-k keys (they attend densely) before the indexer's queries
+WIDE = CFG.replace(index_topk=40, dsa_query_chunk_size=8)
 DENSE = CFG.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
 
 
 # chunks (tokens, real tokens) into a 128-token cache: the last ending exactly at the cache's
-# end (no room to spare in the windows), or 16 real tokens padded past it (the full-width branch)
-TIGHT, PAST = ((64, 64), (32, 32), (32, 32)), ((64, 64), (48, 48), (32, 16))
+# end (no room to spare in the windows), 16 real tokens padded past it (the full-width branch),
+# or one chunk filling it (its first queries see at most top-k keys)
+TIGHT, PAST, FULL = ((64, 64), (32, 32), (32, 32)), ((64, 64), (48, 48), (32, 16)), ((128, 128),)
 
 
 def _prefills(model, paged: bool, chunks):
@@ -120,9 +124,9 @@ def _prefills(model, paged: bool, chunks):
     return np.concatenate([o.reshape(-1) for o in outs])
 
 
-@pytest.mark.parametrize("cfg", [CFG, DENSE], ids=["dsa", "dense_mla"])
+@pytest.mark.parametrize("cfg", [WIDE, DENSE], ids=["dsa", "dense_mla"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense_slots", "paged"])
-@pytest.mark.parametrize("chunks", [TIGHT, PAST], ids=["tight", "past_the_cache"])
+@pytest.mark.parametrize("chunks", [TIGHT, PAST, FULL], ids=["tight", "past_the_cache", "full"])
 def test_cached_prefill_with_windows_equals_without(cfg, paged, chunks, monkeypatch):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 1 << 30)
