@@ -24,8 +24,9 @@ the same run (``matmul_flops_per_s``); no Pallas rows (the interpreter at these 
 measures itself). Writes bench/results/dsa_k3-slice.json.
 
 ``--prefill-only`` skips the decode rows; ``--without-windows`` also times each prefill with
-causal key windows off (``model/dsa.py : causal_windows``; the before/after in one run, rows
-``*_no_windows_ms``).
+causal key windows off (``model/query_chunks.py : causal_windows``; the before/after in one
+run, rows ``*_no_windows_ms``); with ``--prefill-only`` the results go to
+``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
     .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
@@ -48,7 +49,7 @@ from flax import nnx  # noqa: E402
 
 from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noqa: E402
-from kdsa.model import dsa as dsa_math  # noqa: E402
+from kdsa.model import query_chunks  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
@@ -226,11 +227,14 @@ def main() -> None:
                      else init_dsa_cache(cfgs[name], 1, length))
             row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
             if args.without_windows and name != "kda":  # a fresh jit: windows chosen at trace
-                windows_from, dsa_math.CAUSAL_WINDOWS_FROM = dsa_math.CAUSAL_WINDOWS_FROM, 1 << 62
-                off, off_state = layer_fn(cfgs[name], donate=False)
-                row[f"{name}_no_windows_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
-                                                             reps=max(2, reps // 5))
-                dsa_math.CAUSAL_WINDOWS_FROM = windows_from
+                windows_from, query_chunks.CAUSAL_WINDOWS_FROM = (
+                    query_chunks.CAUSAL_WINDOWS_FROM, 1 << 62)
+                try:
+                    off, off_state = layer_fn(cfgs[name], donate=False)
+                    row[f"{name}_no_windows_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
+                                                                 reps=max(2, reps // 5))
+                finally:
+                    query_chunks.CAUSAL_WINDOWS_FROM = windows_from
             if wide:  # the model's FLOPs; XLA's count (it counts a loop body once)
                 row[f"{name}_model_flops"] = (projection_flops(state, length) + attention_flops(
                     dsa_cfg, name, length))
@@ -280,8 +284,9 @@ def main() -> None:
             print(f"  T={row['length']:>5}: " + ", ".join(
                 f"{n} {row[f'{n}_model_flops_fraction']:.2f} "
                 f"({row[f'{n}_executed_flops_fraction']:.2f})" for n in ("dsa", "dense", "kda")))
+    suffix = "_prefill" if args.prefill_only else ""
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        "dsa.json" if not wide else f"dsa_{args.preset}.json")
+        f"dsa{suffix}.json" if not wide else f"dsa_{args.preset}{suffix}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -5,106 +5,25 @@ eq. 1-2 and section 2.1). Letters: B batch, T queries, S keys, N attention heads
 D head dim, K selected keys (top-k), C query chunk.
 
 Visibility. A key ``s`` is visible to query ``t`` iff ``kv_pos[s] <= q_pos[t]`` and
-``kv_seg[s] == q_seg[t]`` (:func:`visible_mask`). The layer passes token order and segment ids in
+``kv_seg[s] == q_seg[t]`` (``model/query_chunks.py``). The layer passes token order and segment ids in
 training, cache slot numbers and positions in decode.
 
 Memory. Everything that scores queries against keys runs over query chunks of ``chunk_size``
-(``lax.map`` of a ``jax.checkpoint``-ed body), so at most ``[B, C, N, S]`` (dense) or
+(``query_chunks.map_query_chunks``: ``lax.map`` of a ``jax.checkpoint``-ed body), so at most ``[B, C, N, S]`` (dense) or
 ``[B, C, K, D]`` (sparse gather) exists at once, in the backward pass too.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from kdsa.model.query_chunks import check_visibility, map_query_chunks, visible_mask
 from kdsa.model.topk import select_topk
 
 f32 = jnp.float32
-
-
-# ---------------------------------------------------------------------------------------------
-# query chunking and visibility
-# ---------------------------------------------------------------------------------------------
-
-def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Array],
-                     per_key: Sequence[jax.Array] = (), *, windows: int = 1,
-                     key_slack: int = 0, pad_keys: Callable | None = None):
-    """``fn(*chunks, *keys)`` over query chunks of ``per_query`` arrays (query axis 1), outputs
-    joined.
-
-    Pads T with zeros to a multiple of the chunk (padded rows are computed, then dropped), runs
-    ``lax.map`` over a rematerialised body and puts the query axis back at position 1 of every
-    output. ``fn`` may close over shared (key-side) arrays, or get them as ``per_key`` (key axis
-    1) to be cut to causal windows:
-
-    Causal windows (``windows > 1``): the chunks are split into that many consecutive groups and
-    group ``g`` sees only the first ``W_g = min(S, key_slack + end_g)`` keys, ``end_g`` its last
-    query index + 1. The caller promises that key ``s`` is invisible to query ``t`` whenever
-    ``s > t + key_slack`` (a causal prefill whose keys sit at their positions: ``key_slack = 0``
-    for a sequence attending to itself, ``S - T`` for T queries at the end of S keys), so the
-    cut keys change nothing and a causal prefill scores about ``(windows + 1) / (2 windows)`` of
-    the ``T x S`` pairs. Groups may return outputs narrower than the full-width call along some
-    axis (top-k over ``W_g < k`` keys); ``pad_keys(out, s)`` restores them.
-    """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    t = per_query[0].shape[1]
-    c = min(chunk_size, t)
-    n = -(-t // c)
-
-    def split(a, lo, hi):  # [B, T, ...] -> [hi - lo, B, C, ...], chunks lo..hi
-        a = jnp.pad(a, [(0, 0), (0, n * c - t)] + [(0, 0)] * (a.ndim - 2))[:, lo * c:hi * c]
-        return jnp.moveaxis(a.reshape((a.shape[0], hi - lo, c) + a.shape[2:]), 1, 0)
-
-    def join(a):  # [m, B, C, ...] -> [B, m * C, ...]
-        a = jnp.moveaxis(a, 0, 1)
-        return a.reshape((a.shape[0], a.shape[1] * c) + a.shape[3:])
-
-    keys = tuple(per_key)
-    windows = max(1, min(windows, n)) if keys else 1
-    if windows == 1:
-        body = jax.checkpoint(lambda xs: fn(*xs, *keys))
-        if n == 1:  # decode and short inputs: no loop (a while loop would copy the key side)
-            return body(tuple(per_query))
-        out = jax.lax.map(body, tuple(split(a, 0, n) for a in per_query))
-        return jax.tree.map(lambda a: join(a)[:, :t], out)
-    s = keys[0].shape[1]
-    outs = []
-    for g in range(windows):
-        lo, hi = g * n // windows, (g + 1) * n // windows
-        width = min(s, key_slack + hi * c)
-        cut = tuple(a[:, :width] for a in keys)
-        body = jax.checkpoint(lambda xs, cut=cut: fn(*xs, *cut))
-        out = jax.tree.map(join, jax.lax.map(body, tuple(split(a, lo, hi) for a in per_query)))
-        outs.append(out if pad_keys is None or width == s else pad_keys(out, s))
-    return jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=1)[:, :t], *outs)
-
-
-# Query counts from which a causal prefill splits its chunks into key windows (``causal_windows``):
-# measured on XLA:CPU (docs/performance.md); shorter calls keep one loop and one compile.
-CAUSAL_WINDOWS, CAUSAL_WINDOWS_FROM = 8, 1024
-
-
-def causal_windows(t: int) -> int:
-    """How many causal key windows (:func:`map_query_chunks`) a prefill of ``t`` queries uses."""
-    return CAUSAL_WINDOWS if t >= CAUSAL_WINDOWS_FROM else 1
-
-
-def visible_mask(q_pos: jax.Array, kv_pos: jax.Array, q_seg: jax.Array,
-                 kv_seg: jax.Array) -> jax.Array:
-    """``[B, T, S]`` bool: ``kv_pos[s] <= q_pos[t]`` and ``kv_seg[s] == q_seg[t]``."""
-    return ((kv_pos[:, None, :] <= q_pos[:, :, None])
-            & (kv_seg[:, None, :] == q_seg[:, :, None]))
-
-
-def _check_visibility(b: int, t: int, s: int, q_pos, kv_pos, q_seg, kv_seg) -> None:
-    for name, a, want in (("q_pos", q_pos, (b, t)), ("q_seg", q_seg, (b, t)),
-                          ("kv_pos", kv_pos, (b, s)), ("kv_seg", kv_seg, (b, s))):
-        if a.shape != want:
-            raise ValueError(f"{name} has shape {a.shape}, expected {want}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +66,7 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
     ``windows`` / ``key_slack``: causal key windows (:func:`map_query_chunks`; the same indices).
     """
     b, t, s = q.shape[0], q.shape[1], (k if key_rows is None else key_rows).shape[1]
-    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+    check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     if key_rows is not None and t == 1 and k.shape[0] <= 2 * s:
@@ -161,11 +80,12 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
                                                       (q, weights, q_pos, q_seg)))
     keys = k if key_rows is None else k[key_rows]  # [B, S, D]: rows gathered once
 
-    def chunk(qc, wc, pc, sc, keys, kp, ks):
-        return select_topk(indexer_scores(qc, keys, wc), visible_mask(pc, kp, sc, ks), topk)
+    def chunk(qc, wc, pc, sc, keys_w, pos_w, seg_w):  # key side: the first W of S keys
+        return select_topk(indexer_scores(qc, keys_w, wc), visible_mask(pc, pos_w, sc, seg_w),
+                           topk)
 
-    def pad(idx, s):  # a window narrower than topk: its -1 columns past the window
-        width = min(topk, s)
+    def pad(idx, num_keys):  # a window narrower than topk: its -1 columns past the window
+        width = min(topk, num_keys)
         return jnp.pad(idx, [(0, 0), (0, 0), (0, width - idx.shape[2])], constant_values=-1)
 
     idx = map_query_chunks(chunk, chunk_size, (q, weights, q_pos, q_seg), (keys, kv_pos, kv_seg),
@@ -302,18 +222,18 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, *
         raise ValueError(f"dense_attention wants q [B,T,N,D], k [B,S,G,D] (or parts whose last "
                          f"dims add up to D), v [B,S,G,Dv] with N % G == 0; got {q.shape}, "
                          f"{shapes}, {v.shape}")
-    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+    check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
     if t == 1:
         return _dense_decode(q, k, v, sm_scale, visible_mask(q_pos, kv_pos, q_seg, kv_seg))
 
-    def chunk(qc, pc, sc, kp, ks, v, *k):  # keys: the first W of S
-        vis = visible_mask(pc, kp, sc, ks)  # [B, C, W]
-        logits = jnp.where(vis[:, :, None, :], _gqa_logits(qc, k) * sm_scale, -jnp.inf)
-        c, w = qc.shape[1], kp.shape[1]
+    def chunk(qc, pc, sc, pos_w, seg_w, v_w, *k_w):  # key side: the first W of S keys
+        vis = visible_mask(pc, pos_w, sc, seg_w)  # [B, C, W]
+        logits = jnp.where(vis[:, :, None, :], _gqa_logits(qc, k_w) * sm_scale, -jnp.inf)
+        c, w = qc.shape[1], pos_w.shape[1]
 
         def values(p):  # p [B, C, N, W] -> [B, C, N, Dv]
             pg = p.reshape(b, c, g, n // g, w)
-            return jnp.einsum("bcgrs,bsgd->bcgrd", pg, v.astype(f32)).reshape(b, c, n, -1)
+            return jnp.einsum("bcgrs,bsgd->bcgrd", pg, v_w.astype(f32)).reshape(b, c, n, -1)
 
         return _softmax_attend(logits, values)
 
@@ -389,7 +309,7 @@ def indexer_kl_dense(q: jax.Array, k: jax.Array, sm_scale: float, index_q: jax.A
     ``[B, T, J]`` the indexer's. Chunked: ``[B, C, N, S]`` at a time.
     """
     b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    _check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
+    check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
     k = (k,)
 
     def chunk(qc, iqc, iwc, pc, sc):

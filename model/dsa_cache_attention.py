@@ -1,9 +1,9 @@
 """A Gated DSA (or dense MLA) layer's queries over its cache, dense slots or a paged pool:
 the absorbed attention of ``model/dsa.py`` with two exact shortcuts for long prefills.
 
-* **Causal key windows** (``dsa.map_query_chunks``): a prefill of T queries at the end of a
-  cache of S keys (key ``s`` at position ``s``) scores each group of query chunks against only
-  the keys its last query can see. The promise behind it (every real query ``t`` sits at
+* **Causal key windows** (``query_chunks.map_query_chunks``): a prefill of T queries at the end
+  of a cache of S keys (key ``s`` at position ``s``) scores each group of query chunks against
+  only the keys its last query can see. The promise behind it (every real query ``t`` sits at
   position ``<= t + S - T``) is checked at run time; a ``lax.cond`` takes the full width when
   it fails (a chunk padded past the cache).
 * **Queries that see at most top-k keys attend densely**: under the same promise, query ``t``
@@ -12,8 +12,9 @@ the absorbed attention of ``model/dsa.py`` with two exact shortcuts for long pre
   attend to their visible keys (the same set, the same softmax; DeepSeek-V3.2-Exp section 2.1:
   the top-k of fewer keys than k is all of them).
 
-Decode (one query) and short calls take the plain path. Outputs equal it either way
-(``tests/test_causal_windows.py``).
+Decode (one query), short calls and chunks deep in a long context take the plain path (see
+:func:`windowed`). The outputs of real queries (``q_seg != 0``) equal it up to rounding (the
+same keys, the same selected sets; ``tests/test_causal_windows.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kdsa.model.dsa import causal_windows, dense_attention, indexer_topk
+from kdsa.model.dsa import dense_attention, indexer_topk
+from kdsa.model.query_chunks import causal_windows
 
 
-def attend_cache(q_abs: jax.Array, index, *, keys: Callable, sparse: Callable, topk: int | None,
+def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, sparse: Callable, topk: int | None,
                  scale: float, num_keys: int, q_pos, kv_pos, q_seg, kv_seg,
                  chunk_size: int) -> jax.Array:
     """Latent outputs ``[B, T, N, kv_lora]`` of absorbed queries ``q_abs [B, T, N, Dk]``.
@@ -64,17 +66,26 @@ def attend_cache(q_abs: jax.Array, index, *, keys: Callable, sparse: Callable, t
             outs.append(sparse(q_abs[:, early:], idx))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 
-    return windowed(attend, num_keys, q_pos=q_pos, q_seg=q_seg)
+    return windowed(attend, num_keys, q_pos=q_pos, q_seg=q_seg, chunk_size=chunk_size,
+                    topk=None if index is None else topk)
 
 
-def windowed(attend: Callable, num_keys: int, *, q_pos, q_seg):
-    """``attend(windows=, key_slack=)`` with causal key windows when the call is long and every
-    real query ``t`` (``q_seg != 0``) has position ``<= t + S - T`` (checked at run time; a
-    ``lax.cond`` takes ``attend()``, the full width, otherwise), else ``attend()``."""
+def windowed(attend: Callable, num_keys: int, *, q_pos, q_seg, chunk_size: int,
+             topk: int | None = None):
+    """``attend(windows=, key_slack=)`` with causal key windows when they are worth a second
+    compiled branch and every real query ``t`` (``q_seg != 0``) has position ``<= t + S - T``
+    (checked at run time; a ``lax.cond`` takes ``attend()``, the full width, otherwise); else
+    ``attend()``. Worth it: a long call (``causal_windows``) with ``S - T < T`` (the windows
+    then skip over a fifth of the products; with ``S - T >= T``, at most 22%), or with queries
+    that see at most ``topk`` keys (``S - T + chunk_size <= topk``). A server's prefill chunk
+    over a cache cut to its context width (``infer/runner.py : ModelRunner._context``) is the
+    first case near the start of a prompt and the second below top-k; deep in a long context
+    neither, so it compiles one branch."""
     t = q_pos.shape[1]
-    windows = causal_windows(t)
-    if windows == 1 or t > num_keys:
-        return attend()
+    windows = causal_windows(t, chunk_size)
     slack = num_keys - t
+    dense_head = topk is not None and slack + chunk_size <= topk
+    if windows == 1 or slack < 0 or (slack >= t and not dense_head):
+        return attend()
     fits = jnp.all((q_seg == 0) | (q_pos - jnp.arange(t, dtype=q_pos.dtype) <= slack))
     return jax.lax.cond(fits, lambda: attend(windows=windows, key_slack=slack), attend)

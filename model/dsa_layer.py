@@ -38,13 +38,14 @@ from flax import nnx, struct
 
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa import causal_windows, sparse_mla_attention
+from kdsa.model.dsa import sparse_mla_attention
 from kdsa.model.dsa_cache_attention import attend_cache
 from kdsa.model.indexer import LightningIndexer
 from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
 from kdsa.model import paged_cache as pc
 from kdsa.model.paged_cache import LayerBuffers, PagedDSACache
+from kdsa.model.query_chunks import causal_windows
 from kdsa.model.rope import mla_softmax_scale, rope_interleaved, rope_inv_freq
 from kdsa.model import sequence_parallel as cp
 
@@ -239,7 +240,7 @@ class GatedDSA(nnx.Module):
         order = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
         vis = dict(q_pos=order, kv_pos=order, q_seg=seg, kv_seg=seg, chunk_size=chunk)
-        win = dict(windows=causal_windows(t))  # keys at their positions: key_slack 0
+        win = dict(windows=causal_windows(t, chunk))  # keys at their positions: key_slack 0
         kl_t = None
         if self.indexer is None or indexer_loss == "dense":  # dense causal, MHA form
             kv = self.kv_b_proj(c_kv).reshape(b, t, n, c.qk_nope_head_dim + c.v_head_dim)

@@ -3,7 +3,9 @@
 XLA's CPU backend runs at optimisation level 0 in tests: these are correctness checks on tiny
 shapes, dominated by compile time, and level 0 about halves it (measured on
 tests/test_transformer.py: 266 -> 150 CPU s), and copy insertion skips its region analysis.
-``KDSA_TEST_XLA_OPT=1`` restores the defaults.
+``KDSA_TEST_XLA_OPT=1`` restores the defaults. After a test file JAX's compiled programs are
+dropped once a worker maps many regions (``_release_compiled_programs``: its mappings of
+machine code otherwise pass Linux's per-process limit).
 """
 
 import gc
@@ -37,15 +39,30 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
 
 
+# Mappings (``/proc/self/maps`` lines) above which a worker drops JAX's compiled programs after
+# a test file: Linux's default per-process limit is 65,530 (``vm.max_map_count``).
+MAX_MAPPINGS = 30_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """Drop JAX's compiled programs after each test file. Each keeps its machine code in
-    memory mappings, and a worker that ran half the suite's files passed Linux's default limit
-    of 65,530 mappings per process (``vm.max_map_count``): XLA then aborted the process in the
-    middle of a compile (measured: 28K mappings per worker after 5 minutes of the suite, aborts
-    at 98% of it)."""
+    """Drop JAX's compiled programs after a test file once the worker maps many regions. Each
+    program keeps its machine code in memory mappings, and a worker that ran half the suite's
+    files passed Linux's limit: XLA then aborted the process in the middle of a compile
+    (measured: 28K mappings per worker after 5 minutes of the suite, aborts at 98% of it).
+    Dropping them after every file cost about 30 s of recompiles in the suite, so only past
+    :data:`MAX_MAPPINGS`."""
     import jax  # (after the environment above)
 
     yield
-    jax.clear_caches()
-    gc.collect()
+    if _mappings() > MAX_MAPPINGS:
+        jax.clear_caches()
+        gc.collect()

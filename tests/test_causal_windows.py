@@ -1,4 +1,4 @@
-"""Causal key windows (``model/dsa.py : map_query_chunks``): a long causal prefill scores each
+"""Causal key windows (``model/query_chunks.py : map_query_chunks``): a long causal prefill scores each
 group of query chunks against only the keys its last query can see; the outputs equal the
 full-width call, in the math functions, in the layer's three attention paths (sequence, dense
 slots, paged pool) and in gradients. A call whose promise does not hold (a padded chunk past
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdsa.model import dsa
+from kdsa.model import dsa, query_chunks
 from kdsa.model import dsa_cache_attention
 from kdsa.model.config import get_preset
 from kdsa.model.overrides import apply_overrides
@@ -46,8 +46,9 @@ def test_windows_equal_the_full_width(windows):
 
 
 def test_a_broken_promise_changes_the_outputs():
-    """The windows really drop keys: a row starting past ``S - T`` loses visible ones."""
-    vis, q, kv, (iq, ik, iw) = _inputs(starts=(50, 23))
+    """The windows really drop keys: a row starting one position past ``S - T`` loses the
+    last key of each group's last query."""
+    vis, q, kv, (iq, ik, iw) = _inputs(starts=(31, 23))
     slack = kv.shape[1] - q.shape[1]
     out, _ = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis)
     got, _ = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis, windows=4, key_slack=slack)
@@ -59,17 +60,27 @@ def test_a_broken_promise_changes_the_outputs():
 
 
 def test_the_layer_checks_the_promise_at_run_time(monkeypatch):
-    """``_windowed`` takes the windows only when every real query fits its chunk."""
-    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 8)
-    which = jax.jit(lambda pos, seg: dsa_cache_attention.windowed(
-        lambda windows=1, key_slack=0: jnp.int32(windows * 1000 + key_slack), 64, q_pos=pos,
-        q_seg=seg))
+    """``windowed`` takes the windows only when every real query fits its chunk, and builds no
+    second branch where they would save little (``S - T >= T``, no query below top-k)."""
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 8)
+
+    def which(num_keys, pos, seg, topk=None):  # windows * 1000 + key_slack of the call taken
+        return int(jax.jit(lambda pos, seg: dsa_cache_attention.windowed(
+            lambda windows=1, key_slack=0: jnp.int32(windows * 1000 + key_slack), num_keys,
+            q_pos=pos, q_seg=seg, chunk_size=8, topk=topk))(pos, seg))
+
     pos = jnp.arange(32, dtype=jnp.int32)[None]
     seg = jnp.ones((1, 32), jnp.int32)
-    assert int(which(pos + 32, seg)) == dsa.CAUSAL_WINDOWS * 1000 + 32  # fits: windows
-    assert int(which(pos + 40, seg)) == 1000  # a chunk past the cache: full width
-    assert int(which(pos + 40, seg.at[:, 24:].set(0))) == 1000  # its real queries past S - T too
-    assert int(which(pos + 30, seg.at[:, 24:].set(0))) == dsa.CAUSAL_WINDOWS * 1000 + 32
+    pad = seg.at[:, 24:].set(0)  # the last 8 queries padding
+    win = query_chunks.causal_windows(32, 8) * 1000
+    assert win == 4000
+    assert which(48, pos + 16, seg) == win + 16  # fits: windows
+    assert which(48, pos + 17, seg) == 1000  # a chunk one past the cache: full width
+    assert which(48, pos + 24, pad) == 1000  # its real queries past S - T too
+    assert which(48, (pos + 16).at[:, 24:].set(99), pad) == win + 16  # padding does not count
+    assert which(64, pos, seg) == 1000  # S - T >= T: not worth a second branch
+    assert which(64, pos, seg, topk=40) == win + 32  # unless queries see at most top-k keys
+    assert which(64, pos, seg, topk=39) == 1000
 
 
 # one Gated DSA layer (tiny's widths, a dense FFN): the layer under test, compiled quickly
@@ -132,9 +143,9 @@ def _prefills(model, paged: bool):
 @pytest.mark.parametrize("paged", [False, True], ids=["dense_slots", "paged"])
 def test_cached_prefill_with_windows_equals_without(cfg, paged, monkeypatch):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
-    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 1 << 30)
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 1 << 30)
     want = _prefills(model, paged)
-    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 16)
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 16)
     got = _prefills(model, paged)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -155,9 +166,9 @@ def test_training_forward_and_gradients_with_windows_equal_without(cfg, monkeypa
         value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
         return float(value), jax.tree.leaves(nnx.state(grads))
 
-    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 1 << 30)
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 1 << 30)
     want, want_g = run()
-    monkeypatch.setattr(dsa, "CAUSAL_WINDOWS_FROM", 16)
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 16)
     got, got_g = run()
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(got_g, want_g):
