@@ -58,8 +58,7 @@ def _release_compiled_programs():
     program keeps its machine code in memory mappings, and a worker that ran half the suite's
     files passed Linux's limit: XLA then aborted the process in the middle of a compile
     (measured: 28K mappings per worker after 5 minutes of the suite, aborts at 98% of it).
-    Dropping them after every file cost about 30 s of recompiles in the suite, so only past
-    :data:`MAX_MAPPINGS`."""
+    Only past :data:`MAX_MAPPINGS`, since every file's recompiles add up."""
     import jax  # (after the environment above)
 
     yield
