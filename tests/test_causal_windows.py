@@ -150,6 +150,25 @@ def test_cached_prefill_with_windows_equals_without(cfg, paged, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("starts", [(0, 24), (0, 40)], ids=["both_fit", "one_past_s_minus_t"])
+def test_rows_starting_apart(starts, monkeypatch):
+    """A batched prefill's rows at different starts (S - T = 32): windows when every row fits,
+    the full width when one starts past S - T; the same logits either way."""
+    model = Transformer(WIDE, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(6)
+    ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (2, 96)), jnp.int32)
+    pos = jnp.asarray(np.asarray(starts)[:, None] + np.arange(96), jnp.int32)
+
+    def run():
+        step = nnx.jit(lambda m, ids, pos, cache: m.forward(ids, pos, cache).logits)
+        return np.asarray(step(model, ids, pos, model.init_cache(2, 128)))
+
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 1 << 30)
+    want = run()
+    monkeypatch.setattr(query_chunks, "CAUSAL_WINDOWS_FROM", 16)
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cfg", [CFG, DENSE], ids=["dsa", "dense_mla"])
 def test_training_forward_and_gradients_with_windows_equal_without(cfg, monkeypatch):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
