@@ -76,9 +76,8 @@ def take_slot(a: jax.Array, slot) -> jax.Array:
     and an all-reduce of one row. Exact: every other term is a selected zero."""
     if not slots_split():
         return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=1)
-    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
-    return jnp.sum(jnp.where(hit, a, jnp.zeros((), a.dtype)), axis=1, keepdims=True,
-                   dtype=a.dtype)
+    return jnp.sum(jnp.where(_is_slot(a, slot), a, jnp.zeros((), a.dtype)), axis=1,
+                   keepdims=True, dtype=a.dtype)
 
 
 def put_slot(a: jax.Array, row: jax.Array, slot) -> jax.Array:
@@ -87,8 +86,12 @@ def put_slot(a: jax.Array, row: jax.Array, slot) -> jax.Array:
     if not slots_split():  # (a row cut to its first positions updates those)
         return jax.lax.dynamic_update_slice_in_dim(a, row.astype(a.dtype), slot, axis=1)
     assert row.shape[2:] == a.shape[2:], "no context widths with split slots (_context)"
-    hit = (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
-    return jnp.where(hit, row.astype(a.dtype), a)
+    return jnp.where(_is_slot(a, slot), row.astype(a.dtype), a)
+
+
+def _is_slot(a: jax.Array, slot) -> jax.Array:
+    """``[1, S, 1, ...]`` bool, broadcasting against ``a`` ``[repeats, S, ...]``: slot ``slot``."""
+    return (jnp.arange(a.shape[1]) == slot).reshape((1, -1) + (1,) * (a.ndim - 2))
 
 
 def context_cut(cache, width: int | None):

@@ -5,12 +5,13 @@ eq. 1-2 and section 2.1). Letters: B batch, T queries, S keys, N attention heads
 D head dim, K selected keys (top-k), C query chunk.
 
 Visibility. A key ``s`` is visible to query ``t`` iff ``kv_pos[s] <= q_pos[t]`` and
-``kv_seg[s] == q_seg[t]`` (``model/query_chunks.py``). The layer passes token order and segment ids in
-training, cache slot numbers and positions in decode.
+``kv_seg[s] == q_seg[t]`` (``model/query_chunks.py``). The layer passes token order and segment
+ids in training, cache slot numbers and positions in decode.
 
 Memory. Everything that scores queries against keys runs over query chunks of ``chunk_size``
-(``query_chunks.map_query_chunks``: ``lax.map`` of a ``jax.checkpoint``-ed body), so at most ``[B, C, N, S]`` (dense) or
-``[B, C, K, D]`` (sparse gather) exists at once, in the backward pass too.
+(``query_chunks.map_query_chunks``: ``lax.map`` of a ``jax.checkpoint``-ed body), so at most
+``[B, C, N, S]`` (dense) or ``[B, C, K, D]`` (sparse gather) exists at once, in the backward
+pass too.
 """
 
 from __future__ import annotations

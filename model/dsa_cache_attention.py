@@ -28,7 +28,8 @@ from kdsa.model.dsa import dense_attention, indexer_topk
 from kdsa.model.query_chunks import causal_windows
 
 
-def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, sparse: Callable, topk: int | None,
+def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, sparse: Callable,
+                 topk: int | None,
                  scale: float, num_keys: int, q_pos, kv_pos, q_seg, kv_seg,
                  chunk_size: int) -> jax.Array:
     """Latent outputs ``[B, T, N, kv_lora]`` of absorbed queries ``q_abs [B, T, N, Dk]``.
@@ -43,9 +44,8 @@ def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, spars
 
     def attend(windows: int = 1, key_slack: int = 0):
         t = q_abs.shape[1]
-        early = 0  # leading queries that see at most topk keys (a multiple of the chunk)
-        if index is not None and windows > 1:
-            early = max(0, min(t, topk - key_slack)) // chunk_size * chunk_size
+        early = 0 if index is None or windows == 1 else dense_head(t, topk, key_slack,
+                                                                   chunk_size)
         outs = []
         if index is None or early:
             w = num_keys if index is None else early + key_slack
@@ -77,15 +77,21 @@ def windowed(attend: Callable, num_keys: int, *, q_pos, q_seg, chunk_size: int,
     (checked at run time; a ``lax.cond`` takes ``attend()``, the full width, otherwise); else
     ``attend()``. Worth it: a long call (``causal_windows``) with ``S - T < T`` (the windows
     then skip over a fifth of the products; with ``S - T >= T``, at most 22%), or with queries
-    that see at most ``topk`` keys (``S - T + chunk_size <= topk``). A server's prefill chunk
+    that see at most ``topk`` keys (:func:`dense_head`). A server's prefill chunk
     over a cache cut to its context width (``infer/runner.py : ModelRunner._context``) is the
     first case near the start of a prompt and the second below top-k; deep in a long context
     neither, so it compiles one branch."""
     t = q_pos.shape[1]
     windows = causal_windows(t, chunk_size)
     slack = num_keys - t
-    dense_head = topk is not None and slack + chunk_size <= topk
-    if windows == 1 or slack < 0 or (slack >= t and not dense_head):
+    if windows == 1 or slack < 0 or (
+            slack >= t and (topk is None or not dense_head(t, topk, slack, chunk_size))):
         return attend()
     fits = jnp.all((q_seg == 0) | (q_pos - jnp.arange(t, dtype=q_pos.dtype) <= slack))
     return jax.lax.cond(fits, lambda: attend(windows=windows, key_slack=slack), attend)
+
+
+def dense_head(t: int, topk: int, key_slack: int, chunk_size: int) -> int:
+    """Leading queries (whole chunks) of ``t`` that see at most ``topk`` keys when query ``u``
+    sees keys up to ``u + key_slack``: they attend densely (module docstring)."""
+    return max(0, min(t, topk - key_slack)) // chunk_size * chunk_size

@@ -31,8 +31,9 @@ def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Arra
     for a sequence attending to itself, ``S - T`` for T queries at the end of S keys), so the
     cut keys change nothing: a causal prefill from a cache's start (``S = T``, ``key_slack = 0``)
     scores about ``(windows + 1) / (2 windows)`` of the ``T x S`` pairs; with ``key_slack``
-    keys before the queries, the saving shrinks to ``T (windows - 1) / (2 windows S)``. Groups may return outputs narrower than the full-width call along some
-    axis (top-k over ``W_g < k`` keys); ``pad_keys(out, s)`` restores them.
+    keys before the queries, the saving shrinks to ``T (windows - 1) / (2 windows S)``. Groups
+    may return outputs narrower than the full-width call along some axis (top-k over
+    ``W_g < k`` keys); ``pad_keys(out, s)`` restores them.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -49,18 +50,14 @@ def map_query_chunks(fn: Callable, chunk_size: int, per_query: Sequence[jax.Arra
         return a.reshape((a.shape[0], a.shape[1] * c) + a.shape[3:])
 
     keys = tuple(per_key)
+    if n == 1:  # decode and short inputs: no loop (a while loop would copy the key side)
+        return jax.checkpoint(lambda xs: fn(*xs, *keys))(tuple(per_query))
     windows = max(1, min(windows, n)) if keys else 1
-    if windows == 1:
-        body = jax.checkpoint(lambda xs: fn(*xs, *keys))
-        if n == 1:  # decode and short inputs: no loop (a while loop would copy the key side)
-            return body(tuple(per_query))
-        out = jax.lax.map(body, tuple(split(a, 0, n) for a in per_query))
-        return jax.tree.map(lambda a: join(a)[:, :t], out)
-    s = keys[0].shape[1]
+    s = keys[0].shape[1] if keys else 0
     outs = []
-    for g in range(windows):
+    for g in range(windows):  # one group (all of S) without windows
         lo, hi = g * n // windows, (g + 1) * n // windows
-        width = min(s, key_slack + hi * c)
+        width = s if windows == 1 else min(s, key_slack + hi * c)
         cut = tuple(a[:, :width] for a in keys)
         body = jax.checkpoint(lambda xs, cut=cut: fn(*xs, *cut))
         out = jax.tree.map(join, jax.lax.map(body, tuple(split(a, lo, hi) for a in per_query)))

@@ -1,7 +1,7 @@
-"""Causal key windows (``model/query_chunks.py : map_query_chunks``): a long causal prefill scores each
-group of query chunks against only the keys its last query can see; the outputs equal the
-full-width call, in the math functions, in the layer's three attention paths (sequence, dense
-slots, paged pool) and in gradients. A call whose promise does not hold (a padded chunk past
+"""Causal key windows (``model/query_chunks.py : map_query_chunks``): a long causal prefill
+scores each group of query chunks against only the keys its last query can see; the outputs
+equal the full-width call, in the math functions, in the layer's three attention paths
+(sequence, dense slots, paged pool) and in gradients. A call whose promise does not hold (a padded chunk past
 the cache) takes the full width."""
 
 import jax
