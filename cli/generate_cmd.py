@@ -28,13 +28,15 @@ def add_engine_args(p) -> None:
                    help="paged cache: the DSA layers' rows in one pool of this many 64-token "
                         "pages shared by all requests; a request reserves the pages of its "
                         "prompt + max_tokens and waits while they are not free (default on "
-                        "one device: --slots x the pages of --max-len, the dense cache's "
-                        "memory)")
+                        "--slots x the pages of --max-len, the dense cache's memory; on a "
+                        "mesh split evenly over the batch device groups, data x fsdp x "
+                        "expert, each serving its own slots from its own pages)")
     g.add_argument("--cache-memory", default=None,
-                   help="paged cache sized in bytes instead (e.g. 2GiB): as many pages as fit")
+                   help="paged cache sized in bytes per device instead (e.g. 2GiB): as many "
+                        "pages as fit, in each batch device group of a mesh")
     g.add_argument("--dense-cache", action="store_true",
                    help="a dense --max-len cache row per slot instead of the paged pool (no "
-                        "prefix cache; the only cache on a mesh for now)")
+                        "prefix cache)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="paged cache without prefix caching (by default a request resumes "
                         "from the KDA snapshot and DSA pages of the longest cached prefix)")
@@ -118,9 +120,12 @@ def engine_from_args(args):
         from kdsa.cli.convert_cmd import parse_size
         from kdsa.infer.page_pool import pages_in
         num_pages = pages_in(parse_size(args.cache_memory), config)
+        if mesh is not None:  # the bytes of one device: one group's partition of the pool
+            from kdsa.sharding.rules import batch_groups
+            num_pages *= batch_groups(mesh, args.layout)[1]
     if args.dense_cache and num_pages is not None:
         raise ValueError("--dense-cache takes no pool size: drop --num-pages / --cache-memory")
-    if num_pages is None and not args.dense_cache and mesh is None and any(
+    if num_pages is None and not args.dense_cache and any(
             m != "kda" for m in config.mixer_kinds):  # paged + prefix cache by default
         from kdsa.model.paged_cache import pages_for
         num_pages = args.slots * pages_for(args.max_len)

@@ -45,6 +45,10 @@ def register(sub) -> None:
                    help="tokens per sequence (generate: the context the caches hold)")
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--moe-capacity-factor", type=float, default=None)
+    p.add_argument("--paged", action="store_true",
+                   help="with --layout generate --compile: compile the steps on the paged "
+                        "cache (the server's default: --batch x the pages of --seq, one "
+                        "partition per batch device group) instead of dense slots")
     p.add_argument("--compile", action="store_true",
                    help="also compile the layout's steps (train: the train step; generate: a "
                         "prefill chunk and a decode step) for --topology with XLA:TPU (libtpu) "
@@ -124,7 +128,8 @@ def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
     if args.layout == "generate":
         steps = generate_step_compiles(config, args.topology, sizes, slots=batch,
                                        max_len=args.seq,
-                                       prefill_chunk=min(args.prefill_chunk, args.seq))
+                                       prefill_chunk=min(args.prefill_chunk, args.seq),
+                                       paged=args.paged)
     else:
         steps = {"train step": lambda: compile_train_step(
             config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,

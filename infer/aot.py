@@ -9,6 +9,10 @@ compiles it under the ``generate`` layout with XLA:TPU (libtpu), from sharded
   (``[repeats, S, L, ...]``, slots over the layout's batch axes), with the chunk's last logits;
 * ``decode``: one token for every slot at once.
 
+With ``paged=True`` both run on the paged cache the server uses by default (``slots x
+pages_for(L)`` pages in one partition per batch device group, ``model/paged_attention.py``)
+with their block tables.
+
 Both donate the cache, as the runner does. The result is XLA's per-device memory of each
 program (``sharding/aot.py``), which ``kdsa plan --compile --layout generate`` prints beside
 the planner's estimate.
@@ -31,7 +35,7 @@ from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
 
 
 def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, int], *,
-                           slots: int, max_len: int, prefill_chunk: int
+                           slots: int, max_len: int, prefill_chunk: int, paged: bool = False
                            ) -> dict[str, Callable[[], CompiledMemory]]:
     """``{"prefill": f, "decode": f}``, each ``f()`` compiling its step (module docstring); the
     caller decides what a refused compile means (``kdsa plan``: that step does not fit)."""
@@ -41,7 +45,8 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     from kdsa.model.transformer import Transformer
     from kdsa.sharding.constrain import use_sharding
     from kdsa.sharding.mesh import check_layout, make_mesh
-    from kdsa.sharding.rules import state_shardings
+    from kdsa.model.paged_cache import pages_for
+    from kdsa.sharding.rules import batch_groups, state_shardings
 
     if not 1 <= prefill_chunk <= max_len:
         raise ValueError(f"prefill chunk {prefill_chunk} must be in [1, --seq {max_len}]")
@@ -50,16 +55,23 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     state = _sharded(state, state_shardings(state, mesh, "generate"))
-    cache = jax.eval_shape(lambda: model.init_cache(slots, max_len))
+    pages = pages_for(max_len)
+    if paged:
+        cache = jax.eval_shape(lambda: model.init_paged_cache(
+            slots, slots * pages, pages, batch_groups(mesh, "generate")[1]).layers)
+    else:
+        cache = jax.eval_shape(lambda: model.init_cache(slots, max_len))
     cache = _sharded(cache, cache_shardings(cache, mesh, "generate"))
     rep = NamedSharding(mesh, P())
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     i32, scalar = jnp.int32, ()
+    tables = ((None, None, arg((pages,), i32)), (arg((slots, pages), i32),)) if paged else ((), ())
     steps = {
         "prefill": (prefill_step, (arg(scalar, i32), arg((1, prefill_chunk), i32),
-                                    arg(scalar, i32), arg(scalar, i32), arg(scalar, jnp.bool_))),
+                                    arg(scalar, i32), arg(scalar, i32), arg(scalar, jnp.bool_))
+                    + tables[0]),
         "decode": (decode_step, (arg((slots,), i32), arg((slots,), i32),
-                                  arg((slots,), jnp.bool_))),
+                                  arg((slots,), jnp.bool_)) + tables[1]),
     }
 
     def compile_step(fn, args) -> CompiledMemory:

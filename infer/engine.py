@@ -80,16 +80,42 @@ class Engine(SlotScheduling, TokenStep):
         self._cancel: set[str] = set()
         self.slots: list[_Active | None] = [None] * runner.num_slots
         self._admissions = 0  # requests given a slot so far (preemption takes the latest)
-        num_pages = getattr(runner, "num_pages", None)  # paged cache: infer/page_pool.py
-        self.pages = None if num_pages is None else PagePool(num_pages)
-        snapshots = getattr(runner, "num_snapshots", 0)  # prefix cache: infer/prefix_cache.py
-        self.prefix = None if not snapshots else PrefixCache(self.pages, snapshots,
-                                                             prefix_snapshot_every)
+        # paged cache (infer/page_pool.py) and prefix cache (infer/prefix_cache.py): one pool
+        # and one prefix cache per partition of the runner (a mesh's batch device groups,
+        # model/paged_attention.py; one on one device), numbered within it
+        parts = getattr(runner, "partitions", 1)
+        num_pages = getattr(runner, "num_pages", None)
+        snapshots = getattr(runner, "num_snapshots", 0)
+        self.pools = [] if num_pages is None else [PagePool(num_pages // parts)
+                                                   for _ in range(parts)]
+        self.prefixes = [PrefixCache(pool, snapshots // parts, prefix_snapshot_every)
+                         for pool in self.pools] if snapshots else []
         # where pages come from and go back to: the prefix cache (it evicts idle cached pages
-        # for new ones) or the bare pool; None with dense slots
-        self.page_source = self.pages if self.prefix is None else self.prefix
+        # for new ones) or the bare pool
+        self.page_sources = self.prefixes or self.pools
+        self.prefix_every = prefix_snapshot_every if self.prefixes else None
         self.stats = collections.Counter()
         self.started = time.perf_counter()
+
+    @property
+    def pages(self) -> PagePool | None:
+        """The page pool on one device (None: dense slots); on a mesh see ``pools``."""
+        return self._single(self.pools)
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        """The prefix cache on one device (None: off); on a mesh see ``prefixes``."""
+        return self._single(self.prefixes)
+
+    @staticmethod
+    def _single(items):
+        if len(items) > 1:
+            raise ValueError(f"the cache has {len(items)} partitions: use pools / prefixes")
+        return items[0] if items else None
+
+    def _part(self, i: int) -> int:
+        """The partition of slot ``i``."""
+        return i // (len(self.slots) // max(1, len(self.pools)))
 
     # ---- thread-safe API ----
     def submit(self, req: Request) -> str:
@@ -111,13 +137,16 @@ class Engine(SlotScheduling, TokenStep):
                 not 0 <= int(t) < self.runner.vocab_size for t in banned):
             raise ValueError(f"banned_token_ids {tuple(banned)!r}: at most "
                              f"{self.max_banned} ids in [0, {self.runner.vocab_size})")
-        if self.pages is not None:
+        if self.pools:
             need = pages_needed(n, req.sampling.max_tokens, limit)
-            if need > self.pages.num_pages:
+            have = self.pools[0].num_pages
+            if need > have:
                 raise ValueError(
                     f"the request needs {need} cache pages of {PAGE_SIZE} tokens (prompt {n} + "
                     f"max_tokens {req.sampling.max_tokens}, context {limit}) but the pool has "
-                    f"{self.pages.num_pages} (--num-pages / --cache-memory)")
+                    f"{have}" + (f" per device group ({len(self.pools)} groups)"
+                                 if len(self.pools) > 1 else "")
+                    + " (--num-pages / --cache-memory)")
         if req.sampling.top_logprobs > self.num_top:
             raise ValueError(f"top_logprobs={req.sampling.top_logprobs} exceeds the engine's "
                              f"{self.num_top}")
@@ -284,7 +313,24 @@ class Engine(SlotScheduling, TokenStep):
             "failed_requests": st["failed"], "engine_failure": self.failure,
             "preemptions": st["preempted"],
             "uptime_s": elapsed,
-            "cache": {"kind": "dense_slots"} if self.pages is None else {
-                "kind": "paged", **self.pages.usage()},
-            **({} if self.prefix is None else {"prefix_cache": self.prefix.usage()}),
+            "cache": {"kind": "dense_slots"} if not self.pools else {
+                "kind": "paged", "partitions": len(self.pools), **_summed(
+                    [p.usage() for p in self.pools])},
+            **({} if not self.prefixes else {"prefix_cache": _hit_rate(_summed(
+                [p.usage() for p in self.prefixes]))}),
         }
+
+
+def _summed(usages: list[dict]) -> dict:
+    """Counters of several partitions' ``usage()`` added up (ratios and settings: the first's)."""
+    out = dict(usages[0])
+    for u in usages[1:]:
+        for k, v in u.items():
+            if isinstance(v, int) and k not in ("page_size", "snapshot_every_pages"):
+                out[k] += v
+    return out
+
+
+def _hit_rate(usage: dict) -> dict:
+    q = usage["queried_tokens"]
+    return {**usage, "hit_rate": usage["hit_tokens"] / q if q else 0.0}

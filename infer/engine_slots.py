@@ -18,8 +18,12 @@ them (:meth:`SlotScheduling._grow_pages`, :meth:`SlotScheduling._preempt`): it i
 and later prefills its prompt and generated tokens again (``_Active.feed``).
 
 The methods use the engine's state (``runner``, ``slots``, ``_waiting``, ``_cancel``,
-``_lock``, ``stats``, ``prefill_budget``, ``_record_routing``, ``pages``, ``prefix``,
-``page_source``, ``_admissions``) and its ``_note`` / ``_record``.
+``_lock``, ``stats``, ``prefill_budget``, ``_record_routing``, ``pools``, ``prefixes``,
+``page_sources``, ``prefix_every``, ``_admissions``) and its ``_note`` / ``_part`` /
+``_record``. With a runner split into partitions (a mesh's batch device groups) a slot takes
+pages and snapshots from its own partition's pool and prefix cache only; a request goes to
+the partition with the most of its prefix cached (:meth:`SlotScheduling._candidate_slots`), and
+preemption frees pages within a partition.
 """
 
 from __future__ import annotations
@@ -58,15 +62,17 @@ class SlotScheduling:
     def _prefill_some(self) -> bool:
         budget, did = self.prefill_budget, False
         with self._lock:
-            for i in range(len(self.slots)):
-                if self.slots[i] is None and self._waiting:
-                    if not self._reserve_pages(i, self._waiting[0]):
-                        break  # the pool is full: the queue waits for finished requests
-                    a = self.slots[i] = self._waiting.popleft()
-                    self._admissions += 1
-                    a.admitted = self._admissions
-                    if a.metrics.admitted is None:
-                        a.metrics.admitted = time.perf_counter()
+            while self._waiting:
+                head = self._waiting[0]
+                i = next((i for i in self._candidate_slots(head) if self._reserve_pages(i, head)),
+                         None)
+                if i is None:
+                    break  # no free slot, or the pool is full: the queue waits
+                a = self.slots[i] = self._waiting.popleft()
+                self._admissions += 1
+                a.admitted = self._admissions
+                if a.metrics.admitted is None:
+                    a.metrics.admitted = time.perf_counter()
         if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device
             budget, did = self._prefill_together(budget, did)
         for i, a in enumerate(self.slots):
@@ -82,49 +88,72 @@ class SlotScheduling:
                 did = True
         return did
 
+    def _candidate_slots(self, a: _Active) -> list[int]:
+        """Free slots to try for ``a``, the first free one of each partition (one on one
+        device): with the prefix cache the partition holding the most of its prefix's pages
+        first (the previous turn of an agent session ran there), then the one with the most
+        pages to give."""
+        firsts = {}
+        for i, s in enumerate(self.slots):
+            if s is None:
+                firsts.setdefault(self._part(i), i)
+        if len(firsts) < 2:
+            return list(firsts.values())
+        keys = []
+        if self.prefixes:
+            if not a.key_items:
+                a.key_items = self._key_items(a, a.req.prompt)
+            keys = page_keys(a.key_items + [int(t) for t in a.tokens[:-1]])
+        return sorted(firsts.values(), key=lambda i: (
+            -self.prefixes[self._part(i)].cached_pages(keys) if keys else 0,
+            -self.page_sources[self._part(i)].available))
+
     def _reserve_pages(self, i: int, a: _Active) -> bool:
         """Paged cache: give slot ``i`` the pages of ``a``'s prefill and its first decoded
         token, if they are free with a page of growth to spare for each running request
         (``infer/page_pool.py``; decode takes more pages as it goes, :meth:`_grow_pages`);
         always True with dense slots."""
-        if self.pages is None:
+        if not self.pools:
             return True
+        part = self._part(i)
         need = pages_for(min(len(a.feed) + 1, self.runner.max_len))
-        spare = sum(s is not None for s in self.slots)
-        if self.prefix is None:
-            if self.pages.free < need + spare:
+        spare = sum(s is not None and self._part(j) == part for j, s in enumerate(self.slots))
+        if not self.prefixes:
+            pool = self.pools[part]
+            if pool.free < need + spare:
                 return False
-            a.pages = self.pages.allocate(need)
+            a.pages = pool.allocate(need)
             self.runner.set_pages(i, a.pages)
             return True
+        prefix = self.prefixes[part]
         # prefix cache (infer/prefix_cache.py): share the pages of the deepest snapshot; a
         # preempted request resumes from its own snapshot (its prompt and generated tokens)
         if not a.key_items:
             a.key_items = self._key_items(a, a.req.prompt)
         items = a.key_items + [int(t) for t in a.tokens[:-1]]
         keys = page_keys(items)
-        depth, snapshot, shared, partial = self.prefix.lookup(keys, items,
+        depth, snapshot, shared, partial = prefix.lookup(keys, items,
                                                               leave=0 if a.tokens else 1)
         held = shared + ([] if partial is None else [partial])
         fresh = None  # (alone, it may also take end snapshots' pages: allocate drops them)
-        if not spare or self.prefix.available >= need - len(shared) + spare:
-            fresh = self.prefix.allocate(need - len(shared))
+        if not spare or prefix.available >= need - len(shared) + spare:
+            fresh = prefix.allocate(need - len(shared))
         if fresh is None:
-            self.prefix.release(held)
+            prefix.release(held)
             return False
         a.pages, a.page_keys = shared + fresh, keys
         self.runner.set_pages(i, a.pages)
         if not a.tokens:
-            self.prefix.queried_tokens += len(a.feed)
+            prefix.queried_tokens += len(a.feed)
         if partial is not None:  # resuming inside a page: this request's own copy of it
-            self.runner.copy_page(partial, fresh[0])
-            self.prefix.release([partial])
+            self.runner.copy_page(partial, fresh[0], slot=i)
+            prefix.release([partial])
         if snapshot is not None:  # resume: this slot's own copy of the KDA states
             self.runner.restore_state(snapshot, i)
             a.prefilled = depth
             if not a.tokens:
-                self.prefix.hit_tokens += depth
-        a.branch = self.prefix.branch_point(keys, a.prefilled, len(a.feed))
+                prefix.hit_tokens += depth
+        a.branch = prefix.branch_point(keys, a.prefilled, len(a.feed))
         return True
 
     def _grow_pages(self) -> None:
@@ -133,9 +162,8 @@ class SlotScheduling:
         preempted (:meth:`_preempt`) until one is; a request never waits on a page mid-decode
         for longer than that, and the oldest always finishes (no request is larger than the
         pool: ``Engine.submit``)."""
-        if self.pages is None:
+        if not self.pools:
             return
-        pool = self.page_source
         for i in sorted((i for i, a in enumerate(self.slots) if a is not None),
                         key=lambda i: self.slots[i].admitted):
             a = self.slots[i]
@@ -143,9 +171,12 @@ class SlotScheduling:
                 continue
             if (len(a.req.prompt) + len(a.tokens) - 1) // PAGE_SIZE < len(a.pages):
                 continue
+            part = self._part(i)
+            pool = self.page_sources[part]
             page = pool.allocate(1)
-            while page is None:
-                victim = max((j for j, b in enumerate(self.slots) if b is not None),
+            while page is None:  # (pages of this slot's partition)
+                victim = max((j for j, b in enumerate(self.slots)
+                              if b is not None and self._part(j) == part),
                              key=lambda j: self.slots[j].admitted)
                 self._preempt(victim, self.slots[victim])
                 if victim == i:
@@ -162,9 +193,9 @@ class SlotScheduling:
         budget and parser state stay as they are, so the output is the one it would have had.
         With the prefix cache the state after those tokens is kept as an end-of-request
         snapshot, so the recompute is only what was evicted meanwhile."""
-        if self.prefix is not None and a.tokens and a.prefilled == len(a.feed):
+        if self.prefixes and a.tokens and a.prefilled == len(a.feed):
             self._snapshot_end(i, a)
-        self.page_source.release(a.pages)
+        self.page_sources[self._part(i)].release(a.pages)
         self.runner.set_pages(i, [])
         self.slots[i] = None
         a.pages, a.page_keys, a.routing, a.prefilled = [], [], [], 0
@@ -183,7 +214,7 @@ class SlotScheduling:
         fed (its prompt and every generated token but the last), for the next turn of its
         session (or its own resumption)."""
         fed = a.key_items + [int(t) for t in a.tokens[:-1]]
-        slot = self.prefix.add_end_snapshot(page_keys(fed), fed, a.pages)
+        slot = self.prefixes[self._part(i)].add_end_snapshot(page_keys(fed), fed, a.pages)
         if slot is not None:
             self.runner.save_state(i, slot)
 
@@ -199,9 +230,9 @@ class SlotScheduling:
         next snapshot point (every ``snapshot_every`` pages, and the request's branch point)
         when the prompt goes past it."""
         n = self.runner.prefill_chunk
-        if self.prefix is None or not a.page_keys:
+        if self.prefix_every is None or not a.page_keys:
             return n
-        step = self.prefix.every * PAGE_SIZE
+        step = self.prefix_every * PAGE_SIZE
         nxt = (a.prefilled // step + 1) * step
         if a.branch is not None and a.prefilled < a.branch * PAGE_SIZE:
             nxt = min(nxt, a.branch * PAGE_SIZE)
@@ -210,16 +241,17 @@ class SlotScheduling:
     def _after_chunk(self, i: int, a: _Active, start: int) -> None:
         """Prefix cache: register the pages this chunk completed; at a snapshot point, save
         the slot's KDA states there (unless a snapshot of this prefix exists)."""
-        if self.prefix is None or not a.page_keys:
+        if not self.prefixes or not a.page_keys:
             return
+        prefix = self.prefixes[self._part(i)]
         for j in range(start // PAGE_SIZE, min(a.prefilled // PAGE_SIZE, len(a.page_keys))):
-            self.prefix.register(a.page_keys[j], a.pages[j])
+            prefix.register(a.page_keys[j], a.pages[j])
         j, r = divmod(a.prefilled, PAGE_SIZE)
         branch = j == a.branch and r == 0
-        if ((branch or a.prefilled % (self.prefix.every * PAGE_SIZE) == 0)
+        if ((branch or a.prefilled % (prefix.every * PAGE_SIZE) == 0)
                 and 0 < j <= len(a.page_keys) and a.prefilled < len(a.feed)
-                and self.prefix.wants_snapshot(a.page_keys[j - 1])):
-            slot = self.prefix.add_snapshot(a.page_keys[j - 1],
+                and prefix.wants_snapshot(a.page_keys[j - 1])):
+            slot = prefix.add_snapshot(a.page_keys[j - 1],
                                             CONFIRMED if branch else SPECULATIVE)
             if slot is not None:
                 self.runner.save_state(i, slot)
@@ -351,11 +383,11 @@ class SlotScheduling:
         a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
-        if (i is not None and self.prefix is not None and reason != "abort" and a.tokens
+        if (i is not None and self.prefixes and reason != "abort" and a.tokens
                 and a.prefilled == len(a.feed)):
             self._snapshot_end(i, a)
         if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
-            self.page_source.release(a.pages)
+            self.page_sources[self._part(i)].release(a.pages)  # (held: in a slot)
             a.pages = []
             if i is not None:
                 self.runner.set_pages(i, [])

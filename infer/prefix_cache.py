@@ -154,6 +154,13 @@ class PrefixCache:
             return j * PAGE_SIZE + (len(best[1]) if best else 0), self.snap_of[key], pages, partial
         return 0, None, [], None
 
+    def cached_pages(self, keys: list[bytes]) -> int:
+        """How many leading pages of this chain are cached (a probe: nothing is held)."""
+        j = 0
+        while j < len(keys) and keys[j] in self.page_of:
+            j += 1
+        return j
+
     def acquire(self, pages: list[int]) -> None:
         for p in pages:
             self.refs[p] += 1
@@ -207,9 +214,7 @@ class PrefixCache:
         """Pages of the cached prefix of a new request that resumes at ``depth`` tokens and
         feeds ``n``: the snapshot point to take at a branch (module docstring) when those pages
         reach past ``depth`` and leave tokens to feed, with no snapshot there yet; else None."""
-        j = 0
-        while j < len(keys) and keys[j] in self.page_of:
-            j += 1
+        j = self.cached_pages(keys)
         if j * PAGE_SIZE <= depth or j * PAGE_SIZE >= n or not self.wants_snapshot(keys[j - 1]):
             return None
         return j

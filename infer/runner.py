@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -104,32 +103,38 @@ class ModelRunner:
         jit = functools.partial(jax.jit, donate_argnums=(1,), compiler_options=compiler_options)
         self.num_pages, self.block_table = num_pages, None
         self.max_pages = pages_for(max_len)  # (the context widths count pages, paged or not)
+        # on a mesh the slots, the page pool and the KDA snapshots are split alike into
+        # ``partitions`` device groups (the layout's batch axes: model/paged_attention.py)
+        self.partitions = 1 if mesh is None else self._place_weights(model)
+        self.num_snapshots, self.snapshots = num_snapshots, None
+        self._check_partitions(num_pages, num_snapshots)
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
-            if mesh is not None:
-                raise ValueError("paged caches run on one device for now: drop --num-pages / "
-                                 "--cache-memory or --mesh")
-            self.cache = model.init_paged_cache(num_slots, num_pages, self.max_pages).layers
+            make = lambda: model.init_paged_cache(  # noqa: E731
+                num_slots, num_pages, self.max_pages, self.partitions).layers
             self.block_table = np.full((num_slots, self.max_pages), -1, np.int32)
-        elif mesh is None:
-            self.cache = model.init_cache(num_slots, max_len)
         else:
-            self._place_weights(model)
-            cache_sh = self.cache_shardings(
-                jax.eval_shape(lambda: model.init_cache(num_slots, max_len)))
-            self.cache = jax.jit(lambda: model.init_cache(num_slots, max_len),
-                                 out_shardings=cache_sh)()
+            make = lambda: model.init_cache(num_slots, max_len)  # noqa: E731
+        snapshot_of = lambda c: states(lambda a: jnp.zeros(  # noqa: E731
+            (a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c)
+        if num_snapshots and num_pages is None:
+            raise ValueError("KDA state snapshots (prefix caching) need a paged cache")
+        if mesh is None:
+            self.cache = make()
+            self._copy_page, self._save, self._restore = _copy_page_jit, _save_jit, _restore_jit
+        else:
+            cache_sh = self.cache_shardings(jax.eval_shape(make))
+            self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
             rep = NamedSharding(mesh, P())
             jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
                 (rep,) if record_routing else ()))
-        self.num_snapshots, self.snapshots = num_snapshots, None
+            snap_sh = self.cache_shardings(jax.eval_shape(snapshot_of, self.cache))
+            self._copy_page = jax.jit(copy_page, donate_argnums=(0,), out_shardings=cache_sh)
+            self._save = jax.jit(save_state, donate_argnums=(1,), out_shardings=snap_sh)
+            self._restore = jax.jit(restore_state, donate_argnums=(0,), out_shardings=cache_sh)
         if num_snapshots:  # KDA states of the prefix cache (infer/prefix_cache.py)
-            if num_pages is None:
-                raise ValueError("KDA state snapshots (prefix caching) need a paged cache")
-            self.snapshots = jax.jit(lambda c: states(
-                lambda a: jnp.zeros((a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c))(
-                self.cache)
-            self._save, self._restore = _save_jit, _restore_jit
+            self.snapshots = jax.jit(snapshot_of, out_shardings=None if mesh is None else
+                                     snap_sh)(self.cache)
         self.graphdef, self.state = nnx.split(model)
         # the decode step on one CPU device reads per-layer weight arrays when a repeated
         # layer's weights are large (module docstring); decided once from the shapes, the
@@ -162,16 +167,36 @@ class ModelRunner:
             self._decode_weights = (leaves, state)
         return state
 
-    def _place_weights(self, model) -> None:
-        """Check the layout fits, then reshard on-mesh weights or place host-built ones."""
+    def _check_partitions(self, num_pages, num_snapshots) -> None:
+        k = self.partitions
+        for what, n, flag in (("num_pages", num_pages, "--num-pages / --cache-memory"),
+                              ("num_snapshots", num_snapshots, "--prefix-snapshots")):
+            if n and n % k:
+                raise ValueError(f"{what}={n} must be a multiple of the mesh's {k} batch device "
+                                 f"groups: each holds its own part of the cache ({flag})")
+
+    def partition_of(self, slot: int) -> int:
+        """The device group that runs ``slot`` (and holds its pages and snapshots)."""
+        return slot // (self.num_slots // self.partitions)
+
+    @property
+    def pages_per_partition(self) -> int | None:
+        return None if self.num_pages is None else self.num_pages // self.partitions
+
+    @property
+    def snapshots_per_partition(self) -> int:
+        return self.num_snapshots // self.partitions
+
+    def _place_weights(self, model) -> int:
+        """Check the layout fits, then reshard on-mesh weights or place host-built ones.
+        Returns the number of device groups the layout's batch axes make."""
         from kdsa.sharding.mesh import check_layout
         from kdsa.sharding.reshard import reshard_model
-        from kdsa.sharding.rules import get_rules, shard_model
+        from kdsa.sharding.rules import batch_groups, shard_model
 
         sizes = dict(self.mesh.shape)
         check_layout(self.config, sizes, self.layout)
-        axes = [a for a in (get_rules(self.layout).get("act_batch") or ()) if sizes[a] > 1]
-        k = math.prod(sizes[a] for a in axes)
+        axes, k = batch_groups(self.mesh, self.layout)
         if self.num_slots % k:
             raise ValueError(
                 f"num_slots={self.num_slots} must be a multiple of the {self.layout} layout's "
@@ -183,6 +208,7 @@ class ModelRunner:
             self.reshard_report = reshard_model(model, self.mesh, self.layout)
         else:
             shard_model(model, self.mesh, self.layout)
+        return k
 
     def cache_shardings(self, cache):
         return cache_shardings(cache, self.mesh, self.layout)
@@ -347,32 +373,47 @@ class ModelRunner:
             self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits
 
+    # Pages and snapshots are numbered within the partition of the slot they serve
+    # (``pages_per_partition`` / ``snapshots_per_partition`` each; one partition on one device).
     def set_pages(self, slot: int, pages) -> None:
-        """Give ``slot`` these pages (its positions ``[j * 64, (j + 1) * 64)`` live in page
-        ``pages[j]``); the rest of its block-table row becomes -1 (paged cache only)."""
+        """Give ``slot`` these pages of its partition (its positions ``[j * 64, (j + 1) * 64)``
+        live in page ``pages[j]``); the rest of its block-table row becomes -1 (paged cache
+        only)."""
         if self.block_table is None:
             raise ValueError("set_pages needs a paged cache (num_pages)")
         if len(pages) > self.max_pages:
             raise ValueError(f"{len(pages)} pages exceed the {self.max_pages} of max_len "
                              f"{self.max_len}")
+        per = self.pages_per_partition
+        if any(not 0 <= p < per for p in pages):
+            raise ValueError(f"pages {list(pages)} outside the {per} of a partition")
         row = np.full(self.max_pages, -1, np.int32)
-        row[:len(pages)] = pages
+        row[:len(pages)] = np.asarray(pages, np.int32) + self.partition_of(slot) * per
         self.block_table[slot] = row
+
+    def _snapshot(self, slot: int, snapshot: int) -> np.int32:
+        per = self.snapshots_per_partition
+        if not 0 <= snapshot < per:
+            raise ValueError(f"snapshot {snapshot} outside the {per} of a partition")
+        return np.int32(self.partition_of(slot) * per + snapshot)
 
     def save_state(self, slot: int, snapshot: int) -> None:
         """Copy ``slot``'s KDA states into snapshot ``snapshot`` (prefix caching)."""
-        self.snapshots = self._save(self.cache, self.snapshots, np.int32(slot),
-                                    np.int32(snapshot))
+        with self._rules():
+            self.snapshots = self._save(self.cache, self.snapshots, np.int32(slot),
+                                        self._snapshot(slot, snapshot))
 
     def restore_state(self, snapshot: int, slot: int) -> None:
         """Copy snapshot ``snapshot`` into ``slot``'s KDA states (the slot's own copy)."""
-        self.cache = self._restore(self.cache, self.snapshots, np.int32(slot),
-                                   np.int32(snapshot))
+        with self._rules():
+            self.cache = self._restore(self.cache, self.snapshots, np.int32(slot),
+                                       self._snapshot(slot, snapshot))
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy page ``src``'s rows into page ``dst`` in every DSA pool (prefix caching's
-        copy-on-write of a partial page)."""
-        self.cache = _copy_page_jit(self.cache, np.int32(src), np.int32(dst))
+    def copy_page(self, src: int, dst: int, *, slot: int) -> None:
+        """Copy page ``src``'s rows into page ``dst`` (of ``slot``'s partition) in every DSA
+        pool (prefix caching's copy-on-write of a partial page)."""
+        base = self.partition_of(slot) * self.pages_per_partition
+        self.cache = self._copy_page(self.cache, np.int32(base + src), np.int32(base + dst))
 
     def warmup(self) -> None:
         """Compile every prefill bucket (one slot, and every row count of a batched prefill)

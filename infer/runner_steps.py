@@ -42,23 +42,28 @@ def states(fn, cache):
 
 
 def save_state(cache, snapshots, slot, snapshot):
-    return jax.tree.map(lambda s, a: s.at[:, snapshot].set(a[:, slot]), snapshots,
+    """Slot ``slot``'s KDA states into snapshot ``snapshot`` (both split over devices alike on a
+    mesh: :func:`take_slot` / :func:`put_slot` keep the copy to one row's traffic)."""
+    return jax.tree.map(lambda s, a: put_slot(s, take_slot(a, slot), snapshot), snapshots,
                         states(lambda a: a, cache))
 
 
 def restore_state(cache, snapshots, slot, snapshot):
     saved = iter(jax.tree.leaves(snapshots))  # the per-slot leaves, in the cache's order
-    return jax.tree.map(lambda x: x if is_pool(x) else x.at[:, slot].set(
-        next(saved)[:, snapshot]), cache, is_leaf=is_pool)
+    return jax.tree.map(lambda x: x if is_pool(x) else put_slot(
+        x, take_slot(next(saved), snapshot), slot), cache, is_leaf=is_pool)
 
 
 def copy_page(cache, src, dst):
-    def copy(pool):  # [..., R, D]: rows on axis -2
-        rows = jax.lax.dynamic_slice_in_dim(pool, src * PAGE_SIZE, PAGE_SIZE, axis=pool.ndim - 2)
-        return jax.lax.dynamic_update_slice_in_dim(pool, rows, dst * PAGE_SIZE,
-                                                   axis=pool.ndim - 2)
-    return jax.tree.map(lambda x: jax.tree.map(copy, x) if is_pool(x) else x, cache,
-                        is_leaf=is_pool)
+    """Page ``src``'s rows into page ``dst`` (global page ids) in every pool: a gather and a
+    scatter of 64 rows, which a pool split over devices does where the rows live."""
+    def copy(pool, name):  # [..., R, D]: rows on axis -2
+        buf = getattr(pool, name)
+        src_rows = pool.page_rows(src) + jnp.arange(PAGE_SIZE)
+        dst_rows = pool.page_rows(dst) + jnp.arange(PAGE_SIZE)
+        return buf.at[..., dst_rows, :].set(buf[..., src_rows, :])
+    return jax.tree.map(lambda x: x.replace(**{n: copy(x, n) for n in (
+        "kv_latent", "k_rope", "index_keys")}) if is_pool(x) else x, cache, is_leaf=is_pool)
 
 
 def slots_split() -> bool:

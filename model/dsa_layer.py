@@ -36,14 +36,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa import sparse_mla_attention
 from kdsa.model.dsa_cache_attention import attend_cache
 from kdsa.model.indexer import LightningIndexer
 from kdsa.model.layers import Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import INDEXER_LOSSES
-from kdsa.model import paged_cache as pc
+from kdsa.model.paged_attention import attend_pool
 from kdsa.model.paged_cache import LayerBuffers, PagedDSACache
 from kdsa.model.query_chunks import causal_windows
 from kdsa.model.rope import mla_softmax_scale, rope_interleaved, rope_inv_freq
@@ -307,47 +305,17 @@ class GatedDSA(nnx.Module):
     # ---- attention over a paged pool ----
     def _attend_pages(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
                       cache: PagedDSACache, block_table):
-        """``_attend_cache`` with the rows in a shared pool: writes go to the tokens' slots,
-        the indexer reads each row's visible keys through the table, and the top-k rows are
-        gathered from the pool (all queries as one batch)."""
+        """``_attend_cache`` with the rows in a shared pool (``model/paged_attention.py``: on
+        one device, or split over a mesh's batch device groups)."""
         c = self.config
-        b, t = positions.shape
-        scratch = cache.scratch_row
-        write = pc.token_slots(block_table, positions, scratch)  # [B, T]; no page: scratch
-        q_seg = jnp.ones((b, t), jnp.int32)
-        if segment_ids is not None:
-            write = jnp.where(segment_ids != 0, write, scratch)
-            q_seg = (segment_ids != 0).astype(jnp.int32)
-        rows_w = write.reshape(-1)
-        written = dict(kv_latent=c_kv, k_rope=k_pe)
+        written, index = dict(kv_latent=c_kv, k_rope=k_pe), None
         if self.indexer is not None:
             iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
-        cache = cache.replace(**{name: cache.write(name, rows_w, v.reshape(b * t, -1))
-                                 for name, v in written.items()}).settled()
-        ctx, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
-        s = ctx.shape[1]
-        vis = dict(q_pos=positions, kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32),
-                                                             (b, s)),
-                   q_seg=q_seg, kv_seg=backed.astype(jnp.int32),
-                   chunk_size=c.dsa_query_chunk_size)
-        scale = mla_softmax_scale(c)
-        q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
-        lat_pool, rope_pool = cache.view("kv_latent"), cache.view("k_rope")
-
-        def sparse(q, idx):  # top-k positions -> pool rows (-1 stays -1); one batch of queries
-            rows = pc.positions_to_slots(idx, block_table)  # [B, T', K]
-            bt, n, dk = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-            o, _ = _sparse_attention(c.attention_impl)(
-                q.reshape(1, bt, n, dk), (lat_pool[None], rope_pool[None]),
-                rows.reshape(1, bt, -1), scale, c.kv_lora_rank,
-                chunk_size=c.dsa_query_chunk_size)
-            return o.reshape(q.shape[0], q.shape[1], n, -1)
-
-        index = (None if self.indexer is None
-                 else (iq, cache.view("index_keys"), iw, ctx))  # the indexer reads positions
-        o_lat = attend_cache(
-            q_abs, index, keys=lambda w: (lat_pool[ctx[:, :w]], rope_pool[ctx[:, :w]]),
-            sparse=sparse, topk=c.index_topk, scale=scale, num_keys=s, **vis)
+            index = (iq, iw)
+        o_lat, cache = attend_pool(self._absorb(q_nope, q_pe), index, written, positions,
+                                   segment_ids, cache, block_table, scale=mla_softmax_scale(c),
+                                   topk=c.index_topk, v_dim=c.kv_lora_rank,
+                                   chunk_size=c.dsa_query_chunk_size, impl=c.attention_impl)
         return self._unabsorb(o_lat), cache
 
     # ---- input checks ----
@@ -376,11 +344,6 @@ class GatedDSA(nnx.Module):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "
                                  f"{want + (d,)} " + ("(pool rows)" if paged else
                                                       f"(batch {x.shape[0]})"))
-
-
-def _sparse_attention(impl: str):
-    """The top-k attention of ``config.attention_impl``: the XLA reference or the Pallas kernel."""
-    return sparse_mla_kernel if impl == "pallas" else sparse_mla_attention
 
 
 def _detached(x, q_latent):

@@ -57,6 +57,11 @@ class PagedDSACache(LayerBuffers):
     (padding), so every write is in bounds (a write XLA must be ready to drop made it copy
     the whole pool to keep the old value).
 
+    On a mesh whose layout splits the batch over ``parts`` device groups the pool is ``parts``
+    such pools end to end, ``R = parts * (num_pages / parts * PAGE_SIZE + 1)``, split over the
+    same groups: group ``p`` holds pages ``[p * n, (p + 1) * n)`` (``n`` pages per part) for the
+    slots it runs (``model/paged_attention.py``).
+
     Inside the layer scan a layer gets the pools of its whole stack, ``[repeats, R, D]``, with
     ``layer`` its index there: it writes and reads ``pool[layer, rows]`` in place, since slicing
     its own ``[R, D]`` out and stacking it back made XLA copy every pool at every step."""
@@ -64,10 +69,21 @@ class PagedDSACache(LayerBuffers):
     k_rope: jax.Array
     index_keys: jax.Array
     layer: jax.Array | None = None
+    parts: int = struct.field(pytree_node=False, default=1)
 
     @property
     def num_rows(self) -> int:
         return self.kv_latent.shape[-2]
+
+    @property
+    def pages_per_part(self) -> int:
+        return (self.num_rows // self.parts - 1) // PAGE_SIZE
+
+    def page_rows(self, pages: jax.Array) -> jax.Array:
+        """The first pool row of each page id (``pages`` >= 0): partition ``g // pages_per_part``
+        holds page ``g`` at local page ``g % pages_per_part`` (``init_paged_dsa_cache``)."""
+        per = self.pages_per_part
+        return (pages // per) * (self.num_rows // self.parts) + (pages % per) * PAGE_SIZE
 
     @property
     def scratch_row(self) -> int:
@@ -125,14 +141,18 @@ def positions_to_slots(indices: jax.Array, block_table: jax.Array) -> jax.Array:
     return jnp.where(flat >= 0, rows, -1).reshape(b, t, k)
 
 
-def init_paged_dsa_cache(config, num_pages: int) -> PagedDSACache:
-    """A zero pool of ``num_pages`` pages for one DSA layer."""
+def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACache:
+    """A zero pool of ``num_pages`` pages for one DSA layer, in ``parts`` partitions of
+    ``num_pages / parts`` pages and a scratch row each (``PagedDSACache``)."""
     from kdsa.model.layers import dtype_of
 
-    if num_pages < 1:
-        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    if num_pages < 1 or parts < 1 or num_pages % parts:
+        raise ValueError(f"num_pages={num_pages} must be a positive multiple of the {parts} "
+                         f"partitions of the pool")
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
-    zeros = lambda d: jnp.zeros((num_pages * PAGE_SIZE + 1, d), dt)  # noqa: E731  + scratch
+    rows = parts * (num_pages // parts * PAGE_SIZE + 1)  # + a scratch row per partition
+    zeros = lambda d: jnp.zeros((rows, d), dt)  # noqa: E731
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
-                         k_rope=zeros(config.qk_rope_head_dim), index_keys=zeros(di))
+                         k_rope=zeros(config.qk_rope_head_dim), index_keys=zeros(di),
+                         parts=parts)

@@ -128,6 +128,13 @@ def activate(ctx: ShardingContext) -> Iterator[ShardingContext]:
         yield ctx
 
 
+@contextlib.contextmanager
+def without_sharding() -> Iterator[None]:
+    """No active context inside the block (the per-device body of a ``shard_map``)."""
+    with _CONTEXT(None):
+        yield
+
+
 def current() -> ShardingContext | None:
     """The active context, or None (single device / no rules)."""
     return _CONTEXT.value

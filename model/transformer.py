@@ -257,15 +257,17 @@ class Transformer(nnx.Module):
         return self._caches(lambda: init_kda_cache(cfg, batch_size),
                             lambda: init_dsa_cache(cfg, batch_size, max_len))
 
-    def init_paged_cache(self, batch_size: int, num_pages: int, max_pages: int) -> PagedCache:
+    def init_paged_cache(self, batch_size: int, num_pages: int, max_pages: int,
+                         parts: int = 1) -> PagedCache:
         """Zeroed paged caches: KDA states for ``batch_size`` running rows, one pool of
-        ``num_pages`` pages per DSA layer, and an empty block table ``[batch_size, max_pages]``
-        (-1: no page)."""
+        ``num_pages`` pages per DSA layer (in ``parts`` partitions, one per device group of a
+        mesh's batch axes: ``model/paged_cache.py``), and an empty block table
+        ``[batch_size, max_pages]`` (-1: no page)."""
         cfg = self.config
         if max_pages < 1:
             raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         layers = self._caches(lambda: init_kda_cache(cfg, batch_size),
-                              lambda: init_paged_dsa_cache(cfg, num_pages))
+                              lambda: init_paged_dsa_cache(cfg, num_pages, parts))
         return PagedCache(layers=layers,
                           block_table=jnp.full((batch_size, max_pages), -1, jnp.int32))
 

@@ -67,6 +67,13 @@ def get_rules(layout: str) -> Rules:
         raise ValueError(f"unknown layout {layout!r}; choose from {sorted(RULES)}") from None
 
 
+def batch_groups(mesh: Mesh, layout: str) -> tuple[tuple[str, ...], int]:
+    """The mesh axes (of size > 1) that ``layout`` splits the batch over, and their product:
+    the device groups that each run their own rows ("DP attention" in generation)."""
+    axes = tuple(a for a in (get_rules(layout).get("act_batch") or ()) if mesh.shape.get(a, 1) > 1)
+    return axes, int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+
+
 def variable_axes(var: nnx.Variable) -> tuple[str | None, ...]:
     """Logical axes of a parameter, with ``layers`` prepended for scan-stacked ones."""
     axes = tuple(var.get_metadata().get("axes", (None,) * var.ndim))

@@ -199,7 +199,7 @@ def test_engine_paged_equals_dense_slots_and_waits_for_pages(model):
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
         cache = eng.metrics()["cache"]
         assert 2 <= cache.pop("pages_peak") <= pages  # (the 100-token prompt holds 2)
-        assert cache == {"kind": "paged", "page_size": P, "pages_total": pages,
+        assert cache == {"kind": "paged", "partitions": 1, "page_size": P, "pages_total": pages,
                          "pages_used": 0, "pages_free": pages}  # all returned
 
 

@@ -160,7 +160,7 @@ def test_plan_compile_reports_a_program_xla_refuses(capsys, monkeypatch):
             f"RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: temporaries of the {step} exceed "
             "available HBM\nmore")
 
-    def fake(config, topology, sizes, *, slots, max_len, prefill_chunk):
+    def fake(config, topology, sizes, *, slots, max_len, prefill_chunk, paged):
         return {step: lambda step=step: refuse(step) for step in ("prefill", "decode")}
 
     monkeypatch.setattr(aot, "generate_step_compiles", fake)
