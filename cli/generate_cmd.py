@@ -27,7 +27,7 @@ def add_engine_args(p) -> None:
     g.add_argument("--num-pages", type=int, default=None,
                    help="paged cache: the DSA layers' rows in one pool of this many 64-token "
                         "pages shared by all requests; a request reserves the pages of its "
-                        "prompt + max_tokens and waits while they are not free (default on "
+                        "prompt + max_tokens and waits while they are not free (default: "
                         "--slots x the pages of --max-len, the dense cache's memory; on a "
                         "mesh split evenly over the batch device groups, data x fsdp x "
                         "expert, each serving its own slots from its own pages)")
@@ -45,7 +45,8 @@ def add_engine_args(p) -> None:
                         "prefill (default 4 = 256 tokens)")
     g.add_argument("--prefix-snapshots", type=int, default=None, metavar="N",
                    help="prefix cache: KDA snapshot slots (default: 2 x --slots; each holds "
-                        "one sequence's KDA states, see kdsa params)")
+                        "one sequence's KDA states, see kdsa params; on a mesh a multiple of "
+                        "the batch device groups, which split them)")
     g.add_argument("--batched-prefill", action="store_true",
                    help="prefill a chunk of every slot with prompt left in one step (one "
                         "device, text models; off by default until its speed is measured; "

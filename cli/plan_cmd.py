@@ -67,6 +67,9 @@ def run(args) -> int:
 
     if args.compile and args.topology is None:
         raise ValueError("--compile needs --topology NAME (e.g. v5e:2x2, v5p:8x8x16)")
+    if args.paged and not (args.compile and args.layout == "generate"):
+        raise ValueError("--paged compiles the generate steps on the paged cache: add "
+                         "--layout generate --compile --topology NAME")
     name, config = config_from_args(args)
     sizes = layout_sizes(name, args.layout, layout_override(args, args.layout))
     if -1 in sizes.values():

@@ -12,9 +12,10 @@ Each :meth:`Engine.step`:
 3. runs one decode step for every slot that is generating (rows at their own positions) and
    samples each row with its own parameters and random stream (``sampling.py``).
 
-The engine is three files: this one (the thread-safe API, the step loop, failures, metrics),
-``engine_slots.py`` (admission, cancellation, prefill, decode, finishing a request, images) and
-``engine_tokens.py`` (sampling rows and applying each token: forced and banned tokens, the
+The engine is four files: this one (the thread-safe API, the step loop, failures, metrics),
+``engine_slots.py`` (admission, cancellation, prefill, decode, finishing a request, images),
+``engine_pages.py`` (the paged cache's pages, the prefix cache, preemption; a pool per device
+group on a mesh) and ``engine_tokens.py`` (sampling rows and applying each token: forced and banned tokens, the
 chat parser, stops, events). :meth:`Engine.generate` is the batch API.
 
 Failures (``docs/serving.md``, Reliability): no request stops the engine. An exception in one
@@ -38,6 +39,7 @@ import time
 import numpy as np
 
 from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.engine_pages import PageScheduling
 from kdsa.infer.engine_slots import SlotScheduling
 from kdsa.infer.engine_tokens import TokenStep
 from kdsa.infer.page_pool import PagePool, pages_needed
@@ -50,7 +52,7 @@ from kdsa.model.paged_cache import PAGE_SIZE
 log = logging.getLogger("kdsa.engine")
 
 
-class Engine(SlotScheduling, TokenStep):
+class Engine(SlotScheduling, PageScheduling, TokenStep):
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
                  seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3,
@@ -114,8 +116,8 @@ class Engine(SlotScheduling, TokenStep):
         return items[0] if items else None
 
     def _part(self, i: int) -> int:
-        """The partition of slot ``i``."""
-        return i // (len(self.slots) // max(1, len(self.pools)))
+        """The partition of slot ``i`` (its pages, snapshots and device group)."""
+        return self.runner.partition_of(i) if len(self.pools) > 1 else 0
 
     # ---- thread-safe API ----
     def submit(self, req: Request) -> str:

@@ -1,14 +1,15 @@
 """Host-side bookkeeping of the paged cache (``model/paged_cache.py``): which pages are free,
 and how many a request needs.
 
-Pages are taken as a request grows (``infer/engine_slots.py``): when it is admitted to a slot,
+Pages are taken as a request grows (``infer/engine_pages.py``): when it is admitted to a slot,
 those of what it prefills and its first decoded token, if they are free with one page of
 growth to spare for each running request; then one page each time decode reaches a new page.
 When decode finds no page free, the most recently admitted request is preempted and later runs
 again by recompute, with the same output. A request waiting for pages waits in the queue
 (first come, first served; a preempted one goes first); one whose whole length,
 ``pages_needed``, is more than the pool is refused when it is submitted, so the oldest
-running request always finishes.
+running request always finishes. On a mesh the engine keeps one pool per device group
+(``infer/engine_pages.py``) and all of this holds within a group.
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ class _Active:
         self.admitted = 0  # the engine's admission count when it last got a slot
         self.preemptions = 0
         self.pages: list[int] = []  # paged cache: the pool pages this request holds
+        self.part = 0  # ... in this partition of the pool (a mesh's batch device group)
         self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
         self.key_items: list = []  # prefix cache: its token ids, images by content
         self.branch: int | None = None  # prefix cache: the page to snapshot at, a branch point

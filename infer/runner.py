@@ -40,7 +40,9 @@ With a ``mesh`` (``docs/sharding.md``) the runner works on the ``generate`` layo
   fills its own shards);
 * cache: the slot axis is split over the layout's ``act_batch`` axes (data x fsdp x expert:
   "DP attention", each device caches its own requests), so ``num_slots`` must be a multiple
-  of their product (checked, clear error);
+  of their product (checked, clear error); a paged pool and the KDA snapshots are split into
+  one partition per device group of those axes (``partitions``; ``infer/runner_pages.py``,
+  ``model/paged_attention.py``);
 * both steps are traced and run inside ``use_sharding(mesh, layout)``: the model's activation
   constraints, expert-parallel MoE and the rules apply; the logits come back replicated, so
   every process samples the same tokens (multi-host: all processes step in lockstep).
@@ -57,6 +59,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from kdsa.infer.runner_pages import PagedSlots
 from kdsa.infer.runner_steps import (copy_page, decode_step, encode_step, prefill_batch_step,
                                      prefill_step, restore_state, save_state, states)
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
@@ -75,12 +78,9 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
     return tuple(out) + (max_bucket,)
 
 
-# The narrowest block table a paged decode step reads (4096 tokens): below it the indexer's
-# scan costs little beside the rest of the step, and one width serves every short context.
-MIN_TABLE_PAGES = 64
 
 
-class ModelRunner:
+class ModelRunner(PagedSlots):
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
                  compiler_options: dict | None = None, record_routing: bool = False,
@@ -166,26 +166,6 @@ class ModelRunner:
             state = per_layer_state(self.state, self._segment_layout)
             self._decode_weights = (leaves, state)
         return state
-
-    def _check_partitions(self, num_pages, num_snapshots) -> None:
-        k = self.partitions
-        for what, n, flag in (("num_pages", num_pages, "--num-pages / --cache-memory"),
-                              ("num_snapshots", num_snapshots, "--prefix-snapshots")):
-            if n and n % k:
-                raise ValueError(f"{what}={n} must be a multiple of the mesh's {k} batch device "
-                                 f"groups: each holds its own part of the cache ({flag})")
-
-    def partition_of(self, slot: int) -> int:
-        """The device group that runs ``slot`` (and holds its pages and snapshots)."""
-        return slot // (self.num_slots // self.partitions)
-
-    @property
-    def pages_per_partition(self) -> int | None:
-        return None if self.num_pages is None else self.num_pages // self.partitions
-
-    @property
-    def snapshots_per_partition(self) -> int:
-        return self.num_snapshots // self.partitions
 
     def _place_weights(self, model) -> int:
         """Check the layout fits, then reshard on-mesh weights or place host-built ones.
@@ -342,20 +322,6 @@ class ModelRunner:
         feats = self._encode(self.state, batch)
         return np.asarray(feats)[0, :sum(im.num_tokens for im in images)]
 
-    @property
-    def table_widths(self) -> tuple[int, ...]:
-        """Block-table widths (pages) a paged decode step compiles for: powers of two from
-        ``MIN_TABLE_PAGES``, and ``max_pages``."""
-        w, out = MIN_TABLE_PAGES, []
-        while w < self.max_pages:
-            out.append(w)
-            w *= 2
-        return tuple(out) + (self.max_pages,)
-
-    def table_width(self, pages: int) -> int:
-        """The narrowest of :attr:`table_widths` holding ``pages`` pages."""
-        return next(w for w in self.table_widths if w >= pages)
-
     def decode(self, tokens, positions, active) -> jax.Array:
         """tokens, positions [S] int32, active [S] bool -> logits [S, V] float32.
 
@@ -372,48 +338,6 @@ class ModelRunner:
         if routing:
             self.last_routing = _host(routing[0])                         # [S, L_moe, k]
         return logits
-
-    # Pages and snapshots are numbered within the partition of the slot they serve
-    # (``pages_per_partition`` / ``snapshots_per_partition`` each; one partition on one device).
-    def set_pages(self, slot: int, pages) -> None:
-        """Give ``slot`` these pages of its partition (its positions ``[j * 64, (j + 1) * 64)``
-        live in page ``pages[j]``); the rest of its block-table row becomes -1 (paged cache
-        only)."""
-        if self.block_table is None:
-            raise ValueError("set_pages needs a paged cache (num_pages)")
-        if len(pages) > self.max_pages:
-            raise ValueError(f"{len(pages)} pages exceed the {self.max_pages} of max_len "
-                             f"{self.max_len}")
-        per = self.pages_per_partition
-        if any(not 0 <= p < per for p in pages):
-            raise ValueError(f"pages {list(pages)} outside the {per} of a partition")
-        row = np.full(self.max_pages, -1, np.int32)
-        row[:len(pages)] = np.asarray(pages, np.int32) + self.partition_of(slot) * per
-        self.block_table[slot] = row
-
-    def _snapshot(self, slot: int, snapshot: int) -> np.int32:
-        per = self.snapshots_per_partition
-        if not 0 <= snapshot < per:
-            raise ValueError(f"snapshot {snapshot} outside the {per} of a partition")
-        return np.int32(self.partition_of(slot) * per + snapshot)
-
-    def save_state(self, slot: int, snapshot: int) -> None:
-        """Copy ``slot``'s KDA states into snapshot ``snapshot`` (prefix caching)."""
-        with self._rules():
-            self.snapshots = self._save(self.cache, self.snapshots, np.int32(slot),
-                                        self._snapshot(slot, snapshot))
-
-    def restore_state(self, snapshot: int, slot: int) -> None:
-        """Copy snapshot ``snapshot`` into ``slot``'s KDA states (the slot's own copy)."""
-        with self._rules():
-            self.cache = self._restore(self.cache, self.snapshots, np.int32(slot),
-                                       self._snapshot(slot, snapshot))
-
-    def copy_page(self, src: int, dst: int, *, slot: int) -> None:
-        """Copy page ``src``'s rows into page ``dst`` (of ``slot``'s partition) in every DSA
-        pool (prefix caching's copy-on-write of a partial page)."""
-        base = self.partition_of(slot) * self.pages_per_partition
-        self.cache = self._copy_page(self.cache, np.int32(base + src), np.int32(base + dst))
 
     def warmup(self) -> None:
         """Compile every prefill bucket (one slot, and every row count of a batched prefill)

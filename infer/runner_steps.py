@@ -4,7 +4,8 @@ every slot, the image encoder, and the cache operations the prefix cache needs (
 snapshots, page copies). ``infer/aot.py`` compiles the same functions for TPU topologies.
 
 Cache leaves are ``[repeats, slots, ...]`` (the slot axis is axis 1); paged DSA pools
-(``PagedDSACache``) are shared by all slots and pass through untouched by the per-slot helpers.
+(``PagedDSACache``) are shared by all slots (on a mesh, by the slots of one device group, in
+its partition) and pass through untouched by the per-slot helpers.
 """
 
 from __future__ import annotations

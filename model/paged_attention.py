@@ -10,7 +10,7 @@ On a mesh (a sharding context, ``model/partitioning.py``) the same function runs
 ``shard_map``: "DP attention" with pages. The layout's ``act_batch`` axes split the slots into
 ``parts`` device groups, and the pool into as many partitions (``PagedDSACache.parts``): group
 ``p`` holds pages ``[p * n, (p + 1) * n)`` and runs the rows of its own slots, whose pages the
-host takes from that partition only (``infer/engine_slots.py``). So every gather and write is
+host takes from that partition only (``infer/engine_pages.py``). So every gather and write is
 local to the group: nothing of the pool crosses devices. Inside a group the queries' heads are
 split as the rules split them (``tensor``); the indexer and the top-k run whole on each device
 of the group (they read the one shared key). The block table holds global page ids; a group
@@ -33,7 +33,7 @@ from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
 from kdsa.model.dsa_cache_attention import attend_cache
 from kdsa.model.paged_cache import PagedDSACache
-from kdsa.model.partitioning import current
+from kdsa.model.partitioning import current, without_sharding
 
 BUFFERS = ("kv_latent", "k_rope", "index_keys")
 
@@ -49,7 +49,9 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     (dense MLA); ``written``: this step's rows by buffer name (``kv_latent [B, T, kv_lora]``,
     ``k_rope [B, T, rope]``, ``index_keys [B, T, Di]`` with an indexer); ``block_table``
     ``[B, W]`` global page ids (-1: none); ``segment_ids`` 0 marks padding (not written, no
-    output)."""
+    output). On a mesh a batch the device groups divide is taken to be the slots in order
+    (row ``b`` in group ``b // (B / G)``, as the runner's decode step passes them); any other
+    batch runs in every group (module docstring)."""
     ctx = current()
     if ctx is not None:
         return _on_mesh(ctx, q_abs, index, written, positions, segment_ids, cache, block_table,
@@ -99,13 +101,13 @@ def _on_mesh(ctx, q_abs, index, written, positions, segment_ids, cache, block_ta
                          f"batch into {parts} device groups ({'x'.join(groups) or 'none'})")
     b = positions.shape[0]
     split = parts > 1 and b % parts == 0
-    bt = (groups if split else None) or None
+    bt = groups if split else None
     hd = ctx.spec(("act_batch", None, "act_heads", None), q_abs.shape)[2]
-    pool = (None, groups or None, None) if cache.layer is not None else (groups or None, None)
+    stacked = cache.layer is not None  # the layer scan's [repeats, R, D] buffers
+    pool = (None, groups or None, None) if stacked else (groups or None, None)
     seg = (jnp.ones(positions.shape, jnp.int32) if segment_ids is None
            else segment_ids.astype(jnp.int32))
     names = tuple(written)
-    stacked = cache.layer is not None
     args = [q_abs, positions, seg, block_table] + [written[n] for n in names]
     specs = [P(bt, None, hd, None), P(bt, None), P(bt, None), P(bt, None)] + \
         [P(bt, None, None)] * len(names)
@@ -141,7 +143,5 @@ def _on_mesh(ctx, q_abs, index, written, positions, segment_ids, cache, block_ta
 
 def _run_local(q, index, written, positions, seg, cache, table, **kw):
     """:func:`attend_pool` on one group's partition (inside the ``shard_map``: no context)."""
-    from kdsa.model.partitioning import without_sharding
-
     with without_sharding():
         return attend_pool(q, index, written, positions, seg, cache, table, **kw)

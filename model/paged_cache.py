@@ -146,9 +146,11 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACach
     ``num_pages / parts`` pages and a scratch row each (``PagedDSACache``)."""
     from kdsa.model.layers import dtype_of
 
-    if num_pages < 1 or parts < 1 or num_pages % parts:
-        raise ValueError(f"num_pages={num_pages} must be a positive multiple of the {parts} "
-                         f"partitions of the pool")
+    if num_pages < 1:
+        raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+    if parts < 1 or num_pages % parts:
+        raise ValueError(f"num_pages={num_pages} must be a multiple of the pool's {parts} "
+                         f"partitions")
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
     rows = parts * (num_pages // parts * PAGE_SIZE + 1)  # + a scratch row per partition

@@ -127,7 +127,7 @@ def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
     width, a chunk crossing into the next, a decode step after them, then a batched prefill of
     two fresh rows inside the first width (one of them reusing the long row: its old keys past
     the width stay behind the causal mask) and a decode step of both."""
-    from kdsa.infer import runner as runner_mod
+    from kdsa.infer import runner as runner_mod, runner_pages
 
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, CFG.vocab_size, 70).tolist()
@@ -160,7 +160,7 @@ def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
     assert runner._context(64 * P + 16)[1] is None  # past 64 pages: the whole cache
     rng = np.random.default_rng(5)  # the same pages for the runner that reads everything
     rng.integers(0, CFG.vocab_size, 70), rng.integers(0, CFG.vocab_size, 32)
-    monkeypatch.setattr(runner_mod, "MIN_TABLE_PAGES", 1 << 20)
+    monkeypatch.setattr(runner_pages, "MIN_TABLE_PAGES", 1 << 20)
     _, want = run()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -37,6 +37,11 @@ def _model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
+def _requests(prompts, max_tokens):
+    return [Request(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                            ignore_eos=True)) for p in prompts]
+
+
 def _runner(mesh=None, **kw):
     return ModelRunner(_model(), max_len=3 * P, prefill_chunk=32, min_bucket=32, mesh=mesh,
                        **kw)
@@ -44,12 +49,14 @@ def _runner(mesh=None, **kw):
 
 def test_runner_steps_on_a_mesh_equal_one_device(mesh):
     """Prefill chunks and decode steps over pages of four partitions give one device's logits
-    for the same pages; each device holds a quarter of the pool."""
+    for the same pages; each device holds a quarter of the pool. An engine on each runner
+    (no prefix cache; five requests on four slots, one waiting) gives the same outputs."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (40, 70, 20, 100)]
-    logits = {}
-    for where in (None, mesh):
+    logits, runners = {}, []
+    for where in (mesh, None):
         r, got = _runner(where, num_slots=4, num_pages=8), []
+        runners.append(r)
         for s, p in enumerate(prompts):  # slot s in group s; on one device the same global pages
             r.set_pages(s, [1, 0] if where is not None else [2 * s + 1, 2 * s])
             got += [np.asarray(r.prefill(s, p[i:i + 32], i)) for i in range(0, len(p), 32)]
@@ -70,13 +77,15 @@ def test_runner_steps_on_a_mesh_equal_one_device(mesh):
                 r.set_pages(0, [2])
     for a, b in zip(logits[True], logits[False]):
         np.testing.assert_allclose(a, b, atol=2e-5)
+    # the same runners in engines without the prefix cache: a pool per group, 2 pages each
+    prompts = [rng.integers(0, 256, n).tolist() for n in (30, 90, 50, 10, 70)]
+    got, want = (Engine(r, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0).generate(
+        _requests(prompts, 20)) for r in runners)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
     with pytest.raises(ValueError, match="num_pages=6 must be a multiple of the mesh's 4"):
         _runner(mesh, num_slots=4, num_pages=6)
-
-
-def _requests(prompts, max_tokens):
-    return [Request(list(p), SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                            ignore_eos=True)) for p in prompts]
 
 
 def _turns(eng, ref, rng, sessions, reverse_second=False):

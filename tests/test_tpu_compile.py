@@ -158,7 +158,8 @@ def test_plan_compile_generate_steps_with_the_pallas_attention_kernel(capsys):
 def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     """The paged cache on a mesh (``model/paged_attention.py``): the prefill and decode steps on
     ``data=2,tensor=2`` (two batch device groups, each with its partition of the pool) compile
-    for v5e with the Pallas sparse MLA kernel inside, and no collective moves the pool (no
+    for v5e with XLA attention and with the Pallas sparse MLA kernel inside, and no collective
+    moves the pool (no
     collective has the pool's rows, whole or one partition, in its shape)."""
     import re
 
@@ -166,18 +167,20 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     from kdsa.model.config import get_preset
     from kdsa.model.overrides import apply_overrides
 
-    cfg = apply_overrides(get_preset("tiny"), [
-        "num_hidden_layers=1", "linear_attn_config.kda_layers=[]",
-        "linear_attn_config.full_attn_layers=[1]", "first_k_dense_replace=0",
-        "attention_impl=pallas"])
     monkeypatch.setattr(aot, "compiled_memory", lambda compiled, seconds: compiled.as_text())
     sizes = {"data": 2, "fsdp": 1, "expert": 1, "tensor": 2, "sequence": 1}
-    steps = aot.generate_step_compiles(cfg, "v5e:2x2", sizes, slots=4, max_len=256,
-                                       prefill_chunk=64, paged=True)
     part = 4 * 4 // 2 * 64 + 1  # 4 slots x 4 pages in 2 partitions, a scratch row each
+    steps = {}
+    for impl in ("xla", "pallas"):
+        cfg = apply_overrides(get_preset("tiny"), [
+            "num_hidden_layers=1", "linear_attn_config.kda_layers=[]",
+            "linear_attn_config.full_attn_layers=[1]", "first_k_dense_replace=0",
+            f"attention_impl={impl}"])
+        steps.update({(impl, name): f for name, f in aot.generate_step_compiles(
+            cfg, "v5e:2x2", sizes, slots=4, max_len=256, prefill_chunk=64, paged=True).items()})
     for name, compile_step in steps.items():
         text = compile_step()
-        assert "sparse_mla_fwd_tpu" in text, name
+        assert ("sparse_mla_fwd_tpu" in text) == (name[0] == "pallas"), name
         ops = [m.group(1) for m in re.finditer(
             r"= (.*?) (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
             r"(?:-start)?\(", text)]  # the result shapes of every collective
