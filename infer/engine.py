@@ -56,7 +56,7 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
     def __init__(self, runner, tokenizer, *, chat_format=None, budgets: BudgetConfig | None = None,
                  max_top_logprobs: int = 20, prefill_tokens_per_step: int | None = None,
                  seed: int = 0, max_banned_tokens: int = 4, max_consecutive_failures: int = 3,
-                 prefix_snapshot_every: int = 4):
+                 prefix_snapshot_every: int = 4, prefix_cache: bool = True):
         self.runner, self.tok = runner, tokenizer
         self.max_failures = max_consecutive_failures
         self.failure: str | None = None  # set when the engine is dead (EngineDead)
@@ -87,7 +87,7 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         # model/paged_attention.py; one on one device), numbered within it
         parts = getattr(runner, "partitions", 1)
         num_pages = getattr(runner, "num_pages", None)
-        snapshots = getattr(runner, "num_snapshots", 0)
+        snapshots = getattr(runner, "num_snapshots", 0) if prefix_cache else 0
         self.pools = [] if num_pages is None else [PagePool(num_pages // parts)
                                                    for _ in range(parts)]
         self.prefixes = [PrefixCache(pool, snapshots // parts, prefix_snapshot_every)

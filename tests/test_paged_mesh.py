@@ -47,45 +47,57 @@ def _runner(mesh=None, **kw):
                        **kw)
 
 
-def test_runner_steps_on_a_mesh_equal_one_device(mesh):
+@pytest.fixture(scope="module")
+def runners(mesh):
+    """One mesh runner and one one-device runner alike: 8 slots (2 per device group on the
+    mesh), 12 pages (3 per group), 8 KDA snapshots (2 per group)."""
+    return [_runner(where, num_slots=8, num_pages=12, num_snapshots=8) for where in (mesh, None)]
+
+
+def _engine(runner, **kw):
+    return Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0, **kw)
+
+
+def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
     """Prefill chunks and decode steps over pages of four partitions give one device's logits
-    for the same pages; each device holds a quarter of the pool. An engine on each runner
-    (no prefix cache; five requests on four slots, one waiting) gives the same outputs."""
+    for the same pages; each device holds a quarter of the pool. Engines on the two runners
+    without the prefix cache (five requests, a pool per group) give the same outputs."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (40, 70, 20, 100)]
-    logits, runners = {}, []
-    for where in (mesh, None):
-        r, got = _runner(where, num_slots=4, num_pages=8), []
-        runners.append(r)
-        for s, p in enumerate(prompts):  # slot s in group s; on one device the same global pages
-            r.set_pages(s, [1, 0] if where is not None else [2 * s + 1, 2 * s])
-            got += [np.asarray(r.prefill(s, p[i:i + 32], i)) for i in range(0, len(p), 32)]
-        toks = np.asarray([7, 8, 9, 10], np.int32)
-        pos = np.asarray([len(p) for p in prompts], np.int32)
+    logits = []
+    for r in runners:
+        got = []
+        for g, p in enumerate(prompts):  # slot 2g: the first of group g; one device: the
+            local = [1, 0]               # same global pages
+            r.set_pages(2 * g, local if r.partitions > 1 else [3 * g + x for x in local])
+            got += [np.asarray(r.prefill(2 * g, p[i:i + 32], i)) for i in range(0, len(p), 32)]
+        toks, pos = np.zeros(8, np.int32), np.zeros(8, np.int32)
+        pos[::2] = [len(p) for p in prompts]
         for k in range(3):
-            got.append(np.asarray(r.decode(toks, pos + k, np.asarray([1, 1, k < 2, 1], bool))))
-            toks = got[-1].argmax(-1).astype(np.int32)
-        logits[where is None] = got
-        if where is not None:
-            assert r.partitions == 4 and r.pages_per_partition == 2
-            pool = jax.tree.leaves(r.cache, is_leaf=lambda x: isinstance(x, pc.PagedDSACache))
-            pool = next(x for x in pool if isinstance(x, pc.PagedDSACache)).kv_latent
-            assert pool.shape[1] == 4 * (2 * P + 1)  # a scratch row per partition
-            assert pool.sharding.shard_shape(pool.shape)[1] == 2 * P + 1
-            assert len(pool.sharding.device_set) == 8
-            with pytest.raises(ValueError, match="outside the 2 of a partition"):
-                r.set_pages(0, [2])
-    for a, b in zip(logits[True], logits[False]):
+            active = np.zeros(8, bool)
+            active[::2] = [1, 1, k < 2, 1]
+            got.append(np.asarray(r.decode(toks, pos + k, active))[::2])
+            toks = np.repeat(got[-1].argmax(-1).astype(np.int32), 2)
+        logits.append(got)
+    for a, b in zip(*logits):
         np.testing.assert_allclose(a, b, atol=2e-5)
-    # the same runners in engines without the prefix cache: a pool per group, 2 pages each
+    r = runners[0]
+    assert r.partitions == 4 and r.pages_per_partition == 3
+    pool = jax.tree.leaves(r.cache, is_leaf=lambda x: isinstance(x, pc.PagedDSACache))
+    pool = next(x for x in pool if isinstance(x, pc.PagedDSACache)).kv_latent
+    assert pool.shape[1] == 4 * (3 * P + 1)  # a scratch row per partition
+    assert pool.sharding.shard_shape(pool.shape)[1] == 3 * P + 1
+    assert len(pool.sharding.device_set) == 8
+    with pytest.raises(ValueError, match="outside the 3 of a partition"):
+        r.set_pages(0, [3])
+    with pytest.raises(ValueError, match="num_pages=6 must be a multiple of the mesh's 4"):
+        _runner(mesh, num_slots=4, num_pages=6)
     prompts = [rng.integers(0, 256, n).tolist() for n in (30, 90, 50, 10, 70)]
-    got, want = (Engine(r, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0).generate(
-        _requests(prompts, 20)) for r in runners)
+    got, want = (_engine(r, prefix_cache=False).generate(_requests(prompts, 20))
+                 for r in runners)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5)
-    with pytest.raises(ValueError, match="num_pages=6 must be a multiple of the mesh's 4"):
-        _runner(mesh, num_slots=4, num_pages=6)
 
 
 def _turns(eng, ref, rng, sessions, reverse_second=False):
@@ -106,16 +118,14 @@ def _turns(eng, ref, rng, sessions, reverse_second=False):
     return eng.metrics()["prefix_cache"]["hit_tokens"] - hits
 
 
-def test_engine_on_a_mesh_with_prefix_cache_equals_one_device(mesh):
-    """8 slots (2 per device group), 3 pages per group: greedy tokens and log-probs equal a
-    one-device dense-slot engine's. Six sessions: two share a group, whose pages run out: they
-    wait or are preempted, with the same outputs. Then four sessions: each second turn (sent
-    in reverse order) goes to the group holding its first turn and resumes where it ended (60
-    prompt + 29 fed output tokens)."""
+def test_engine_on_a_mesh_with_prefix_cache_equals_one_device(runners):
+    """8 slots (2 per device group), 3 pages per group, the prefix cache: greedy tokens and
+    log-probs equal the one-device engine's. Six sessions: two share a group, whose pages run
+    out: they wait or are preempted, with the same outputs. Then four sessions: each second
+    turn (sent in reverse order) goes to the group holding its first turn and resumes where it
+    ended (60 prompt + 29 fed output tokens)."""
     rng = np.random.default_rng(1)
-    eng = Engine(_runner(mesh, num_slots=8, num_pages=12, num_snapshots=8),
-                 ByteTokenizer(CFG.vocab_size), max_top_logprobs=0)
-    ref = Engine(_runner(num_slots=8), ByteTokenizer(CFG.vocab_size), max_top_logprobs=0)
+    eng, ref = (_engine(r) for r in runners)
     _turns(eng, ref, rng, 6)
     assert eng.metrics()["preemptions"] >= 1
     assert _turns(eng, ref, rng, 4, reverse_second=True) == 4 * 89
