@@ -232,7 +232,9 @@ def test_two_process_job_train_reshard_generate_equals_one_device(single, gen_re
     2. ``reshard-check``: the last checkpoint restored onto the train mesh, moved to the
        generate layout on ``data=2,tensor=2`` over the devices reversed (shards change process)
        and back: bit-exact both ways, the round trip on the original shardings;
-    3. ``kdsa generate --mesh data=2,tensor=2``: process 0 writes the one-device greedy tokens
+    3. ``kdsa generate --mesh data=2,tensor=2 --num-pages``: the paged cache with the prefix
+       cache, a partition of the pool per device group (``model/paged_attention.py``), across
+       the two processes; process 0 writes the one-device greedy tokens
        (the CLI's chat-format stop ids may end a request early: then its tokens are a prefix
        ending in a stop).
 
@@ -249,7 +251,8 @@ def test_two_process_job_train_reshard_generate_equals_one_device(single, gen_re
              ["reshard-check", *model, *train_sets, "--run-dir", str(run_dir), "--train-mesh",
               "expert=2,sequence=2", "--mesh", "data=2,tensor=2", "--out", str(check)],
              ["generate", *model, "--mesh", "data=2,tensor=2", "--slots", str(SLOTS),
-              "--max-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--max-tokens",
+              "--max-len", str(MAX_LEN), "--num-pages", str(SLOTS * -(-MAX_LEN // 64)),
+              "--prefill-chunk", str(CHUNK), "--max-tokens",
               str(NEW), "--temperature", "0", "--prompts", str(src), "--out", str(out),
               "--no-progress"]]
     cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
