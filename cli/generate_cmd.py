@@ -27,19 +27,16 @@ def add_engine_args(p) -> None:
     g.add_argument("--num-pages", type=int, default=None,
                    help="paged cache: the DSA layers' rows in one pool of this many 64-token "
                         "pages shared by all requests; a request reserves the pages of its "
-                        "prompt + max_tokens and waits while they are not free (default on "
-                        "one device: --slots x the pages of --max-len, the dense cache's "
-                        "memory; on a mesh the pool is split evenly over the batch device "
-                        "groups, data x fsdp x expert, each serving its own slots from its "
-                        "own pages, and it is opt-in: give --num-pages or --cache-memory)")
+                        "prompt + max_tokens and waits while they are not free (default: "
+                        "--slots x the pages of --max-len, the dense cache's memory; on a "
+                        "mesh split evenly over the batch device groups, data x fsdp x "
+                        "expert, each serving its own slots from its own pages)")
     g.add_argument("--cache-memory", default=None,
                    help="paged cache sized in bytes per device instead (e.g. 2GiB): as many "
                         "pages as fit, in each batch device group of a mesh")
     g.add_argument("--dense-cache", action="store_true",
                    help="a dense --max-len cache row per slot instead of the paged pool (no "
-                        "prefix cache; the default on a mesh unless --num-pages or "
-                        "--cache-memory is given: the paged prefill compiles slowly at K3 "
-                        "depth, docs/sharding.md)")
+                        "prefix cache)")
     g.add_argument("--no-prefix-cache", action="store_true",
                    help="paged cache without prefix caching (by default a request resumes "
                         "from the KDA snapshot and DSA pages of the longest cached prefix)")
@@ -129,7 +126,7 @@ def engine_from_args(args):
             num_pages *= batch_groups(mesh, args.layout)[1]
     if args.dense_cache and num_pages is not None:
         raise ValueError("--dense-cache takes no pool size: drop --num-pages / --cache-memory")
-    if num_pages is None and not args.dense_cache and mesh is None and any(
+    if num_pages is None and not args.dense_cache and any(
             m != "kda" for m in config.mixer_kinds):  # paged + prefix cache by default
         from kdsa.model.paged_cache import pages_for
         num_pages = args.slots * pages_for(args.max_len)
