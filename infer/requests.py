@@ -116,6 +116,7 @@ class _Active:
         self.part = 0  # ... in this partition of the pool (a mesh's batch device group)
         self.page_keys: list[bytes] = []  # prefix cache: the prompt's page hash chain
         self.key_items: list = []  # prefix cache: its token ids, images by content
+        self.fed_keys = None  # prefix cache: (len(tokens), items fed, their page keys)
         self.branch: int | None = None  # prefix cache: the page to snapshot at, a branch point
         self.tokens: list[int] = []
         self.logprobs: list[float] = []

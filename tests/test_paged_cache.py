@@ -10,6 +10,7 @@ from flax import nnx
 from kdsa.model import paged_cache as pc
 from kdsa.model.config import get_preset
 from kdsa.model.overrides import apply_overrides
+from kdsa.infer.prefix_cache import page_keys as pc_page_keys
 from kdsa.model.transformer import Transformer
 
 P = pc.PAGE_SIZE
@@ -203,10 +204,16 @@ def test_engine_paged_equals_dense_slots_and_waits_for_pages(model):
                          "pages_used": 0, "pages_free": pages}  # all returned
 
 
-def test_engine_preempts_when_the_pool_runs_out_and_outputs_stay_exact(model):
+def test_engine_preempts_when_the_pool_runs_out_and_outputs_stay_exact(model, monkeypatch):
     """Pages are taken as requests grow; when decode finds none free, the latest admitted
     request is preempted and later recomputed (with the prefix cache: resumed from the
-    snapshot it left), and every output equals a dense-slot engine's."""
+    snapshot it left), and every output equals a dense-slot engine's. A waiting request's
+    page keys are hashed once per length it waits at, not at every step."""
+    from kdsa.infer import engine_pages
+
+    hashed = []
+    monkeypatch.setattr(engine_pages, "page_keys",
+                        lambda items: hashed.append(len(items)) or pc_page_keys(items))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, 60).tolist() for _ in range(3)]  # 60 + 80: 3 pages each
     want = _engine(model).generate(_requests(prompts, 80))
@@ -220,6 +227,9 @@ def test_engine_preempts_when_the_pool_runs_out_and_outputs_stay_exact(model):
         if snapshots:
             pc = eng.prefix
             assert pc.pool.free + len(pc.idle) + len(pc.partial) == 3  # nothing leaked
+            m = eng.metrics()  # admission and end per request and preemption, no more
+            assert len(hashed) <= 2 * (len(prompts) + m["preemptions"]), (hashed, m)
+            assert m["decode_steps"] > 2 * len(hashed)  # (the waits took many steps)
         else:
             assert eng.pages.free == 3
 
