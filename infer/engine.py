@@ -15,8 +15,8 @@ Each :meth:`Engine.step`:
 The engine is four files: this one (the thread-safe API, the step loop, failures, metrics),
 ``engine_slots.py`` (admission, cancellation, prefill, decode, finishing a request, images),
 ``engine_pages.py`` (the paged cache's pages, the prefix cache, preemption; a pool per device
-group on a mesh) and ``engine_tokens.py`` (sampling rows and applying each token: forced and banned tokens, the
-chat parser, stops, events). :meth:`Engine.generate` is the batch API.
+group on a mesh) and ``engine_tokens.py`` (sampling rows and applying each token: forced and
+banned tokens, the chat parser, stops, events). :meth:`Engine.generate` is the batch API.
 
 Failures (``docs/serving.md``, Reliability): no request stops the engine. An exception in one
 request's work (image encoding, a prefill chunk, packing its sampling row, its parser, its

@@ -147,8 +147,8 @@ class PageScheduling:
         """Prefix cache: keep the state after everything a finished (or preempted) request
         fed (its prompt and every generated token but the last), for the next turn of its
         session (or its own resumption)."""
-        fed = a.key_items + [int(t) for t in a.tokens[:-1]]
-        slot = self.prefixes[self._part(i)].add_end_snapshot(page_keys(fed), fed, a.pages)
+        fed, keys = self._fed_keys(a)
+        slot = self.prefixes[a.part].add_end_snapshot(keys, fed, a.pages)
         if slot is not None:
             self.runner.save_state(i, slot)
 

@@ -78,8 +78,6 @@ def length_buckets(min_bucket: int, max_bucket: int) -> tuple[int, ...]:
     return tuple(out) + (max_bucket,)
 
 
-
-
 class ModelRunner(PagedSlots):
     def __init__(self, model, *, num_slots: int, max_len: int, prefill_chunk: int = 256,
                  min_bucket: int = 16, mesh=None, layout: str = "generate",
