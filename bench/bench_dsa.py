@@ -25,8 +25,10 @@ measures itself). Writes bench/results/dsa_k3-slice.json.
 
 ``--prefill-only`` skips the decode rows; ``--without-windows`` also times each prefill with
 causal key windows off (``model/query_chunks.py : causal_windows``; the before/after in one
-run, rows ``*_no_windows_ms``); with ``--prefill-only`` the results go to
-``dsa_PRESET_prefill.json``.
+run, rows ``*_no_windows_ms``); ``--without-gather-chunks`` times Gated DSA's prefill with the
+sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU sized them to
+its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``); with
+``--prefill-only`` the results go to ``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
     .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
@@ -49,7 +51,7 @@ from flax import nnx  # noqa: E402
 
 from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noqa: E402
-from kdsa.model import query_chunks  # noqa: E402
+from kdsa.model import dsa, query_chunks  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
@@ -169,6 +171,9 @@ def main() -> None:
     p.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     p.add_argument("--without-windows", action="store_true",
                    help="also time each prefill with causal key windows off")
+    p.add_argument("--without-gather-chunks", action="store_true",
+                   help="also time Gated DSA's prefill with the sparse gathers in chunks of "
+                        "dsa_query_chunk_size queries (before the CPU sized them to its cache)")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
                                                "dsa_PRESET.json for another preset)")
     args = p.parse_args()
@@ -226,15 +231,19 @@ def main() -> None:
             cache = (init_kda_cache(dsa_cfg, 1) if name == "kda"
                      else init_dsa_cache(cfgs[name], 1, length))
             row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
-            if args.without_windows and name != "kda":  # a fresh jit: windows chosen at trace
-                windows_from, query_chunks.CAUSAL_WINDOWS_FROM = (
-                    query_chunks.CAUSAL_WINDOWS_FROM, 1 << 62)
+            switches = ([("windows", query_chunks, "CAUSAL_WINDOWS_FROM")]
+                        if args.without_windows and name != "kda" else [])
+            if args.without_gather_chunks and name == "dsa":
+                switches.append(("gather_chunks", dsa, "CPU_GATHER_BYTES"))
+            for label, module, attr in switches:  # a fresh jit: both chosen at trace time
+                kept = getattr(module, attr)
+                setattr(module, attr, 1 << 62)
                 try:
                     off, off_state = layer_fn(cfgs[name], donate=False)
-                    row[f"{name}_no_windows_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
+                    row[f"{name}_no_{label}_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
                                                                  reps=max(2, reps // 5))
                 finally:
-                    query_chunks.CAUSAL_WINDOWS_FROM = windows_from
+                    setattr(module, attr, kept)
             if wide:  # the model's FLOPs; XLA's count (it counts a loop body once)
                 row[f"{name}_model_flops"] = (projection_flops(state, length) + attention_flops(
                     dsa_cfg, name, length))
@@ -253,7 +262,10 @@ def main() -> None:
               + (f", kda {row['kda_ms']:9.2f} ms, dense/kda {row['ratio_dense_over_kda']:5.2f}x"
                  if "kda_ms" in row else "")
               + (f" | windows off: dsa {row['dsa_no_windows_ms']:9.2f} ms, dense "
-                 f"{row['dense_no_windows_ms']:9.2f} ms" if args.without_windows else ""),
+                 f"{row['dense_no_windows_ms']:9.2f} ms" if args.without_windows else "")
+              + (f" | gathers in chunks of {dsa_cfg.dsa_query_chunk_size}: dsa "
+                 f"{row['dsa_no_gather_chunks_ms']:9.2f} ms" if args.without_gather_chunks
+                 else ""),
               flush=True)
 
     growth = None

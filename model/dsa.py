@@ -21,6 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from kdsa.model.partitioning import compile_platform
 from kdsa.model.query_chunks import check_visibility, map_query_chunks, visible_mask
 from kdsa.model.topk import select_topk
 
@@ -140,6 +141,23 @@ def _gather_rows(parts: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
     return jnp.concatenate(_gather_part_rows(parts, idx), axis=-1)
 
 
+# A CPU gathers rows fastest while a chunk's gathered rows stay in its last-level cache (32 MiB
+# here): at K3's widths (top-2048 rows of 576 float32, 4.7 MB a query) chunks of one query ran
+# the sparse attention 1.9x faster than chunks of 256 (16K keys), its gradient 2.8x
+# (docs/performance.md). An accelerator keeps the caller's chunk.
+CPU_GATHER_BYTES = 6 << 20
+
+
+def gather_chunk(chunk_size: int, rows: int, row_floats: int) -> int:
+    """Queries per chunk of a gather-based function that gathers ``rows`` rows (``B x K``) of
+    ``row_floats`` per query: ``chunk_size``, or on CPU the largest power of two <= it whose
+    float32 rows fit :data:`CPU_GATHER_BYTES`."""
+    if compile_platform() != "cpu":
+        return chunk_size
+    fits = max(1, CPU_GATHER_BYTES // (4 * rows * row_floats))
+    return max(1, min(chunk_size, 1 << (fits.bit_length() - 1)))
+
+
 def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale: float,
                          v_dim: int, *, chunk_size: int = 256) -> tuple[jax.Array, jax.Array]:
     """Gather-based sparse MLA attention (absorbed / MQA form), the reference for the kernel.
@@ -155,7 +173,7 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
 
     ``out[t,n] = sum_k softmax_k(sm_scale * q[t,n] . kv[idx[t,k]]) kv[idx[t,k], :v_dim]``: each
     slot counts, so a duplicated index counts twice (FlashMLA ``flash_mla_sparse_fwd`` semantics;
-    a kernel must match). Cost O(T K Dk N); per query chunk ``[B, C, K, Dk]`` rows are gathered
+    a kernel must match). Cost O(T K Dk N); per query chunk (:func:`gather_chunk`) ``[B, C, K, Dk]`` rows are gathered
     with ``take_along_axis``; no ``[T, S]`` array exists. Gradients by autodiff (gather ->
     scatter-add into kv). Measured against the dense-mask reference
     (``kdsa.kernels_pallas.sparse_mla.ref.dense_masked_mla_attention``; f32, CPU, B 2, T 64, N 8,
@@ -185,6 +203,7 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
         return _softmax_attend(
             logits, lambda p: jnp.einsum("bcnk,bckd->bcnd", p, values)[..., :v_dim])
 
+    chunk_size = gather_chunk(chunk_size, b * indices.shape[2], dk)
     return map_query_chunks(chunk, chunk_size, (q, indices))
 
 
@@ -346,4 +365,5 @@ def indexer_kl_sparse(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale:
         index = jnp.einsum("bcj,bcjk->bck", iwc.astype(f32), jax.nn.relu(dots))
         return kl_from_logits(attn, jnp.where(valid, index, -jnp.inf))
 
+    chunk_size = gather_chunk(chunk_size, b * indices.shape[2], dk + index_k.shape[-1])
     return map_query_chunks(chunk, chunk_size, (q, indices, index_q, index_w))

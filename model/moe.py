@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdsa.kernels_pallas.common import backend as kernel_backend
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
@@ -50,7 +49,7 @@ from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, l
                                param)
 from kdsa.model.expert_parallel import expert_parallel_experts
 from kdsa.model.experts_cpu import experts_cpu
-from kdsa.model.partitioning import current as current_sharding
+from kdsa.model.partitioning import compile_platform, current as current_sharding
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
@@ -185,13 +184,6 @@ def experts_routed(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     if compile_platform() == "cpu":
         return experts_cpu(z, topk_idx, topk_weight, w1, w3, w2, config)
     return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
-
-
-def compile_platform() -> str:
-    """``"cpu" | "gpu" | "tpu"``: the platform of the active mesh's devices (ahead-of-time TPU
-    compiles on a CPU host trace under a mesh of TPU devices), else the kernels' backend."""
-    ctx = current_sharding()
-    return kernel_backend() if ctx is None else ctx.platform
 
 
 def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,

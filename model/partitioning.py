@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kdsa.kernels_pallas.common import backend as kernel_backend
+
 Rules = Mapping[str, tuple[str, ...] | None]  # logical name -> mesh axes (None: replicated)
 COLLECTIVES = ("auto", "padded", "ragged", "ragged_emulated")
 
@@ -138,6 +140,14 @@ def without_sharding() -> Iterator[None]:
 def current() -> ShardingContext | None:
     """The active context, or None (single device / no rules)."""
     return _CONTEXT.value
+
+
+def compile_platform() -> str:
+    """``"cpu" | "gpu" | "tpu"``: the platform of the active mesh's devices (ahead-of-time TPU
+    compiles on a CPU host trace under a mesh of TPU devices), else the kernels' backend
+    (``kernels_pallas.common.backend()``, which follows ``compile_target``)."""
+    ctx = current()
+    return kernel_backend() if ctx is None else ctx.platform
 
 
 def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kdsa.kernels_pallas.common import compile_target
 from kdsa.kernels_pallas.sparse_mla.ref import dense_masked_mla_attention
 from kdsa.model import dsa, rope, topk
 from kdsa.model.config import YarnConfig, get_preset
@@ -445,3 +446,29 @@ def test_kl_sparse_matches_numpy_on_selected_set():
     want = np_kl(attn, np_index_scores(iq, ik, iw), mask)
     np.testing.assert_allclose(kl, want, rtol=1e-4, atol=1e-6)
     assert float(kl[1, 3]) == 0.0
+
+
+def test_cpu_gather_chunks_fit_the_cache(monkeypatch):
+    """On CPU a gather's query chunk is sized so its rows stay in cache: one query at K3's widths
+    (top-2048 rows of 576 floats), the caller's chunk at tiny widths and for a TPU compile; the
+    outputs and gradients do not depend on it."""
+    assert dsa.gather_chunk(256, 2048, 576) == 1
+    assert dsa.gather_chunk(256, 8 * 512, 576) == 1  # a batch of 8 rows gathers 8x the rows
+    assert dsa.gather_chunk(256, 512, 576) == 4
+    assert dsa.gather_chunk(256, 8, 40) == 256
+    with compile_target("tpu"):
+        assert dsa.gather_chunk(256, 2048, 576) == 256
+    q, kv, idx, scale, v = _sparse_case()  # T 11, K 6, Dk 12, B 2
+
+    def run():
+        out = dsa.sparse_mla_attention(q, kv, idx, scale, v, chunk_size=16)
+        grads = jax.grad(lambda q, kv: dsa.sparse_mla_attention(
+            q, kv, idx, scale, v, chunk_size=16)[0].sum(), argnums=(0, 1))(q, kv)
+        return out, grads
+
+    whole = run()  # one chunk of 11 queries
+    monkeypatch.setattr(dsa, "CPU_GATHER_BYTES", 4 * (2 * 6) * 12 * 3)  # three queries' rows
+    assert dsa.gather_chunk(16, 2 * 6, 12) == 2
+    chunked = run()  # six chunks of 2, the last one padded
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
