@@ -27,8 +27,10 @@ measures itself). Writes bench/results/dsa_k3-slice.json.
 causal key windows off (``model/query_chunks.py : causal_windows``; the before/after in one
 run, rows ``*_no_windows_ms``); ``--without-gather-chunks`` times Gated DSA's prefill with the
 sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU sized them to
-its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``); with
-``--prefill-only`` the results go to ``dsa_PRESET_prefill.json``.
+its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``);
+``--f32-index`` times Gated DSA's decode step and prefill once more with float32 index queries
+and keys (``index_dtype``; ``k3-slice`` keeps them in bfloat16 as K3 does; rows
+``dsa_f32_index_*``); with ``--prefill-only`` the results go to ``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
     .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
@@ -141,7 +143,9 @@ def decode_parts(cfg, b: int, length: int, reps: int, pallas: bool = True) -> di
     ks = jax.random.split(jax.random.key(2), 5)
     q = jax.random.normal(ks[0], (b, 1, n, dk))
     kv = jax.random.normal(ks[1], (b, length, dk))
-    iq, ik = jax.random.normal(ks[2], (b, 1, j, di)), jax.random.normal(ks[3], (b, length, di))
+    idt = cfg.index_compute_dtype  # the layer's index queries and keys
+    iq = jax.random.normal(ks[2], (b, 1, j, di)).astype(idt)
+    ik = jax.random.normal(ks[3], (b, length, di)).astype(idt)
     iw = jax.random.normal(ks[4], (b, 1, j))
     vis = dict(q_pos=jnp.full((b, 1), length - 1, jnp.int32),
                kv_pos=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)),
@@ -174,6 +178,8 @@ def main() -> None:
     p.add_argument("--without-gather-chunks", action="store_true",
                    help="also time Gated DSA's prefill with the sparse gathers in chunks of "
                         "dsa_query_chunk_size queries (before the CPU sized them to its cache)")
+    p.add_argument("--f32-index", action="store_true",
+                   help="also time Gated DSA with float32 index queries and keys")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
                                                "dsa_PRESET.json for another preset)")
     args = p.parse_args()
@@ -188,6 +194,8 @@ def main() -> None:
     dsa_cfg = get_preset(args.preset).replace(index_topk=args.topk, dsa_query_chunk_size=256)
     dense_cfg = dsa_cfg.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
     cfgs = {"dsa": dsa_cfg, "dense": dense_cfg}
+    if args.f32_index:
+        cfgs["dsa_f32_index"] = dsa_cfg.replace(index_dtype="float32")
     if not wide:
         cfgs["dsa_pallas"] = dsa_cfg.replace(attention_impl="pallas")
     decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
@@ -220,7 +228,9 @@ def main() -> None:
               f"{row['sparse_attention_ms']:7.3f} ms, dense attn {row['dense_attention_ms']:7.3f}"
               f" ms (indexer {100 * row['indexer_share_of_dsa_step']:.0f}% of the step)"
               + ("" if wide else f" | pallas: step {row['dsa_pallas_step_ms']:8.3f} ms, sparse "
-                 f"attn {row['sparse_pallas_ms']:7.3f} ms"), flush=True)
+                 f"attn {row['sparse_pallas_ms']:7.3f} ms")
+              + (f" | f32 index: step {row['dsa_f32_index_step_ms']:8.3f} ms" if args.f32_index
+                 else ""), flush=True)
 
     prefill = []
     for length in prefills:
@@ -235,6 +245,11 @@ def main() -> None:
                         if args.without_windows and name != "kda" else [])
             if args.without_gather_chunks and name == "dsa":
                 switches.append(("gather_chunks", dsa, "CPU_GATHER_BYTES"))
+            if args.f32_index and name == "dsa":
+                f32, f32_state = layer_fn(cfgs["dsa_f32_index"], donate=False)
+                row["dsa_f32_index_ms"] = 1e3 * seconds(
+                    f32, f32_state, xs, pos, init_dsa_cache(cfgs["dsa_f32_index"], 1, length),
+                    reps=max(2, reps // 5))
             for label, module, attr in switches:  # a fresh jit: both chosen at trace time
                 kept = getattr(module, attr)
                 setattr(module, attr, 1 << 62)
@@ -265,6 +280,8 @@ def main() -> None:
                  f"{row['dense_no_windows_ms']:9.2f} ms" if args.without_windows else "")
               + (f" | gathers in chunks of {dsa_cfg.dsa_query_chunk_size}: dsa "
                  f"{row['dsa_no_gather_chunks_ms']:9.2f} ms" if args.without_gather_chunks
+                 else "")
+              + (f" | f32 index: dsa {row['dsa_f32_index_ms']:9.2f} ms" if args.f32_index
                  else ""),
               flush=True)
 

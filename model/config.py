@@ -208,6 +208,9 @@ class ModelConfig:
     # ---- ours (exported under "kdsa") ----
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    # the indexer's queries, keys and key cache (None: compute_dtype); its scores accumulate in
+    # float32 either way (bfloat16 x bfloat16 products are exact in float32)
+    index_dtype: str | None = None
     initializer_range: float = 0.02
     scan_layers: bool = True
     remat_policy: str = "none"
@@ -247,6 +250,11 @@ class ModelConfig:
     @property
     def use_indexer(self) -> bool:
         return self.index_topk is not None
+
+    @property
+    def index_compute_dtype(self) -> str:
+        """The dtype of the indexer's queries, keys and key cache."""
+        return self.index_dtype or self.compute_dtype
 
     @property
     def context_limit(self) -> int | None:
@@ -329,14 +337,14 @@ class ModelConfig:
 
 
 _OURS = frozenset({
-    "param_dtype", "compute_dtype", "initializer_range", "scan_layers", "remat_policy",
-    "kda_chunk_size", "dsa_query_chunk_size", "attention_impl", "moe_impl",
+    "param_dtype", "compute_dtype", "index_dtype", "initializer_range", "scan_layers",
+    "remat_policy", "kda_chunk_size", "dsa_query_chunk_size", "attention_impl", "moe_impl",
     "expert_weight_format", "expert_qat",
 })
 _NULLABLE = frozenset({
     "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size", "index_n_heads",
-    "index_head_dim", "index_topk", "activation_situ_linear_beta", "bos_token_id",
-    "eos_token_id", "pad_token_id",
+    "index_head_dim", "index_topk", "index_dtype", "activation_situ_linear_beta",
+    "bos_token_id", "eos_token_id", "pad_token_id",
 })
 _ALIASES = {  # DeepSeek-V3 / V3.2 name -> our (Kimi) name
     "n_routed_experts": "num_experts",

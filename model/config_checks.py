@@ -114,6 +114,8 @@ def validate_model_config(c: ModelConfig) -> None:
     _choice(c, "moe_router_activation_func", _ROUTER_ACTS)
     _choice(c, "param_dtype", _DTYPES)
     _choice(c, "compute_dtype", _DTYPES)
+    if c.index_dtype is not None:
+        _choice(c, "index_dtype", _DTYPES)
     _choice(c, "remat_policy", _REMAT)
     _choice(c, "attention_impl", _IMPLS)
     _choice(c, "moe_impl", _MOE_IMPLS)

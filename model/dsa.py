@@ -21,7 +21,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kdsa.model.partitioning import compile_platform
+from kdsa.model.partitioning import compile_platform, current as current_sharding
 from kdsa.model.query_chunks import check_visibility, map_query_chunks, visible_mask
 from kdsa.model.topk import select_topk
 
@@ -37,18 +37,23 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array) -> jax.Array:
 
     q ``[B, T, J, D]`` (RoPE'd index queries), k ``[B, S, D]`` (one key per token shared by all
     index heads), weights ``[B, T, J]`` (``weights_proj(x) * J**-0.5 * D**-0.5``). Paper eq. 1;
-    DeepSeek's ``fp8_index`` without FP8. Unmasked: callers add the visibility mask.
+    DeepSeek's ``fp8_index`` without FP8. Unmasked: callers add the visibility mask. q and k
+    multiply in their own dtype (``index_dtype``), accumulating in float32.
     """
     if q.ndim != 4 or k.ndim != 3 or weights.shape != q.shape[:3] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"indexer_scores wants q [B,T,J,D], k [B,S,D], weights [B,T,J]; got "
                          f"{q.shape}, {k.shape}, {weights.shape}")
-    q, k, weights = q.astype(f32), k.astype(f32), weights.astype(f32)
-    if q.shape[1] == 1:  # a decode step: the keys-major product, 1.9x faster on XLA:CPU
-        logits = jnp.einsum("bsd,btjd->bstj", k, q)  # (1 query, 128K keys; docs/serving.md)
-        if q.shape[2] >= 32:  # many heads (K3: 64): relu and the weights in one pass, 2.3x
+    dt = jnp.promote_types(q.dtype, k.dtype)  # bfloat16 keys: a bfloat16 product into float32
+    q, k, weights = q.astype(dt), k.astype(dt), weights.astype(f32)
+    # A decode step (one query) on XLA:CPU: many heads (K3: 64 x 128) or narrow keys (tiny's 16)
+    # score keys-major, wide keys with few heads (k3-slice: 8 x 128) query-major, 1.5x faster
+    # there (docs/performance.md; docs/serving.md has the narrow keys).
+    if q.shape[1] == 1 and (q.shape[2] >= 32 or q.shape[3] < 64):
+        logits = jnp.einsum("bsd,btjd->bstj", k, q, preferred_element_type=f32)
+        if q.shape[2] >= 32:  # relu and the weights in one pass, 2.1x
             return jnp.moveaxis((jax.nn.relu(logits) * weights[:, None]).sum(-1), 1, 2)
         return jnp.einsum("bstj,btj->bts", jax.nn.relu(logits), weights)
-    logits = jnp.einsum("btjd,bsd->btjs", q, k)
+    logits = jnp.einsum("btjd,bsd->btjs", q, k, preferred_element_type=f32)
     return jnp.einsum("btj,btjs->bts", weights, jax.nn.relu(logits))
 
 
@@ -203,8 +208,25 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
         return _softmax_attend(
             logits, lambda p: jnp.einsum("bcnk,bckd->bcnd", p, values)[..., :v_dim])
 
+    if b > 1 and _rows_outgrow_cpu_cache(b * indices.shape[2], dk):
+        # the rows' queries become one row's, so that the chunks cover the batch too (decode,
+        # batch 8, 64K keys at K3's widths: 18.7 -> 8.8 ms); indices offset to the joined keys
+        valid = (indices >= 0) & (indices < s)
+        joined = jnp.where(valid, indices + s * jnp.arange(b, dtype=indices.dtype)[:, None, None],
+                           -1).reshape(1, b * t, -1)
+        out, lse = sparse_mla_attention(
+            q.reshape(1, b * t, n, dk), tuple(p.reshape(1, b * s, -1) for p in parts), joined,
+            sm_scale, v_dim, chunk_size=chunk_size)
+        return out.reshape(b, t, n, v_dim), lse.reshape(b, t, n)
     chunk_size = gather_chunk(chunk_size, b * indices.shape[2], dk)
     return map_query_chunks(chunk, chunk_size, (q, indices))
+
+
+def _rows_outgrow_cpu_cache(rows: int, row_floats: int) -> bool:
+    """On one CPU device (no mesh): whether one query position's rows of every batch row
+    (``rows = B x K``) outgrow :data:`CPU_GATHER_BYTES`."""
+    return (4 * rows * row_floats > CPU_GATHER_BYTES and compile_platform() == "cpu"
+            and current_sharding() is None)
 
 
 def _gqa_logits(q: jax.Array, k: tuple[jax.Array, ...]) -> jax.Array:

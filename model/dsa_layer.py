@@ -98,15 +98,17 @@ def init_dsa_cache(config: ModelConfig, batch_size: int, max_len: int) -> DSACac
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
     dt = dtype_of(config.compute_dtype)
-    zeros = lambda d: jnp.zeros((batch_size, max_len, d), dt)  # noqa: E731
+    zeros = lambda d, dt=dt: jnp.zeros((batch_size, max_len, d), dt)  # noqa: E731
     return DSACache(kv_latent=zeros(config.kv_lora_rank), k_rope=zeros(config.qk_rope_head_dim),
-                    index_keys=zeros(_index_dim(config)))
+                    index_keys=zeros(_index_dim(config), dtype_of(config.index_compute_dtype)))
 
 
 def dsa_cache_bytes_per_token(config: ModelConfig) -> int:
-    """Cache bytes per token per layer: ``(kv_lora + rope + Di) * itemsize`` (K3 bf16: 1408)."""
-    width = config.kv_lora_rank + config.qk_rope_head_dim + _index_dim(config)
-    return width * jnp.dtype(dtype_of(config.compute_dtype)).itemsize
+    """Cache bytes per token per layer: ``(kv_lora + rope) * itemsize + Di * index itemsize``
+    (K3 bf16: 1408)."""
+    size = lambda name: jnp.dtype(dtype_of(name)).itemsize  # noqa: E731
+    return ((config.kv_lora_rank + config.qk_rope_head_dim) * size(config.compute_dtype)
+            + _index_dim(config) * size(config.index_compute_dtype))
 
 
 def _rope_dim(config: ModelConfig) -> int:

@@ -43,7 +43,7 @@ class LightningIndexer(nnx.Module):
 
     def __call__(self, x: jax.Array, q_latent: jax.Array, positions: jax.Array):
         """x ``[B, T, D]``, q_latent ``[B, T, q_lora | D]`` -> q ``[B, T, J, Di]``,
-        k ``[B, T, Di]``, weights ``[B, T, J]`` (float32)."""
+        k ``[B, T, Di]`` (``index_dtype``), weights ``[B, T, J]`` (float32)."""
         c = self.config
         b, t, _ = x.shape
         j, di, r = c.index_n_heads, c.index_head_dim, _rope_dim(c)
@@ -54,4 +54,5 @@ class LightningIndexer(nnx.Module):
             q = jnp.concatenate([rope_half_split(q[..., :r], positions, inv_freq), q[..., r:]], -1)
             k = jnp.concatenate([rope_half_split(k[..., :r], positions, inv_freq), k[..., r:]], -1)
         w = self.weights_proj(x) * (j ** -0.5 * di ** -0.5)
-        return q, k, w
+        dt = dtype_of(c.index_compute_dtype)
+        return q.astype(dt), k.astype(dt), w

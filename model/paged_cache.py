@@ -52,7 +52,7 @@ class LayerBuffers:
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache, compute dtype: kv_latent ``[R, kv_lora]``, k_rope
-    ``[R, rope]``, index_keys ``[R, Di]`` with ``R = num_pages * PAGE_SIZE + 1`` rows: the last,
+    ``[R, rope]``, index_keys ``[R, Di]`` (``index_dtype``) with ``R = num_pages * PAGE_SIZE + 1`` rows: the last,
     :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
     (padding), so every write is in bounds (a write XLA must be ready to drop made it copy
     the whole pool to keep the old value).
@@ -154,7 +154,8 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACach
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
     rows = parts * (num_pages // parts * PAGE_SIZE + 1)  # + a scratch row per partition
-    zeros = lambda d: jnp.zeros((rows, d), dt)  # noqa: E731
+    zeros = lambda d, dt=dt: jnp.zeros((rows, d), dt)  # noqa: E731
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
-                         k_rope=zeros(config.qk_rope_head_dim), index_keys=zeros(di),
+                         k_rope=zeros(config.qk_rope_head_dim),
+                         index_keys=zeros(di, dtype_of(config.index_compute_dtype)),
                          parts=parts)

@@ -76,6 +76,7 @@ BAD = [
     ({"kda_chunk_size": 24}, "power of two"),
     ({"q_lora_rank": 0}, "q_lora_rank"),
     ({"remat_policy": "some"}, "remat_policy"),
+    ({"index_dtype": "int8"}, "index_dtype"),
     ({"eos_token_id": 10_000}, "eos_token_id"),
 ]
 

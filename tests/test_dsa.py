@@ -472,3 +472,16 @@ def test_cpu_gather_chunks_fit_the_cache(monkeypatch):
     chunked = run()  # six chunks of 2, the last one padded
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,j,d", [(1, 4, 16), (1, 32, 16), (1, 4, 128), (5, 4, 16)])
+def test_indexer_scores_of_bfloat16_inputs_accumulate_in_float32(t, j, d):
+    """bfloat16 queries and keys (``index_dtype``) multiply exactly and sum in float32, on every
+    product path (decode keys-major, fused, query-major; prefill)."""
+    q, k, w = randn(2, t, j, d), randn(2, 50, d), randn(2, t, j)
+    qb, kb = jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16)
+    got = dsa.indexer_scores(qb, kb, w)
+    assert got.dtype == jnp.float32
+    want = np_index_scores(np.asarray(qb, np.float64), np.asarray(kb, np.float64), w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got) - np_index_scores(q, k, w)).max() > 1e-4  # rounded inputs

@@ -69,7 +69,10 @@ def _run(model, cache, prompts, steps=3):
     return np.concatenate([o.reshape(-1) for o in outs])
 
 
-def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model):
+@pytest.mark.parametrize("index_dtype", [None, "bfloat16"], ids=["index-f32", "index-bf16"])
+def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model, index_dtype):
+    if index_dtype:  # bfloat16 index keys in both caches (the pool's rows gathered as they are)
+        model = Transformer(CFG.replace(index_dtype=index_dtype), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),  # crosses a page boundary
                rng.integers(0, CFG.vocab_size, 5).tolist()]
@@ -78,6 +81,9 @@ def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model):
     # scattered, out-of-order pages; row 1 has one page only (its context fits in it)
     table = jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32)
     paged = paged.replace(block_table=table)
+    pools = [x for x in jax.tree.leaves(paged.layers, is_leaf=lambda x: isinstance(
+        x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
+    assert pools and all(p.index_keys.dtype == (index_dtype or "float32") for p in pools)
     got = _run(model, paged, prompts)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
