@@ -40,8 +40,8 @@ from kdsa.train.config import TrainConfig
 from kdsa.train.step import init_state
 
 # ModelConfig fields that change how a model is trained or run, not what it computes
-TRAINING_FIELDS = frozenset({"remat_policy", "expert_qat", "compute_dtype", "attention_impl",
-                             "moe_impl", "scan_layers", "kda_chunk_size",
+TRAINING_FIELDS = frozenset({"remat_policy", "expert_qat", "compute_dtype", "index_dtype",
+                             "attention_impl", "moe_impl", "scan_layers", "kda_chunk_size",
                              "dsa_query_chunk_size"})
 
 
