@@ -155,8 +155,8 @@ CPU_GATHER_BYTES = 6 << 20
 
 def gather_chunk(chunk_size: int, rows: int, row_floats: int) -> int:
     """Queries per chunk of a gather-based function that gathers ``rows`` rows (``B x K``) of
-    ``row_floats`` per query: ``chunk_size``, or on CPU the largest power of two <= it whose
-    float32 rows fit :data:`CPU_GATHER_BYTES`."""
+    ``row_floats`` per query: ``chunk_size``; on CPU at most that, the largest power of two
+    whose float32 rows fit :data:`CPU_GATHER_BYTES` (1 when even one query's rows do not)."""
     if compile_platform() != "cpu":
         return chunk_size
     fits = max(1, CPU_GATHER_BYTES // (4 * rows * row_floats))
@@ -178,8 +178,10 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
 
     ``out[t,n] = sum_k softmax_k(sm_scale * q[t,n] . kv[idx[t,k]]) kv[idx[t,k], :v_dim]``: each
     slot counts, so a duplicated index counts twice (FlashMLA ``flash_mla_sparse_fwd`` semantics;
-    a kernel must match). Cost O(T K Dk N); per query chunk (:func:`gather_chunk`) ``[B, C, K, Dk]`` rows are gathered
-    with ``take_along_axis``; no ``[T, S]`` array exists. Gradients by autodiff (gather ->
+    a kernel must match). Cost O(T K Dk N); per query chunk (:func:`gather_chunk`) ``[B, C, K,
+    Dk]`` rows are gathered with ``take_along_axis``; no ``[T, S]`` array exists. On one CPU
+    device, when one query position's rows of all B rows outgrow the cache budget, the rows are
+    joined first (B x T queries of one row over B x S keys), so a chunk gathers ``[1, C, K, Dk]``. Gradients by autodiff (gather ->
     scatter-add into kv). Measured against the dense-mask reference
     (``kdsa.kernels_pallas.sparse_mla.ref.dense_masked_mla_attention``; f32, CPU, B 2, T 64, N 8,
     S 128, Dk 40, K 16, chunk 16): max abs error out 4.8e-7, lse 2.4e-7, dq

@@ -57,7 +57,8 @@ MLA_LATENT_NORM_EPS = 1e-6
 
 @struct.dataclass
 class DSACache(LayerBuffers):
-    """Per-layer decode cache, compute dtype. Slot ``s`` holds the token at position ``s``.
+    """Per-layer decode cache, compute dtype (index_keys: ``index_dtype``). Slot ``s`` holds the
+    token at position ``s``.
 
     kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
     RoPE; unrotated with NoPE), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``

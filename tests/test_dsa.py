@@ -470,8 +470,14 @@ def test_cpu_gather_chunks_fit_the_cache(monkeypatch):
     monkeypatch.setattr(dsa, "CPU_GATHER_BYTES", 4 * (2 * 6) * 12 * 3)  # three queries' rows
     assert dsa.gather_chunk(16, 2 * 6, 12) == 2
     chunked = run()  # six chunks of 2, the last one padded
-    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # one row's rows fit, the batch's do not: the two rows become one of 22 queries (indices
+    # offset into the joined keys; -1, out-of-range and duplicated indices in _sparse_case)
+    monkeypatch.setattr(dsa, "CPU_GATHER_BYTES", 4 * 6 * 12)
+    assert dsa._rows_outgrow_cpu_cache(2 * 6, 12) and not dsa._rows_outgrow_cpu_cache(6, 12)
+    joined = run()
+    for got in (chunked, joined):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(whole)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("t,j,d", [(1, 4, 16), (1, 32, 16), (1, 4, 128), (5, 4, 16)])
