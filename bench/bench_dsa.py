@@ -30,7 +30,8 @@ sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU 
 its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``);
 ``--f32-index`` times Gated DSA's decode step and prefill once more with float32 index queries
 and keys (``index_dtype``; ``k3-slice`` keeps them in bfloat16 as K3 does; rows
-``dsa_f32_index_*``); with ``--prefill-only`` the results go to ``dsa_PRESET_prefill.json``.
+``dsa_f32_index_*``); ``--lengths`` sets the prefill lengths; with ``--prefill-only`` the
+results go to ``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
     .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
@@ -178,6 +179,8 @@ def main() -> None:
     p.add_argument("--without-gather-chunks", action="store_true",
                    help="also time Gated DSA's prefill with the sparse gathers in chunks of "
                         "dsa_query_chunk_size queries (before the CPU sized them to its cache)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="prefill lengths (default 4K and 16K for k3-slice)")
     p.add_argument("--f32-index", action="store_true",
                    help="also time Gated DSA with float32 index queries and keys")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
@@ -187,7 +190,7 @@ def main() -> None:
     reps = 5 if args.quick else (10 if wide else 20)
     if wide:
         contexts = [8192, 65536] if args.quick else [8192, 65536, 131072]
-        prefills = [4096] if args.quick else [4096, 16384]
+        prefills = args.lengths or ([4096] if args.quick else [4096, 16384])
     else:
         contexts = [4096, 16384] if args.quick else [4096, 16384, 65536]
         prefills = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
