@@ -181,11 +181,11 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
     a kernel must match). Cost O(T K Dk N); per query chunk (:func:`gather_chunk`) ``[B, C, K,
     Dk]`` rows are gathered with ``take_along_axis``; no ``[T, S]`` array exists. On one CPU
     device, when one query position's rows of all B rows outgrow the cache budget, the rows are
-    joined first (B x T queries of one row over B x S keys), so a chunk gathers ``[1, C, K, Dk]``. Gradients by autodiff (gather ->
-    scatter-add into kv). Measured against the dense-mask reference
-    (``kdsa.kernels_pallas.sparse_mla.ref.dense_masked_mla_attention``; f32, CPU, B 2, T 64, N 8,
-    S 128, Dk 40, K 16, chunk 16): max abs error out 4.8e-7, lse 2.4e-7, dq
-    5.8e-7, dkv 1.2e-6 (|dkv| up to 6.9).
+    joined first (B x T queries of one row over B x S keys), so a chunk gathers ``[1, C, K,
+    Dk]``. Gradients by autodiff (gather -> scatter-add into kv). Measured against the
+    dense-mask reference (``kdsa.kernels_pallas.sparse_mla.ref.dense_masked_mla_attention``;
+    f32, CPU, B 2, T 64, N 8, S 128, Dk 40, K 16, chunk 16): max abs error out 4.8e-7, lse
+    2.4e-7, dq 5.8e-7, dkv 1.2e-6 (|dkv| up to 6.9).
     """
     b, t, n, dk = q.shape
     parts = _key_parts(kv, b, dk)

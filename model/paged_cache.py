@@ -53,9 +53,9 @@ class LayerBuffers:
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
     dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = num_pages * PAGE_SIZE + 1``
-    rows: the last, :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
-    (padding), so every write is in bounds (a write XLA must be ready to drop made it copy
-    the whole pool to keep the old value).
+    rows: the last, :attr:`scratch_row`, belongs to no page and takes the writes of tokens that
+    have no page (padding), so every write is in bounds (a write XLA must be ready to drop made
+    it copy the whole pool to keep the old value).
 
     On a mesh whose layout splits the batch over ``parts`` device groups the pool is ``parts``
     such pools end to end, ``R = parts * (num_pages / parts * PAGE_SIZE + 1)``, split over the
