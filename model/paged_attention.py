@@ -75,14 +75,6 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     attention = sparse_mla_kernel if impl == "pallas" else sparse_mla_attention
 
     def sparse(q, idx):  # top-k positions -> pool rows (-1 stays -1); one batch of queries
-        if q.shape[1] * idx.shape[2] >= s:
-            # a long chunk gathers more rows than its rows' contexts hold: read the contexts
-            # out of the pool once and gather by position. Same rows; XLA:TPU compiles it as
-            # it does the dense-slot step, where gathers from the pool inside the query-chunk
-            # loop took 16 s more per DSA layer (a 4-layer K3, chunk 4,096; docs/serving.md)
-            o, _ = attention(q, (lat_pool[ctx_rows], rope_pool[ctx_rows]), idx, scale, v_dim,
-                             chunk_size=chunk_size)
-            return o
         rows = pc.positions_to_slots(idx, block_table)  # [B, T', K]
         bt, n, dk = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         o, _ = attention(q.reshape(1, bt, n, dk), (lat_pool[None], rope_pool[None]),
