@@ -343,8 +343,8 @@ _OURS = frozenset({
 })
 _NULLABLE = frozenset({
     "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size", "index_n_heads",
-    "index_head_dim", "index_topk", "index_dtype", "activation_situ_linear_beta",
-    "bos_token_id", "eos_token_id", "pad_token_id",
+    "index_head_dim", "index_topk", "activation_situ_linear_beta", "bos_token_id",
+    "eos_token_id", "pad_token_id",
 })
 _ALIASES = {  # DeepSeek-V3 / V3.2 name -> our (Kimi) name
     "n_routed_experts": "num_experts",

@@ -49,7 +49,7 @@ from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, l
                                param)
 from kdsa.model.expert_parallel import expert_parallel_experts
 from kdsa.model.experts_cpu import experts_cpu
-from kdsa.model.partitioning import compile_platform, current as current_sharding
+from kdsa.model.partitioning import compile_platform
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
