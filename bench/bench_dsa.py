@@ -30,7 +30,8 @@ sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU 
 its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``);
 ``--f32-index`` times Gated DSA's decode step and prefill once more with float32 index queries
 and keys (``index_dtype``; ``k3-slice`` keeps them in bfloat16 as K3 does; rows
-``dsa_f32_index_*``); ``--lengths`` sets the prefill lengths; with ``--prefill-only`` the
+``dsa_f32_index_*``); ``--lengths`` sets the prefill lengths, ``--prefill-reps`` the timed calls per prefill (1:
+compiled ahead, one call timed); with ``--prefill-only`` the
 results go to ``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
@@ -75,6 +76,18 @@ def decode_seconds(step, state, x, positions, cache, reps: int) -> float:
         jax.block_until_ready(y)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def prefill_seconds(step, args: tuple, reps: int) -> float:
+    """Median time of ``step(*args)`` over ``reps`` calls after a warm-up call; with ``reps ==
+    1``, the step is compiled ahead and one call is timed (no warm-up: at 64K a dense MLA
+    prefill takes minutes a call)."""
+    if reps > 1:
+        return seconds(step, *args, reps=reps)
+    compiled = step.lower(*args).compile()
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    return time.perf_counter() - t0
 
 
 def layer_fn(cfg, donate: bool):
@@ -181,6 +194,9 @@ def main() -> None:
                         "dsa_query_chunk_size queries (before the CPU sized them to its cache)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="prefill lengths (default 4K and 16K for k3-slice)")
+    p.add_argument("--prefill-reps", type=int, default=None,
+                   help="timed calls per prefill (default 2); 1 compiles ahead and times one "
+                        "call, without the warm-up call (dense MLA at 64K: ~11 min a call)")
     p.add_argument("--f32-index", action="store_true",
                    help="also time Gated DSA with float32 index queries and keys")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
@@ -243,23 +259,24 @@ def main() -> None:
         for name, (step, state) in prefillers.items():
             cache = (init_kda_cache(dsa_cfg, 1) if name == "kda"
                      else init_dsa_cache(cfgs[name], 1, length))
-            row[f"{name}_ms"] = 1e3 * seconds(step, state, xs, pos, cache, reps=max(2, reps // 5))
+            prefill_reps = args.prefill_reps or max(2, reps // 5)
+            row[f"{name}_ms"] = 1e3 * prefill_seconds(step, (state, xs, pos, cache), prefill_reps)
             switches = ([("windows", query_chunks, "CAUSAL_WINDOWS_FROM")]
                         if args.without_windows and name != "kda" else [])
             if args.without_gather_chunks and name == "dsa":
                 switches.append(("gather_chunks", dsa, "CPU_GATHER_BYTES"))
             if args.f32_index and name == "dsa":
                 f32, f32_state = layer_fn(cfgs["dsa_f32_index"], donate=False)
-                row["dsa_f32_index_ms"] = 1e3 * seconds(
-                    f32, f32_state, xs, pos, init_dsa_cache(cfgs["dsa_f32_index"], 1, length),
-                    reps=max(2, reps // 5))
+                row["dsa_f32_index_ms"] = 1e3 * prefill_seconds(
+                    f32, (f32_state, xs, pos, init_dsa_cache(cfgs["dsa_f32_index"], 1, length)),
+                    prefill_reps)
             for label, module, attr in switches:  # a fresh jit: both chosen at trace time
                 kept = getattr(module, attr)
                 setattr(module, attr, 1 << 62)
                 try:
                     off, off_state = layer_fn(cfgs[name], donate=False)
-                    row[f"{name}_no_{label}_ms"] = 1e3 * seconds(off, off_state, xs, pos, cache,
-                                                                 reps=max(2, reps // 5))
+                    row[f"{name}_no_{label}_ms"] = 1e3 * prefill_seconds(
+                        off, (off_state, xs, pos, cache), prefill_reps)
                 finally:
                     setattr(module, attr, kept)
             if wide:  # the model's FLOPs; XLA's count (it counts a loop body once)
