@@ -30,7 +30,9 @@ sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU 
 its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``);
 ``--f32-index`` times Gated DSA's decode step and prefill once more with float32 index queries
 and keys (``index_dtype``; ``k3-slice`` keeps them in bfloat16 as K3 does; rows
-``dsa_f32_index_*``); ``--lengths`` sets the prefill lengths, ``--prefill-reps`` the timed calls per prefill (1:
+``dsa_f32_index_*``); ``--without-threshold-topk`` also times Gated DSA with the plain top-k (no sampled threshold,
+``model/topk.py``; rows ``dsa_plain_topk_step_ms``, ``indexer_topk_plain_ms``,
+``dsa_no_threshold_topk_ms``); ``--lengths`` sets the prefill lengths, ``--prefill-reps`` the timed calls per prefill (1:
 compiled ahead, one call timed); with ``--prefill-only`` the
 results go to ``dsa_PRESET_prefill.json``.
 
@@ -41,6 +43,7 @@ results go to ``dsa_PRESET_prefill.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -55,7 +58,7 @@ from flax import nnx  # noqa: E402
 
 from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noqa: E402
-from kdsa.model import dsa, query_chunks  # noqa: E402
+from kdsa.model import dsa, query_chunks, topk as topk_mod  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
@@ -88,6 +91,18 @@ def prefill_seconds(step, args: tuple, reps: int) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def plain_topk(on: bool):
+    """Within: functions traced take the plain top-k (no sampled threshold, model/topk.py)."""
+    kept = topk_mod.TOPK_SAMPLE_FROM
+    if on:
+        topk_mod.TOPK_SAMPLE_FROM = 1 << 62
+    try:
+        yield
+    finally:
+        topk_mod.TOPK_SAMPLE_FROM = kept
 
 
 def layer_fn(cfg, donate: bool):
@@ -194,6 +209,9 @@ def main() -> None:
                         "dsa_query_chunk_size queries (before the CPU sized them to its cache)")
     p.add_argument("--lengths", type=int, nargs="+", default=None,
                    help="prefill lengths (default 4K and 16K for k3-slice)")
+    p.add_argument("--without-threshold-topk", action="store_true",
+                   help="also time Gated DSA with the plain top-k (no sampled threshold: "
+                        "model/topk.py) in the decode step, its parts and prefill")
     p.add_argument("--prefill-reps", type=int, default=None,
                    help="timed calls per prefill (default 2); 1 compiles ahead and times one "
                         "call, without the warm-up call (dense MLA at 64K: ~11 min a call)")
@@ -215,6 +233,8 @@ def main() -> None:
     cfgs = {"dsa": dsa_cfg, "dense": dense_cfg}
     if args.f32_index:
         cfgs["dsa_f32_index"] = dsa_cfg.replace(index_dtype="float32")
+    if args.without_threshold_topk:
+        cfgs["dsa_plain_topk"] = dsa_cfg
     if not wide:
         cfgs["dsa_pallas"] = dsa_cfg.replace(attention_impl="pallas")
     decoders = {name: layer_fn(cfg, donate=True) for name, cfg in cfgs.items()}
@@ -234,8 +254,14 @@ def main() -> None:
         pos = jnp.full((b, 1), length - 1, jnp.int32)
         for name, (step, state) in decoders.items():
             cache = filled_cache(cfgs[name], b, length)
-            row[f"{name}_step_ms"] = 1e3 * decode_seconds(step, state, x, pos, cache, reps=reps)
+            with plain_topk(name == "dsa_plain_topk"):  # traced at its first call, in here
+                row[f"{name}_step_ms"] = 1e3 * decode_seconds(step, state, x, pos, cache,
+                                                              reps=reps)
         row.update(decode_parts(dsa_cfg, b, length, reps, pallas=not wide))
+        if args.without_threshold_topk:
+            with plain_topk(True):
+                plain = decode_parts(dsa_cfg, b, length, reps, pallas=False)
+            row["indexer_topk_plain_ms"] = plain["indexer_topk_ms"]
         row["step_ratio_dense_over_dsa"] = row["dense_step_ms"] / row["dsa_step_ms"]
         row["indexer_share_of_dsa_step"] = row["indexer_topk_ms"] / row["dsa_step_ms"]
         row["attention_ratio_dense_over_sparse"] = (row["dense_attention_ms"]
@@ -249,6 +275,9 @@ def main() -> None:
               + ("" if wide else f" | pallas: step {row['dsa_pallas_step_ms']:8.3f} ms, sparse "
                  f"attn {row['sparse_pallas_ms']:7.3f} ms")
               + (f" | f32 index: step {row['dsa_f32_index_step_ms']:8.3f} ms" if args.f32_index
+                 else "")
+              + (f" | plain top-k: step {row['dsa_plain_topk_step_ms']:8.3f} ms, indexer "
+                 f"{row['indexer_topk_plain_ms']:7.3f} ms" if args.without_threshold_topk
                  else ""), flush=True)
 
     prefill = []
@@ -265,6 +294,8 @@ def main() -> None:
                         if args.without_windows and name != "kda" else [])
             if args.without_gather_chunks and name == "dsa":
                 switches.append(("gather_chunks", dsa, "CPU_GATHER_BYTES"))
+            if args.without_threshold_topk and name == "dsa":
+                switches.append(("threshold_topk", topk_mod, "TOPK_SAMPLE_FROM"))
             if args.f32_index and name == "dsa":
                 f32, f32_state = layer_fn(cfgs["dsa_f32_index"], donate=False)
                 row["dsa_f32_index_ms"] = 1e3 * prefill_seconds(
@@ -298,6 +329,8 @@ def main() -> None:
                  if "kda_ms" in row else "")
               + (f" | windows off: dsa {row['dsa_no_windows_ms']:9.2f} ms, dense "
                  f"{row['dense_no_windows_ms']:9.2f} ms" if args.without_windows else "")
+              + (f" | plain top-k: dsa {row['dsa_no_threshold_topk_ms']:9.2f} ms"
+                 if args.without_threshold_topk else "")
               + (f" | gathers in chunks of {dsa_cfg.dsa_query_chunk_size}: dsa "
                  f"{row['dsa_no_gather_chunks_ms']:9.2f} ms" if args.without_gather_chunks
                  else "")

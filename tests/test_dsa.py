@@ -251,6 +251,55 @@ def test_select_topk_takes_the_blockwise_path_on_long_rows(monkeypatch):
     assert called == [(4, 8)]
 
 
+def _threshold_cases(k: int, stride: int, s: int) -> np.ndarray:
+    """Rows for the sampled threshold: random, 4 levels (ties), rising with the position, fewer
+    than k visible, between k and 2k visible, none visible, and a row whose largest entries sit
+    exactly on the sampled positions (the threshold then leaves fewer than k: the plain top-k)."""
+    rows = [RNG.standard_normal(s), RNG.integers(0, 4, s).astype(np.float64),
+            RNG.standard_normal(s) + np.linspace(0, 3, s)]
+    for visible in (k - 3, k + 5, 0):
+        row = np.full(s, -np.inf)
+        row[RNG.choice(s, visible, replace=False)] = RNG.standard_normal(visible)
+        rows.append(row)
+    row = RNG.standard_normal(s)
+    row[::stride] = 100.0 + np.arange(len(row[::stride]))
+    rows.append(row)
+    x = np.stack(rows).astype(np.float32)
+    return np.where(x == 0, 0.0, x)  # what select_topk hands it: one zero
+
+
+@pytest.mark.parametrize("k,stride", [(8, 4), (5, 16)])
+def test_thresholded_top_k_is_lax_top_k_exactly(k, stride):
+    """Values and indices equal ``lax.top_k``'s, tie order and -inf slots included, on every
+    kind of row; the last row takes the plain top-k (a thresholded one would lose entries)."""
+    x = jnp.asarray(_threshold_cases(k, stride, 16 * k * 2 + 3))
+    want_v, want_i = jax.lax.top_k(x, k)
+    for rows in (x, x[:-1], x[-1:]):  # with and without the row that needs the plain top-k
+        got_v, got_i = topk.thresholded_top_k(rows, k, stride)
+        n = rows.shape[0]
+        sel = slice(0, n) if n > 1 else slice(-1, None)
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v[sel]))
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i[sel]))
+
+
+def test_select_topk_takes_the_threshold_on_cpu_and_not_for_tpu(monkeypatch):
+    scores = jnp.asarray(randn(2, 3, 300))
+    vis = jnp.asarray(RNG.random((2, 3, 300)) < 0.8)
+    monkeypatch.setattr(topk, "TOPK_SAMPLE_FROM", 10**9)
+    want = np.asarray(dsa.select_topk(scores, vis, 4))
+    monkeypatch.setattr(topk, "TOPK_SAMPLE_FROM", 16)
+    monkeypatch.setattr(topk, "TOPK_SAMPLE_MIN_K", 4)
+    called = []
+    real = topk.thresholded_top_k
+    monkeypatch.setattr(topk, "thresholded_top_k",
+                        lambda *a: called.append(a[1:]) or real(*a))
+    np.testing.assert_array_equal(np.asarray(dsa.select_topk(scores, vis, 4)), want)
+    assert called == [(4, topk.TOPK_SAMPLE_STRIDE)]
+    monkeypatch.setattr(topk, "compile_platform", lambda: "tpu")
+    np.testing.assert_array_equal(np.asarray(dsa.select_topk(scores, vis, 4)), want)
+    assert len(called) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # sparse attention
 # ---------------------------------------------------------------------------------------------
