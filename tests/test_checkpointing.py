@@ -369,3 +369,40 @@ def test_a_training_checkpoint_loads_for_generation(full_run, tmp_path, monkeypa
                  "1", "--max-len", "32", "--prefill-chunk", "16", "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["a"] and len(rows[0]["token_ids"]) == 3
+
+
+class _BrokenAt:
+    """Synthetic batches, then an error for batch ``index`` (a data source failing mid-run)."""
+
+    def __init__(self, config, tc, index: int):
+        from kdsa.train.data import SyntheticData
+
+        self.data, self.index = SyntheticData(config.vocab_size, tc.batch_size, tc.seq_len,
+                                              tc.seed), index
+
+    def batch(self, i):
+        if i == self.index:
+            raise RuntimeError("the data source broke")
+        return self.data.batch(i)
+
+
+def test_an_error_mid_run_keeps_the_checkpoint_and_the_metrics(tmp_path):
+    """An error in step 4, right after step 3's checkpoint went to its background save: the
+    error reaches the caller unchanged, the checkpoint is complete and resumable, and every
+    finished step is in ``metrics.jsonl`` and in TensorBoard's file (its writer buffers events
+    for 10 s; the run closes it on the way out)."""
+    from test_train_step import _events
+
+    cfg, tc = small_config(), TC
+    assert tc.checkpoint_every == 3
+    with pytest.raises(RuntimeError, match="the data source broke"):
+        run_training(cfg, tc, tmp_path, data_path=_BrokenAt(cfg, tc, 3), progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    steps = sorted(e.step for e in _events(events) for v in e.summary.value
+                   if v.tag == "train/loss")
+    assert steps == [1, 2, 3]
+    assert Checkpointer(tmp_path / "checkpoints", every=3, keep=3).all_steps() == [3]
+    rest = run_training(cfg, tc, tmp_path, progress=False, resume=True)
+    assert rest.resumed_from == 3 and rest.final_step == tc.steps

@@ -77,3 +77,29 @@ def test_partial_rollout_continues_the_greedy_episode(full_run):
     for a, b in zip(whole, cut):
         assert b.done and a.tokens == b.tokens and a.mask == b.mask and a.texts == b.texts
         np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=1e-4)
+
+
+def test_an_error_mid_run_still_writes_the_finished_steps(full_run, tmp_path, monkeypatch):
+    """An error in RL step 2 reaches the caller unchanged, and step 1 is in ``metrics.jsonl`` and
+    in TensorBoard's file (buffered for 10 s; the run closes its writers on the way out)."""
+    import json
+
+    from kdsa.train.rl import loop
+    from test_train_step import _events
+
+    real, calls = loop._rl_iteration, []
+
+    def breaks_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("an environment broke")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "_rl_iteration", breaks_second)
+    with pytest.raises(RuntimeError, match="an environment broke"):
+        run_rl(CONFIG, TC, RC.replace(steps=3), tmp_path, progress=False,
+               evaluate_heldout=False, compiler_options=FAST, sampler=full_run.sampler)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    assert {e.step for e in _events(events) for v in e.summary.value} == {1}

@@ -101,6 +101,21 @@ class _StopFlag:
             signal.signal(s, old)
 
 
+def close_after_error(*opened) -> None:
+    """Close what a run opened (``None`` skipped) after an error stopped it: a checkpoint being
+    written finishes, and the metrics buffered for TensorBoard reach their file. A close that
+    fails too is reported, so the caller re-raises the first error. (A second Ctrl-C's
+    ``KeyboardInterrupt`` skips this: it means quit without waiting.)"""
+    for thing in opened:
+        if thing is None:
+            continue
+        try:
+            thing.close()
+        except Exception as e:  # noqa: BLE001  (the first error is the one to see)
+            _log(f"while stopping after an error, {type(thing).__name__}.close() failed: "
+                 f"{type(e).__name__}: {e}")
+
+
 def stop_reason(flag: _StopFlag, stop_at: int | None, step: int, total: int) -> str | None:
     """Why a loop must checkpoint and stop after ``step`` (of ``total``): ``"SIGTERM"``,
     ``"SIGINT"``, ``"stop_at=N"``, or None to go on."""
@@ -194,31 +209,35 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     devices = jax.device_count() if mesh is None else mesh.size
     step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())),
                                       donate=True)  # one train state in memory, not two
-    with _StopFlag() as flag, place.rules():
-        while step < tc.steps:
-            batch = data.batch(data_index)
-            t0 = time.perf_counter()
-            batch = place.batch(batch)  # on a mesh each process hands over its own rows
-            state, m = step_fn(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            dt = time.perf_counter() - t0
-            step, data_index = step + 1, data_index + 1
-            m.update(step_time_s=dt, tokens_per_s=m["tokens"] / dt,
-                     mfu=mfu(active, m["tokens"], dt, tc.peak_flops, devices))
-            losses[step] = m["loss"]
-            writer.write(step, m)
-            _show_step(bar, step, m)
-            meta = {"data_index": data_index, "train_config": tc.to_dict(),
-                    "model_config": config.to_hf_config()}
-            why = stop_reason(flag, stop_at, step, tc.steps)
-            if why:
-                ckpt.save(step, state, meta, force=True)
-                ckpt.wait()
-                log(f"\nstopped by {why} after step {step}; checkpoint saved in "
-                    f"{ckpt.directory / str(step)}")
-                stopped = True
-                break
-            ckpt.save(step, state, meta, force=step == tc.steps)
+    try:
+        with _StopFlag() as flag, place.rules():
+            while step < tc.steps:
+                batch = data.batch(data_index)
+                t0 = time.perf_counter()
+                batch = place.batch(batch)  # on a mesh each process hands over its own rows
+                state, m = step_fn(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                dt = time.perf_counter() - t0
+                step, data_index = step + 1, data_index + 1
+                m.update(step_time_s=dt, tokens_per_s=m["tokens"] / dt,
+                         mfu=mfu(active, m["tokens"], dt, tc.peak_flops, devices))
+                losses[step] = m["loss"]
+                writer.write(step, m)
+                _show_step(bar, step, m)
+                meta = {"data_index": data_index, "train_config": tc.to_dict(),
+                        "model_config": config.to_hf_config()}
+                why = stop_reason(flag, stop_at, step, tc.steps)
+                if why:
+                    ckpt.save(step, state, meta, force=True)
+                    ckpt.wait()
+                    log(f"\nstopped by {why} after step {step}; checkpoint saved in "
+                        f"{ckpt.directory / str(step)}")
+                    stopped = True
+                    break
+                ckpt.save(step, state, meta, force=step == tc.steps)
+    except Exception:  # the checkpoint in flight finishes, the metrics reach their files
+        close_after_error(ckpt, writer, bar)
+        raise
     ckpt.close()
     writer.close()
     bar.close()

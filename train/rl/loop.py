@@ -70,7 +70,7 @@ from kdsa.train.rl.multihost import local_copy, play_split
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import minibatch_updates, rl_step_with_options, split_rows
 from kdsa.train.run_dir import check_run_dir, state_bytes
-from kdsa.train.trainer import _StopFlag, prepare, stop_reason
+from kdsa.train.trainer import _StopFlag, close_after_error, prepare, stop_reason
 
 
 @dataclasses.dataclass
@@ -260,68 +260,72 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         return {k: float(v) for k, v in jax.device_get(local_copy(metrics)).items()}
 
     kw = dict(tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
-    with _StopFlag() as flag:
-        while step < total:
-            t0 = time.perf_counter()
-            if step < rc.sft_steps:  # ---- SFT warm-up on demonstrations ----
-                rng = np.random.default_rng([tc.seed, 1, step])
-                tasks = ro.sample_tasks(envs, weights, rows, rc=rc, rng=rng,
-                                        start_index=counter)
-                counter += rows
-                batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
-                if rc.routing_replay:  # same batch structure as RL steps: one compile
-                    batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
-                with place.rules():
-                    state, m = step_fn(graphdef, state, place.batch(batch), 1.0,
-                                       None if ref_ckpt is None else state.params, **kw)
-                m = host(m)
-                step += 1
-                m["step_time_s"] = time.perf_counter() - t0
-                sft_writer.write(step, m)
-                bar.advance_to(step, desc=f"sft ce {m['ce']:.3f}")
-            else:  # ---- RL ----
-                if ref_ckpt is not None and ref_params is None:
-                    ref_params = state.params
-                    if on_every:
-                        ref_ckpt.save(step, ref_params, {"step": step}, force=True)
-                if before is None and evaluate_heldout:
-                    sampler.sync(graphdef, state)
-                    before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
-                    log(f"\nheld-out reward before RL: {before:.3f} ({_fmt_domains(before_d)})")
-                    t0 = time.perf_counter()
-                m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
-                                           step, counter, rows, pending,
-                                           _routing_dims(config) if rc.routing_replay else None)
-                batch = m.pop("_batch")
-                m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
-                m["update_devices"] = place.size
-                if m["kept_groups"] > 0:
-                    scale = (m["kept_groups"] / rc.prompts_per_step
-                             if rc.scale_update_by_kept else 1.0)
-                    t1 = time.perf_counter()
-                    k = rc.minibatches_per_step
+    try:
+        with _StopFlag() as flag:
+            while step < total:
+                t0 = time.perf_counter()
+                if step < rc.sft_steps:  # ---- SFT warm-up on demonstrations ----
+                    rng = np.random.default_rng([tc.seed, 1, step])
+                    tasks = ro.sample_tasks(envs, weights, rows, rc=rc, rng=rng,
+                                            start_index=counter)
+                    counter += rows
+                    batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
+                    if rc.routing_replay:  # same batch structure as RL steps: one compile
+                        batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
                     with place.rules():
-                        state, ms = minibatch_updates(
-                            graphdef, state, [place.batch(b) for b in split_rows(batch, k)],
-                            ref_params, scale, step_fn=step_fn, **kw)
-                    ms = [host(x) for x in ms]
-                    m.update({key: float(np.mean([x[key] for x in ms])) for key in ms[0]})
-                    m["update_s"] = time.perf_counter() - t1
-                step += 1
-                rl_i = step - rc.sft_steps
-                m["step_time_s"] = time.perf_counter() - t0
-                writer.write(rl_i, m)
-                rewards[rl_i], lines[rl_i] = m["reward"], m
-                bar.advance_to(step, desc=f"rl step {rl_i} reward {m['reward']:.3f}")
-            why = stop_reason(flag, stop_at, step, total)
-            if why:
-                save(True)
-                ckpt.wait()
-                log(f"\nstopped by {why} after step {step}; checkpoint saved in "
-                    f"{ckpt.directory / str(step)}")
-                stopped = True
-                break
-            save(step == total)
+                        state, m = step_fn(graphdef, state, place.batch(batch), 1.0,
+                                           None if ref_ckpt is None else state.params, **kw)
+                    m = host(m)
+                    step += 1
+                    m["step_time_s"] = time.perf_counter() - t0
+                    sft_writer.write(step, m)
+                    bar.advance_to(step, desc=f"sft ce {m['ce']:.3f}")
+                else:  # ---- RL ----
+                    if ref_ckpt is not None and ref_params is None:
+                        ref_params = state.params
+                        if on_every:
+                            ref_ckpt.save(step, ref_params, {"step": step}, force=True)
+                    if before is None and evaluate_heldout:
+                        sampler.sync(graphdef, state)
+                        before, before_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+                        log(f"\nheld-out reward before RL: {before:.3f} ({_fmt_domains(before_d)})")
+                        t0 = time.perf_counter()
+                    m, counter = _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc,
+                                               step, counter, rows, pending,
+                                               _routing_dims(config) if rc.routing_replay else None)
+                    batch = m.pop("_batch")
+                    m["updated"] = float(m["kept_groups"] > 0)  # no varied group: no update
+                    m["update_devices"] = place.size
+                    if m["kept_groups"] > 0:
+                        scale = (m["kept_groups"] / rc.prompts_per_step
+                                 if rc.scale_update_by_kept else 1.0)
+                        t1 = time.perf_counter()
+                        k = rc.minibatches_per_step
+                        with place.rules():
+                            state, ms = minibatch_updates(
+                                graphdef, state, [place.batch(b) for b in split_rows(batch, k)],
+                                ref_params, scale, step_fn=step_fn, **kw)
+                        ms = [host(x) for x in ms]
+                        m.update({key: float(np.mean([x[key] for x in ms])) for key in ms[0]})
+                        m["update_s"] = time.perf_counter() - t1
+                    step += 1
+                    rl_i = step - rc.sft_steps
+                    m["step_time_s"] = time.perf_counter() - t0
+                    writer.write(rl_i, m)
+                    rewards[rl_i], lines[rl_i] = m["reward"], m
+                    bar.advance_to(step, desc=f"rl step {rl_i} reward {m['reward']:.3f}")
+                why = stop_reason(flag, stop_at, step, total)
+                if why:
+                    save(True)
+                    ckpt.wait()
+                    log(f"\nstopped by {why} after step {step}; checkpoint saved in "
+                        f"{ckpt.directory / str(step)}")
+                    stopped = True
+                    break
+                save(step == total)
+    except Exception:  # the checkpoints in flight finish, the metrics reach their files
+        close_after_error(ckpt, ref_ckpt, writer, sft_writer, bar)
+        raise
     after = None
     if not stopped and evaluate_heldout:
         sampler.sync(graphdef, state)
