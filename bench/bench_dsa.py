@@ -30,11 +30,11 @@ sparse gathers in chunks of ``dsa_query_chunk_size`` queries, as before the CPU 
 its cache (``model/dsa.py : gather_chunk``; rows ``dsa_no_gather_chunks_ms``);
 ``--f32-index`` times Gated DSA's decode step and prefill once more with float32 index queries
 and keys (``index_dtype``; ``k3-slice`` keeps them in bfloat16 as K3 does; rows
-``dsa_f32_index_*``); ``--without-threshold-topk`` also times Gated DSA with the plain top-k (no sampled threshold,
-``model/topk.py``; rows ``dsa_plain_topk_step_ms``, ``indexer_topk_plain_ms``,
-``dsa_no_threshold_topk_ms``); ``--lengths`` sets the prefill lengths, ``--prefill-reps`` the timed calls per prefill (1:
-compiled ahead, one call timed); with ``--prefill-only`` the
-results go to ``dsa_PRESET_prefill.json``.
+``dsa_f32_index_*``); ``--without-threshold-topk`` also times Gated DSA with the plain top-k
+(no sampled threshold, ``model/topk.py``; rows ``dsa_plain_topk_step_ms``,
+``indexer_topk_plain_ms``, ``dsa_no_threshold_topk_ms``); ``--lengths`` sets the prefill
+lengths, ``--prefill-reps`` the timed calls per prefill (1: compiled ahead, one call timed);
+with ``--prefill-only`` the results go to ``dsa_PRESET_prefill.json``.
 
     .venv/bin/python bench/bench_dsa.py [--quick] [--topk 2048] [--batch 4]
     .venv/bin/python bench/bench_dsa.py --preset k3-slice [--prefill-only --without-windows]
@@ -353,6 +353,7 @@ def main() -> None:
               "config": f"{args.preset} (D {c.hidden_size}, N {c.num_attention_heads}, kv_lora "
                         f"{c.kv_lora_rank}, rope {c.qk_rope_head_dim}, J {c.index_n_heads}, Di "
                         f"{c.index_head_dim})",
+              "prefill_reps": args.prefill_reps or max(2, reps // 5),
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
     if wide:
         rate = result["matmul_flops_per_s"] = matmul_flops(2048, reps=10)

@@ -255,13 +255,14 @@ def _threshold_cases(k: int, stride: int, s: int) -> np.ndarray:
     """Rows for the sampled threshold: random, 4 levels (ties), rising with the position, fewer
     than k visible, between k and 2k visible, none visible, and a row whose largest entries sit
     exactly on the sampled positions (the threshold then leaves fewer than k: the plain top-k)."""
-    rows = [RNG.standard_normal(s), RNG.integers(0, 4, s).astype(np.float64),
-            RNG.standard_normal(s) + np.linspace(0, 3, s)]
+    rng = np.random.default_rng(7)
+    rows = [rng.standard_normal(s), rng.integers(0, 4, s).astype(np.float64),
+            rng.standard_normal(s) + np.linspace(0, 3, s)]
     for visible in (k - 3, k + 5, 0):
         row = np.full(s, -np.inf)
-        row[RNG.choice(s, visible, replace=False)] = RNG.standard_normal(visible)
+        row[rng.choice(s, visible, replace=False)] = rng.standard_normal(visible)
         rows.append(row)
-    row = RNG.standard_normal(s)
+    row = rng.standard_normal(s)
     row[::stride] = 100.0 + np.arange(len(row[::stride]))
     rows.append(row)
     x = np.stack(rows).astype(np.float32)
@@ -274,6 +275,10 @@ def test_thresholded_top_k_is_lax_top_k_exactly(k, stride):
     kind of row; the last row takes the plain top-k (a thresholded one would lose entries)."""
     x = jnp.asarray(_threshold_cases(k, stride, 16 * k * 2 + 3))
     want_v, want_i = jax.lax.top_k(x, k)
+    sample = np.asarray(x)[:, ::stride]
+    lo = -np.sort(-sample, axis=1)[:, min(max(1, 2 * k // stride), sample.shape[1]) - 1]
+    kept = (np.asarray(x) >= lo[:, None]).sum(axis=1)
+    assert (kept[:-1] >= k).all() and kept[-1] < k  # all rows but the last take the threshold
     for rows in (x, x[:-1], x[-1:]):  # with and without the row that needs the plain top-k
         got_v, got_i = topk.thresholded_top_k(rows, k, stride)
         n = rows.shape[0]
