@@ -94,15 +94,16 @@ def prefill_seconds(step, args: tuple, reps: int) -> float:
 
 
 @contextlib.contextmanager
-def plain_topk(on: bool):
-    """Within: functions traced take the plain top-k (no sampled threshold, model/topk.py)."""
-    kept = topk_mod.TOPK_SAMPLE_FROM
+def switched_off(module, attr: str, on: bool = True):
+    """Within (when ``on``): ``module.attr``, a size threshold read at trace time, is out of
+    reach, so functions traced here run as before that change (jit traces at the first call)."""
+    kept = getattr(module, attr)
     if on:
-        topk_mod.TOPK_SAMPLE_FROM = 1 << 62
+        setattr(module, attr, 1 << 62)
     try:
         yield
     finally:
-        topk_mod.TOPK_SAMPLE_FROM = kept
+        setattr(module, attr, kept)
 
 
 def layer_fn(cfg, donate: bool):
@@ -254,12 +255,12 @@ def main() -> None:
         pos = jnp.full((b, 1), length - 1, jnp.int32)
         for name, (step, state) in decoders.items():
             cache = filled_cache(cfgs[name], b, length)
-            with plain_topk(name == "dsa_plain_topk"):  # traced at its first call, in here
+            with switched_off(topk_mod, "TOPK_SAMPLE_FROM", name == "dsa_plain_topk"):
                 row[f"{name}_step_ms"] = 1e3 * decode_seconds(step, state, x, pos, cache,
                                                               reps=reps)
         row.update(decode_parts(dsa_cfg, b, length, reps, pallas=not wide))
         if args.without_threshold_topk:
-            with plain_topk(True):
+            with switched_off(topk_mod, "TOPK_SAMPLE_FROM"):
                 plain = decode_parts(dsa_cfg, b, length, reps, pallas=False)
             row["indexer_topk_plain_ms"] = plain["indexer_topk_ms"]
         row["step_ratio_dense_over_dsa"] = row["dense_step_ms"] / row["dsa_step_ms"]
@@ -281,6 +282,7 @@ def main() -> None:
                  else ""), flush=True)
 
     prefill = []
+    prefill_reps = args.prefill_reps or max(2, reps // 5)
     for length in prefills:
         row = {"length": length}
         xs = jax.random.normal(jax.random.key(3), (1, length, dsa_cfg.hidden_size))
@@ -288,7 +290,6 @@ def main() -> None:
         for name, (step, state) in prefillers.items():
             cache = (init_kda_cache(dsa_cfg, 1) if name == "kda"
                      else init_dsa_cache(cfgs[name], 1, length))
-            prefill_reps = args.prefill_reps or max(2, reps // 5)
             row[f"{name}_ms"] = 1e3 * prefill_seconds(step, (state, xs, pos, cache), prefill_reps)
             switches = ([("windows", query_chunks, "CAUSAL_WINDOWS_FROM")]
                         if args.without_windows and name != "kda" else [])
@@ -302,14 +303,10 @@ def main() -> None:
                     f32, (f32_state, xs, pos, init_dsa_cache(cfgs["dsa_f32_index"], 1, length)),
                     prefill_reps)
             for label, module, attr in switches:  # a fresh jit: both chosen at trace time
-                kept = getattr(module, attr)
-                setattr(module, attr, 1 << 62)
-                try:
+                with switched_off(module, attr):
                     off, off_state = layer_fn(cfgs[name], donate=False)
                     row[f"{name}_no_{label}_ms"] = 1e3 * prefill_seconds(
                         off, (off_state, xs, pos, cache), prefill_reps)
-                finally:
-                    setattr(module, attr, kept)
             if wide:  # the model's FLOPs; XLA's count (it counts a loop body once)
                 row[f"{name}_model_flops"] = (projection_flops(state, length) + attention_flops(
                     dsa_cfg, name, length))
@@ -353,7 +350,7 @@ def main() -> None:
               "config": f"{args.preset} (D {c.hidden_size}, N {c.num_attention_heads}, kv_lora "
                         f"{c.kv_lora_rank}, rope {c.qk_rope_head_dim}, J {c.index_n_heads}, Di "
                         f"{c.index_head_dim})",
-              "prefill_reps": args.prefill_reps or max(2, reps // 5),
+              "prefill_reps": prefill_reps,
               "decode": decode, "prefill": prefill, "decode_growth_first_to_last": growth}
     if wide:
         rate = result["matmul_flops_per_s"] = matmul_flops(2048, reps=10)
