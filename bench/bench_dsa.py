@@ -221,6 +221,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
                                                "dsa_PRESET.json for another preset)")
     args = p.parse_args()
+    if args.prefill_reps is not None and args.prefill_reps < 1:
+        p.error(f"--prefill-reps must be >= 1, got {args.prefill_reps}")
     wide = args.preset != "tiny"
     reps = 5 if args.quick else (10 if wide else 20)
     if wide:
