@@ -106,7 +106,7 @@ def decode_against_context(a, max_len: int) -> dict:
     from kdsa.infer.runner import ModelRunner
     from kdsa.infer.runner_steps import is_pool
     from kdsa.model.config import get_preset
-    from kdsa.model.paged_cache import pages_for
+    from kdsa.model.paged_cache import SCRATCH_ROWS, pages_for
     from kdsa.model.transformer import Transformer
 
     model = Transformer(get_preset(a.preset), rngs=nnx.Rngs(0))
@@ -143,8 +143,8 @@ def decode_against_context(a, max_len: int) -> dict:
             "table_pages_read": {k: runner.table_width(pages_for(c)) for k, c in contexts.items()},
             "runner_kda_state_bytes_per_slot": sum(x.nbytes for x in per_slot),
             "runner_pool_bytes": sum(x.nbytes for p in pools for x in jax.tree.leaves(p)),
-            "pool_bytes_computed": pages * page_bytes(model.config)  # + each pool's scratch row
-            + sum(k != "kda" for k in model.config.mixer_kinds)
+            "pool_bytes_computed": pages * page_bytes(model.config)  # + each pool's scratch rows
+            + SCRATCH_ROWS * sum(k != "kda" for k in model.config.mixer_kinds)
             * dsa_cache_bytes_per_token(model.config)}
 
 

@@ -14,7 +14,7 @@ running request always finishes. On a mesh the engine keeps one pool per device 
 
 from __future__ import annotations
 
-from kdsa.model.paged_cache import PAGE_SIZE, pages_for
+from kdsa.model.paged_cache import PAGE_SIZE, SCRATCH_ROWS, pages_for
 
 
 class PagePool:
@@ -64,11 +64,11 @@ def page_bytes(config) -> int:
 
 def pages_in(cache_bytes: int, config) -> int:
     """The pages a pool of ``cache_bytes`` holds (``--cache-memory``), besides each DSA
-    layer's scratch row (``PagedDSACache``: the writes of tokens without a page)."""
+    layer's ``SCRATCH_ROWS`` (``PagedDSACache``: the writes of tokens without a page)."""
     per = page_bytes(config)
     if per == 0:
         raise ValueError("this model has no DSA layers: there is nothing to page")
-    n = (cache_bytes - per // PAGE_SIZE) // per
+    n = (cache_bytes - SCRATCH_ROWS * (per // PAGE_SIZE)) // per
     if n < 1:
         raise ValueError(f"--cache-memory {cache_bytes} B holds no page ({per} B per page of "
                          f"{PAGE_SIZE} tokens)")

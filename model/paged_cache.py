@@ -26,6 +26,10 @@ import jax.numpy as jnp
 from flax import struct
 
 PAGE_SIZE = 64
+# Rows after each partition's pages: the last is the scratch row (the writes of tokens without a
+# page); the other keeps the row count even, since the TPU sparse attention kernel reads 16-bit
+# rows as 32-bit row pairs and padded (copied) a pool with an odd count at every step.
+SCRATCH_ROWS = 2
 
 
 class LayerBuffers:
@@ -52,13 +56,14 @@ class LayerBuffers:
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
-    dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = num_pages * PAGE_SIZE + 1``
-    rows: the last, :attr:`scratch_row`, belongs to no page and takes the writes of tokens that
-    have no page (padding), so every write is in bounds (a write XLA must be ready to drop made
-    it copy the whole pool to keep the old value).
+    dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = num_pages * PAGE_SIZE + 2``
+    rows (:data:`SCRATCH_ROWS`): the last, :attr:`scratch_row`, belongs to no page and takes
+    the writes of tokens that have no page (padding), so every write is in bounds (a write XLA
+    must be ready to drop made it copy the whole pool to keep the old value); the one before it
+    is unused and keeps ``R`` even.
 
     On a mesh whose layout splits the batch over ``parts`` device groups the pool is ``parts``
-    such pools end to end, ``R = parts * (num_pages / parts * PAGE_SIZE + 1)``, split over the
+    such pools end to end, ``R = parts * (num_pages / parts * PAGE_SIZE + 2)``, split over the
     same groups: group ``p`` holds pages ``[p * n, (p + 1) * n)`` (``n`` pages per part) for the
     slots it runs (``model/paged_attention.py``).
 
@@ -77,7 +82,7 @@ class PagedDSACache(LayerBuffers):
 
     @property
     def pages_per_part(self) -> int:
-        return (self.num_rows // self.parts - 1) // PAGE_SIZE
+        return (self.num_rows // self.parts - SCRATCH_ROWS) // PAGE_SIZE
 
     def page_rows(self, pages: jax.Array) -> jax.Array:
         """The first pool row of each page id (``pages`` >= 0): partition ``g // pages_per_part``
@@ -143,7 +148,7 @@ def positions_to_slots(indices: jax.Array, block_table: jax.Array) -> jax.Array:
 
 def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACache:
     """A zero pool of ``num_pages`` pages for one DSA layer, in ``parts`` partitions of
-    ``num_pages / parts`` pages and a scratch row each (``PagedDSACache``)."""
+    ``num_pages / parts`` pages and :data:`SCRATCH_ROWS` rows each (``PagedDSACache``)."""
     from kdsa.model.layers import dtype_of
 
     if num_pages < 1:
@@ -153,7 +158,7 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACach
                          f"partitions")
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
-    rows = parts * (num_pages // parts * PAGE_SIZE + 1)  # + a scratch row per partition
+    rows = parts * (num_pages // parts * PAGE_SIZE + SCRATCH_ROWS)  # + scratch per partition
     zeros = lambda d, dt=dt: jnp.zeros((rows, d), dt)  # noqa: E731
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
                          k_rope=zeros(config.qk_rope_head_dim),

@@ -253,11 +253,13 @@ def test_cache_memory_sizes_the_pool():
     per = page_bytes(CFG)
     assert per == 1 * P * dsa_cache_bytes_per_token(CFG)  # one DSA layer
     assert pages_in(10 * per + per // 2, CFG) == 10
-    # the pool also holds a scratch row per DSA layer: 10 pages need that much more
-    assert pages_in(10 * per, CFG) == 9 and pages_in(10 * per + per // P, CFG) == 10
+    # the pool also holds 2 scratch rows per DSA layer: 10 pages need that much more
+    scratch = pc.SCRATCH_ROWS * (per // P)
+    assert pc.SCRATCH_ROWS == 2
+    assert pages_in(10 * per + scratch - 1, CFG) == 9 and pages_in(10 * per + scratch, CFG) == 10
     pool = jax.eval_shape(lambda: pc.init_paged_dsa_cache(CFG, 10))
     assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \
-        == 10 * per + per // P
+        == 10 * per + scratch
     assert pages_needed(70, 12, 3 * P) == 2 and pages_needed(150, 100, 3 * P) == 3
     with pytest.raises(ValueError, match="holds no page"):
         pages_in(per - 1, CFG)

@@ -85,8 +85,8 @@ def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
     assert r.partitions == 4 and r.pages_per_partition == 3
     pool = jax.tree.leaves(r.cache, is_leaf=lambda x: isinstance(x, pc.PagedDSACache))
     pool = next(x for x in pool if isinstance(x, pc.PagedDSACache)).kv_latent
-    assert pool.shape[1] == 4 * (3 * P + 1)  # a scratch row per partition
-    assert pool.sharding.shard_shape(pool.shape)[1] == 3 * P + 1
+    assert pool.shape[1] == 4 * (3 * P + pc.SCRATCH_ROWS)  # scratch rows per partition
+    assert pool.sharding.shard_shape(pool.shape)[1] == 3 * P + pc.SCRATCH_ROWS
     assert len(pool.sharding.device_set) == 8
     with pytest.raises(ValueError, match="outside the 3 of a partition"):
         r.set_pages(0, [3])
