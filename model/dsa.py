@@ -59,7 +59,8 @@ def indexer_scores(q: jax.Array, k: jax.Array, weights: jax.Array) -> jax.Array:
 
 def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q_pos, kv_pos,
                  q_seg, kv_seg, chunk_size: int, key_rows: jax.Array | None = None,
-                 windows: int = 1, key_slack: int = 0) -> jax.Array:
+                 windows: int = 1, key_slack: int = 0,
+                 decode_scores: Callable | None = None) -> jax.Array:
     """Chunked :func:`indexer_scores` + :func:`select_topk`: indices ``[B, T, min(topk, S)]``.
 
     ``k`` is ``[B, S, D]``; or, with ``key_rows [B, S]`` int32, a pool ``[R, D]`` (a paged cache,
@@ -71,11 +72,17 @@ def indexer_topk(q: jax.Array, k: jax.Array, weights: jax.Array, topk: int, *, q
 
     Never holds more than ``[B, C, J, max(S, R)]`` scores. Indices are not differentiable.
     ``windows`` / ``key_slack``: causal key windows (:func:`map_query_chunks`; the same indices).
+    ``decode_scores(q, weights)``: a decode step's (one query per row) scores ``[B, 1, S]``
+    computed elsewhere, the same sum (a paged cache's Pallas kernel reads the keys through the
+    block table: ``model/paged_attention.py``).
     """
     b, t, s = q.shape[0], q.shape[1], (k if key_rows is None else key_rows).shape[1]
     check_visibility(b, t, s, q_pos, kv_pos, q_seg, kv_seg)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
+    if decode_scores is not None and t == 1:
+        mask = visible_mask(q_pos, kv_pos, q_seg, kv_seg)
+        return jax.lax.stop_gradient(select_topk(decode_scores(q, weights), mask, topk))
     if key_rows is not None and t == 1 and k.shape[0] <= 2 * s:
         def chunk(qc, wc, pc, sc):  # [1, B*C] queries against the pool, then each row's keys
             _, c, j, d = qc.shape

@@ -31,7 +31,7 @@ from kdsa.model.query_chunks import causal_windows
 def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, sparse: Callable,
                  topk: int | None,
                  scale: float, num_keys: int, q_pos, kv_pos, q_seg, kv_seg,
-                 chunk_size: int) -> jax.Array:
+                 chunk_size: int, decode_scores: Callable | None = None) -> jax.Array:
     """Latent outputs ``[B, T, N, kv_lora]`` of absorbed queries ``q_abs [B, T, N, Dk]``.
 
     ``index``: ``(q, keys, weights, key_rows)`` of the indexer (``dsa.indexer_topk``'s
@@ -39,6 +39,7 @@ def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, spars
     latent ``[B, w, kv_lora]`` and RoPE key ``[B, w, rope]`` of each row's first ``w`` positions.
     ``sparse(q_abs, idx)``: the sparse attention of queries ``[B, T', N, Dk]`` over top-k
     positions ``[B, T', K]``. Visibility as in ``model/dsa.py`` over ``num_keys`` positions.
+    ``decode_scores``: ``dsa.indexer_topk``'s, for a decode step's index scores.
     """
     vis = dict(q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg, chunk_size=chunk_size)
 
@@ -62,7 +63,7 @@ def attend_cache(q_abs: jax.Array, index: tuple | None, *, keys: Callable, spars
             idx = indexer_topk(iq[:, early:], ik, iw[:, early:], topk, key_rows=key_rows,
                                q_pos=q_pos[:, early:], kv_pos=kv_pos, q_seg=q_seg[:, early:],
                                kv_seg=kv_seg, chunk_size=chunk_size, windows=windows,
-                               key_slack=key_slack + early)
+                               key_slack=key_slack + early, decode_scores=decode_scores)
             outs.append(sparse(q_abs[:, early:], idx))
         return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
 

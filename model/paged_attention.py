@@ -4,7 +4,11 @@ on one device or with the pool split over a mesh's batch device groups.
 :func:`attend_pool` (one device, or one group's partition): the step's new rows are written at
 their tokens' pool rows, the indexer reads each row's visible keys through the block table, its
 top-k positions become pool rows (-1 stays -1) and the sparse attention gathers them from the
-pool, all queries of the step as one batch (``dsa_cache_attention.attend_cache``).
+pool, all queries of the step as one batch (``dsa_cache_attention.attend_cache``). With
+``impl="pallas"`` the sparse attention is the Pallas kernel and a decode step's index scores
+come from ``kernels_pallas.paged_index`` (TPU; interpret mode on CPU; GPU keeps XLA's gather
+until it has a Triton version), which fetches each row's pages of index keys by DMA instead of
+gathering them into a copy first.
 
 On a mesh (a sharding context, ``model/partitioning.py``) the same function runs inside a
 ``shard_map``: "DP attention" with pages. The layout's ``act_batch`` axes split the slots into
@@ -28,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from kdsa.kernels_pallas.paged_index import has_kernel, paged_index_scores
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
@@ -81,13 +86,18 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
                          rows.reshape(1, bt, -1), scale, v_dim, chunk_size=chunk_size)
         return o.reshape(q.shape[0], q.shape[1], n, -1)
 
-    indexer = None if index is None else (index[0], cache.view("index_keys"), index[1],
+    index_pool = cache.view("index_keys")
+    indexer = None if index is None else (index[0], index_pool, index[1],
                                           ctx_rows)  # the indexer reads positions
+    decode_scores = None
+    if impl == "pallas" and has_kernel():  # decode scores through the block table, no copy
+        def decode_scores(q, weights):
+            return paged_index_scores(q, weights, index_pool, block_table, pc.PAGE_SIZE)
     o_lat = attend_cache(
         q_abs, indexer, keys=lambda w: (lat_pool[ctx_rows[:, :w]], rope_pool[ctx_rows[:, :w]]),
         sparse=sparse, topk=topk, scale=scale, num_keys=s, q_pos=positions,
         kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), q_seg=q_seg,
-        kv_seg=backed.astype(jnp.int32), chunk_size=chunk_size)
+        kv_seg=backed.astype(jnp.int32), chunk_size=chunk_size, decode_scores=decode_scores)
     return o_lat, cache
 
 

@@ -88,6 +88,34 @@ def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model, index_dtype)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch):
+    """``attention_impl="pallas"``: the sparse MLA kernel, and in decode steps the paged index
+    kernel reading index keys through the block table (``kernels_pallas/paged_index``; both in
+    interpret mode), give the XLA path's logits over the same scattered pages."""
+    from kdsa.model import paged_attention
+
+    calls = []
+
+    def counted(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    real = paged_attention.paged_index_scores
+    monkeypatch.setattr(paged_attention, "paged_index_scores", counted)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),
+               rng.integers(0, CFG.vocab_size, 5).tolist()]
+    table = jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32)
+    want = _run(model, model.init_paged_cache(2, num_pages=9, max_pages=3).replace(
+        block_table=table), prompts)
+    assert not calls
+    kernels = Transformer(CFG.replace(attention_impl="pallas"), rngs=nnx.Rngs(0))
+    got = _run(kernels, kernels.init_paged_cache(2, num_pages=9, max_pages=3).replace(
+        block_table=table), prompts)
+    assert calls and all(c[1] == 1 for c in calls)  # traced for the decode step only
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_other_requests_pages_are_never_read(model):
     """Garbage in pages a row does not own changes nothing for that row."""
     rng = np.random.default_rng(1)

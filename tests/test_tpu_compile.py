@@ -14,6 +14,7 @@ libtpu = pytest.importorskip("libtpu", reason="libtpu (the XLA:TPU compiler) is 
 
 from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul, mxfp4_matmul  # noqa: E402
+from kdsa.kernels_pallas.paged_index import paged_index_scores  # noqa: E402
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention  # noqa: E402
 
 CHIPS = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
@@ -67,6 +68,26 @@ def test_sparse_mla_mosaic_forward_and_backward_compile(topology):
               and "parameter(" not in ln]
     assert not copies, copies                                  # the latent cache is not copied
     assert "sparse_mla_bwd_tpu" in compile_for(topology, grad, *shapes).as_text()
+
+
+@pytest.mark.parametrize("topology", CHIPS)
+def test_paged_index_mosaic_kernel_compiles_and_reads_the_pool_in_place(topology):
+    """The paged lightning-indexer kernel at K3's widths (64 index heads of 128, bfloat16 keys),
+    a decode step of 8 rows over 256 pages each of a 1,024-page pool: it passes Mosaic, and the
+    pool reaches it as it is, in HBM (no copy or re-layout: pages are fetched by DMA through the
+    block table)."""
+    b, j, d, pages, width = 8, 64, 128, 1024, 256
+    rows = pages * 64 + 2  # as a paged cache pool: an even row count
+    shapes = (((b, 1, j, d), jnp.bfloat16), ((b, 1, j), jnp.float32),
+              ((rows, d), jnp.bfloat16), ((b, width), jnp.int32))
+    compiled = compile_for(topology, lambda q, w, pool, table: paged_index_scores(
+        q, w, pool, table, 64), *shapes)
+    text = compiled.as_text()
+    assert "paged_index_scores_tpu" in text and '"input_memory_space_colors"' in text
+    pool = f"bf16[{rows},{d}]"
+    copies = [ln for ln in text.splitlines() if pool in ln.split("=", 1)[-1][:40]
+              and "parameter(" not in ln]
+    assert not copies, copies
 
 
 def test_plan_compile_tiny_train_step_for_v5e(capsys):
@@ -158,9 +179,9 @@ def test_plan_compile_generate_steps_with_the_pallas_attention_kernel(capsys):
 def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     """The paged cache on a mesh (``model/paged_attention.py``): the prefill and decode steps on
     ``data=2,tensor=2`` (two batch device groups, each with its partition of the pool) compile
-    for v5e with XLA attention and with the Pallas sparse MLA kernel inside, and no collective
-    moves the pool (no
-    collective has the pool's rows, whole or one partition, in its shape), nor is it padded."""
+    for v5e with XLA attention and with the Pallas kernels inside (sparse MLA; the paged index
+    scores in the decode step), and no collective moves the pool (no collective has the pool's
+    rows, whole or one partition, in its shape), nor is it padded."""
     import re
 
     from kdsa.infer import aot
@@ -181,6 +202,8 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     for name, compile_step in steps.items():
         text = compile_step()
         assert ("sparse_mla_fwd_tpu" in text) == (name[0] == "pallas"), name
+        # a decode step's index scores read the pool's pages by DMA (kernels_pallas/paged_index)
+        assert ("paged_index_scores_tpu" in text) == (name == ("pallas", "decode")), name
         ops = [m.group(1) for m in re.finditer(
             r"= (.*?) (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
             r"(?:-start)?\(", text)]  # the result shapes of every collective

@@ -1,0 +1,122 @@
+"""Pallas TPU (Mosaic) kernel: lightning-indexer scores of queries against their rows' pages,
+read from the pool by DMA through the block table, with no contiguous copy of the keys.
+
+What XLA does without it (``model/dsa.py : indexer_topk`` on a paged cache): gather each row's
+index keys into a ``[B, S, D]`` copy, then score the copy. The copy is written and read once
+more per layer and step; at K3's widths (one 128-wide bfloat16 key per token) and 1M tokens it
+is 256 MB per row. The same problem is what DeepGEMM's ``fp8_paged_mqa_logits`` solves for
+DeepSeek-V3.2's decode on GPU.
+
+Layout (prepared by ``ops.py``):
+
+* ``q [B, TJp, D]``: the ``T`` queries' ``J`` index heads folded into rows, zero-padded to a
+  multiple of the sublane tile; ``w [B, T, TJp]`` float32: row ``t`` holds query ``t``'s head
+  weights at columns ``t * J .. t * J + J - 1``, zeros elsewhere, so the weighted sum over heads
+  is one matmul ``w @ relu(q k^T)``;
+* the pool ``[R, D]`` stays in HBM (``memory_space=pltpu.HBM``): page ``p`` is rows
+  ``[p * page, (p + 1) * page)``, a run of whole ``(8, 128)`` tiles when ``page`` is a multiple
+  of the sublane tile (8 rows for 32-bit keys, 16 for bfloat16);
+* the block table, flattened to ``[B * Wp]`` (``Wp`` a multiple of ``ppb``, padded with -1),
+  is a scalar-prefetch operand in SMEM: its entries are the DMA addresses.
+
+Grid ``(B, Wp / ppb)``; the second axis walks a row's pages in blocks of ``ppb`` ("arbitrary"),
+the first is "parallel". At block ``j`` the kernel starts the ``ppb`` page DMAs of block
+``j + 1`` into the other half of a ``[2, ppb * page, D]`` VMEM double buffer (one semaphore per
+half, waited once for all its pages), waits for block ``j`` and computes ``[T, ppb * page]``
+scores: ``(w @ relu(q @ keys^T))``, float32 accumulation. A page id of -1 fetches page 0 and its
+columns are written as 0 (the reference's convention).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+f32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
+_NN = (((1,), (0,)), ((), ()))  # a [M, K] x b [K, N] -> [M, N]
+
+
+def sublanes(dtype) -> int:
+    """Rows of one packed VMEM tile: 8 for 32-bit, 16 for bfloat16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def check_tiles(page_size: int, pages_per_block: int, dtype) -> None:
+    """ValueError / NotImplementedError for what this kernel cannot tile (module docstring)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(f32), jnp.dtype(jnp.bfloat16)):
+        raise NotImplementedError(f"paged_index_scores TPU kernel: dtype {jnp.dtype(dtype)} not "
+                                  f"supported (float32 or bfloat16)")
+    if page_size % sublanes(dtype):
+        raise ValueError(f"paged_index_scores TPU kernel: page_size = {page_size} must be a "
+                         f"multiple of {sublanes(dtype)} for {jnp.dtype(dtype)} (whole tiles)")
+    if pages_per_block < 1 or (pages_per_block * page_size) % 128:
+        raise ValueError(f"paged_index_scores TPU kernel: pages_per_block * page_size = "
+                         f"{pages_per_block} * {page_size} must be a positive multiple of 128 "
+                         f"(the score block's lanes)")
+
+
+def _dot(a, b, dims):
+    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+
+
+def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int, ppb: int,
+            wp: int):
+    b, j, nj = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+    slot = j % 2
+
+    def start(block, half):  # the ppb page DMAs of page block `block` into buffer half `half`
+        for i in range(ppb):
+            page_id = jnp.maximum(table_ref[b * wp + block * ppb + i], 0)   # -1: page 0
+            src = pool_hbm.at[pl.ds(pl.multiple_of(page_id * page, page), page)]
+            pltpu.make_async_copy(src, buf.at[half, pl.ds(i * page, page)], sems.at[half]).start()
+
+    @pl.when(j == 0)
+    def _():
+        start(0, 0)
+
+    @pl.when(j + 1 < nj)
+    def _():
+        start(j + 1, 1 - slot)
+
+    pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[slot]).wait()  # all ppb pages
+    logits = _dot(q_ref[...], buf[slot], _NT)                                 # [TJp, n]
+    scores = _dot(w_ref[...], jnp.maximum(logits, 0.0), _NN)                  # [T, n]
+    col_page = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (1, ppb * page), 1),
+                           jnp.int32(page))                          # no floor: all >= 0
+    backed = jnp.zeros((1, ppb * page), jnp.bool_)
+    for i in range(ppb):
+        backed = backed | ((col_page == i) & (table_ref[b * wp + j * ppb + i] >= 0))
+    out_ref[...] = jnp.where(backed, scores, 0.0)
+
+
+def paged_index_scores_tpu(q, w, pool, table, *, page: int, ppb: int, interpret):
+    """Prepared layout (module docstring) -> scores ``[B, T, Wp * page]`` float32.
+
+    ``q [B, TJp, D]``, ``w [B, T, TJp]`` float32, ``pool [R, D]``, ``table [B * Wp]`` int32;
+    ``interpret``: False (Mosaic), True (the generic interpreter) or ``pltpu.InterpretParams``
+    (the TPU simulator)."""
+    b, tjp, d = q.shape
+    t = w.shape[1]
+    wp = table.shape[0] // b
+    n = ppb * page
+    check_tiles(page, ppb, pool.dtype)
+    pool = pltpu.with_memory_space_constraint(pool, pltpu.HBM)  # else XLA may copy it to VMEM
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(b, wp // ppb),
+        in_specs=[pl.BlockSpec((None, tjp, d), lambda i, j, tab: (i, 0, 0)),
+                  pl.BlockSpec((None, t, tjp), lambda i, j, tab: (i, 0, 0)),
+                  pl.BlockSpec(memory_space=pltpu.HBM)],
+        out_specs=pl.BlockSpec((None, t, n), lambda i, j, tab: (i, 0, j)),
+        scratch_shapes=[pltpu.VMEM((2, n, d), pool.dtype), pltpu.SemaphoreType.DMA((2,))])
+    return pl.pallas_call(
+        functools.partial(_kernel, page=page, ppb=ppb, wp=wp),
+        out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32), grid_spec=spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret, name="paged_index_scores_tpu",
+    )(table, q, w, pool)

@@ -1,0 +1,86 @@
+"""Paged lightning-indexer scores (``kdsa.kernels_pallas.paged_index``): the Mosaic kernel
+(interpret mode on CPU; once in the TPU simulator ``pltpu.InterpretParams``) against the
+reference, which gathers the keys into a copy and scores them; the reference against the
+model's own ``indexer_scores``. The TPU compile is in ``tests/test_tpu_compile.py``, the model
+path (a paged decode step with ``attention_impl="pallas"``) in ``tests/test_paged_cache.py``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from kdsa.kernels_pallas.paged_index import paged_index_scores, paged_index_scores_ref
+from kdsa.kernels_pallas.paged_index.ops import default_pages_per_block
+from kdsa.model.dsa import indexer_scores
+
+PAGE, PAGES, W = 16, 24, 21
+# rows: -1 pages between and after real ones, a page twice in one row and in two rows
+# (prefix sharing), a row without pages; W = 21 pages: 3 or 2 blocks of 8 or 16 pages, the
+# last one partly padding
+TABLE = np.full((4, W), -1, np.int32)
+TABLE[0, :6] = [3, -1, 7, 0, 9, 23]
+TABLE[0, 17:] = [22, -1, 11, 12]
+TABLE[1, :2] = [1, 2]
+TABLE[2] = [8, 8] + np.random.default_rng(1).permutation(PAGES)[:W - 2].tolist()
+
+
+def _inputs(dtype, t=2, j=5, d=16, seed=0):
+    rng = np.random.default_rng(seed)
+    pool = rng.standard_normal((PAGES * PAGE + 1, d)).astype(np.float32)
+    pool[-1] = np.nan  # the scratch row: never a page's row
+    q = rng.standard_normal((len(TABLE), t, j, d)).astype(np.float32)
+    w = rng.standard_normal((len(TABLE), t, j)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(pool, dtype),
+            jnp.asarray(TABLE, jnp.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("ppb", [8, 16])
+def test_kernel_equals_the_reference(dtype, ppb):
+    q, w, pool, table = _inputs(dtype)
+    want = np.asarray(paged_index_scores_ref(q, w, pool, table, PAGE))
+    got = np.asarray(jax.jit(lambda *a: paged_index_scores(*a, PAGE, pages_per_block=ppb))(
+        q, w, pool, table))
+    assert got.shape == want.shape == (len(TABLE), 2, W * PAGE)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.all(got[0, :, PAGE:2 * PAGE] == 0) and np.all(got[3] == 0)  # -1 pages: 0
+    np.testing.assert_array_equal(got[2, :, :PAGE], got[2, :, PAGE:2 * PAGE])  # page 8 twice
+    assert np.abs(want).max() > 1
+
+
+def test_kernel_in_the_tpu_simulator():
+    """DMAs, semaphores and SMEM modelled (out-of-bounds accesses would fail): f32, one query."""
+    q, w, pool, table = _inputs(jnp.float32, t=1, j=8)
+    want = np.asarray(paged_index_scores_ref(q, w, pool, table, PAGE))
+    got = np.asarray(paged_index_scores(q, w, pool, table, PAGE, pages_per_block=8,
+                                        interpret=pltpu.InterpretParams()))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_equals_the_models_scores_on_gathered_keys():
+    q, w, pool, table = _inputs(jnp.float32)
+    rows = np.maximum(TABLE[:, :, None] * PAGE + np.arange(PAGE), 0).reshape(4, -1)
+    model = np.asarray(indexer_scores(q, pool[rows], w))
+    backed = np.repeat(TABLE >= 0, PAGE, axis=1)[:, None]
+    want = np.asarray(paged_index_scores_ref(q, w, pool, table, PAGE))
+    np.testing.assert_allclose(np.where(backed, model, 0.0), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, w, pool, table = _inputs(jnp.float32)
+    with pytest.raises(ValueError, match="weights must be"):
+        paged_index_scores(q, w[:, :1], pool, table, PAGE)
+    with pytest.raises(ValueError, match="pool must be"):
+        paged_index_scores(q, w, pool[:, :8], table, PAGE)
+    with pytest.raises(ValueError, match="block_table must be"):
+        paged_index_scores(q, w, pool, table[:2], PAGE)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        paged_index_scores(q, w, pool, table, 12, pages_per_block=32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        paged_index_scores(q, w, pool, table, PAGE, pages_per_block=3)
+    with pytest.raises(ValueError, match="impl must be"):
+        paged_index_scores(q, w, pool, table, PAGE, impl="cuda")
+    with pytest.raises(NotImplementedError, match="float16"):
+        paged_index_scores(q.astype(jnp.float16), w, pool.astype(jnp.float16), table, PAGE)
+    assert default_pages_per_block(64) == 8 and default_pages_per_block(48) == 16
