@@ -6,9 +6,8 @@ their tokens' pool rows, the indexer reads each row's visible keys through the b
 top-k positions become pool rows (-1 stays -1) and the sparse attention gathers them from the
 pool, all queries of the step as one batch (``dsa_cache_attention.attend_cache``). With
 ``impl="pallas"`` the sparse attention is the Pallas kernel and a decode step's index scores
-come from ``kernels_pallas.paged_index`` (TPU; interpret mode on CPU; GPU keeps XLA's gather
-until it has a Triton version), which fetches each row's pages of index keys by DMA instead of
-gathering them into a copy first.
+come from ``kernels_pallas.paged_index``, which reads each row's pages of index keys through the
+block table (DMA on TPU, pointer gathers on GPU) instead of gathering them into a copy first.
 
 On a mesh (a sharding context, ``model/partitioning.py``) the same function runs inside a
 ``shard_map``: "DP attention" with pages. The layout's ``act_batch`` axes split the slots into
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdsa.kernels_pallas.paged_index import has_kernel, paged_index_scores
+from kdsa.kernels_pallas.paged_index import paged_index_scores
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
@@ -90,7 +89,7 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     indexer = None if index is None else (index[0], index_pool, index[1],
                                           ctx_rows)  # the indexer reads positions
     decode_scores = None
-    if impl == "pallas" and has_kernel():  # decode scores through the block table, no copy
+    if impl == "pallas":  # a decode step's scores read through the block table, no key copy
         def decode_scores(q, weights):
             return paged_index_scores(q, weights, index_pool, block_table, pc.PAGE_SIZE)
     o_lat = attend_cache(

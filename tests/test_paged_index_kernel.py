@@ -1,8 +1,12 @@
-"""Paged lightning-indexer scores (``kdsa.kernels_pallas.paged_index``): the Mosaic kernel
-(interpret mode on CPU; once in the TPU simulator ``pltpu.InterpretParams``) against the
-reference, which gathers the keys into a copy and scores them; the reference against the
-model's own ``indexer_scores``. The TPU compile is in ``tests/test_tpu_compile.py``, the model
-path (a paged decode step with ``attention_impl="pallas"``) in ``tests/test_paged_cache.py``."""
+"""Paged lightning-indexer scores (``kdsa.kernels_pallas.paged_index``): the Triton (GPU) and
+Mosaic (TPU) kernels in interpret mode on CPU, the Mosaic one also in the TPU simulator
+(``pltpu.InterpretParams``), against the reference, which gathers the keys into a copy and
+scores them; the reference against the model's own ``indexer_scores``; the Triton kernel
+through the Pallas -> Triton lowering for CUDA. The TPU compile is in
+``tests/test_tpu_compile.py``, the model path (a paged decode step with
+``attention_impl="pallas"``) in ``tests/test_paged_cache.py``."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +39,14 @@ def _inputs(dtype, t=2, j=5, d=16, seed=0):
             jnp.asarray(TABLE, jnp.int32))
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("ppb", [8, 16])
-def test_kernel_equals_the_reference(dtype, ppb):
+def test_kernel_equals_the_reference(backend, dtype, ppb):
     q, w, pool, table = _inputs(dtype)
     want = np.asarray(paged_index_scores_ref(q, w, pool, table, PAGE))
-    got = np.asarray(jax.jit(lambda *a: paged_index_scores(*a, PAGE, pages_per_block=ppb))(
-        q, w, pool, table))
+    got = np.asarray(jax.jit(lambda *a: paged_index_scores(
+        *a, PAGE, backend=backend, pages_per_block=ppb))(q, w, pool, table))
     assert got.shape == want.shape == (len(TABLE), 2, W * PAGE)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.all(got[0, :, PAGE:2 * PAGE] == 0) and np.all(got[3] == 0)  # -1 pages: 0
@@ -53,8 +58,8 @@ def test_kernel_in_the_tpu_simulator():
     """DMAs, semaphores and SMEM modelled (out-of-bounds accesses would fail): f32, one query."""
     q, w, pool, table = _inputs(jnp.float32, t=1, j=8)
     want = np.asarray(paged_index_scores_ref(q, w, pool, table, PAGE))
-    got = np.asarray(paged_index_scores(q, w, pool, table, PAGE, pages_per_block=8,
-                                        interpret=pltpu.InterpretParams()))
+    got = np.asarray(paged_index_scores(q, w, pool, table, PAGE, backend="mosaic",
+                                        pages_per_block=8, interpret=pltpu.InterpretParams()))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -76,11 +81,42 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="block_table must be"):
         paged_index_scores(q, w, pool, table[:2], PAGE)
     with pytest.raises(ValueError, match="multiple of 8"):
-        paged_index_scores(q, w, pool, table, 12, pages_per_block=32)
+        paged_index_scores(q, w, pool, table, 12, backend="mosaic", pages_per_block=32)
     with pytest.raises(ValueError, match="multiple of 128"):
-        paged_index_scores(q, w, pool, table, PAGE, pages_per_block=3)
+        paged_index_scores(q, w, pool, table, PAGE, backend="mosaic", pages_per_block=3)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_index_scores(q, w, pool, table, 12, backend="triton", pages_per_block=32)
+    with pytest.raises(ValueError, match="index key width D = 24"):
+        paged_index_scores(q[..., :12].repeat(2, -1), w, pool[:, :12].repeat(2, -1), table,
+                           PAGE, backend="triton")
     with pytest.raises(ValueError, match="impl must be"):
         paged_index_scores(q, w, pool, table, PAGE, impl="cuda")
+    with pytest.raises(ValueError, match="backend must be"):
+        paged_index_scores(q, w, pool, table, PAGE, backend="cuda")
     with pytest.raises(NotImplementedError, match="float16"):
-        paged_index_scores(q.astype(jnp.float16), w, pool.astype(jnp.float16), table, PAGE)
-    assert default_pages_per_block(64) == 8 and default_pages_per_block(48) == 16
+        paged_index_scores(q.astype(jnp.float16), w, pool.astype(jnp.float16), table, PAGE,
+                           backend="mosaic")
+    with pytest.raises(NotImplementedError, match="use backend='mosaic'"):
+        paged_index_scores(q, w, pool, table, PAGE, backend="triton",
+                           interpret=pltpu.InterpretParams())
+    assert default_pages_per_block(64) == 8 and default_pages_per_block(32) == 16
+
+
+def test_triton_kernel_lowers_for_cuda():
+    """The Triton kernel goes through the Pallas -> Triton lowering for CUDA at K3's widths (64
+    index heads of 128, bfloat16, 8 rows x 256 pages); not the Triton compiler itself."""
+    from jax._src import mesh as mesh_lib
+
+    shapes = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+        ((8, 1, 64, 128), jnp.bfloat16), ((8, 1, 64), jnp.float32),
+        ((1024 * 64 + 2, 128), jnp.bfloat16), ((8, 256), jnp.int32))]
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        warnings.simplefilter("ignore")                  # Pallas Triton deprecation notice
+        exported = jax.export.export(
+            jax.jit(lambda q, w, pool, table: paged_index_scores(
+                q, w, pool, table, 64, backend="triton", interpret=False)),
+            platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+                "__gpu$xla.gpu.triton")])(*shapes)
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") >= 1
