@@ -1,5 +1,5 @@
-"""Accelerator check of the Pallas sparse MLA kernels: compile, run, compare with the references,
-time. On a GPU it runs the Triton kernel (``backend="triton"``), on a TPU the Mosaic kernel
+"""Accelerator check of the Pallas sparse MLA and paged index-score kernels: compile, run,
+compare with the references, time. On a GPU it runs the Triton kernel (``backend="triton"``), on a TPU the Mosaic kernel
 (``backend="mosaic"``, rows gathered by DMA); it refuses to run on CPU.
 
 Written without either (the CPU tests run the kernels in interpret mode and only lower them for
@@ -18,6 +18,12 @@ stage that fails to compile or run is logged with its error and the next one run
 4. prefill (B 1, T = S = 32K, causal top-2048 indices) forward and forward + backward, kernel vs
    XLA reference (``chunk_size`` 256); dense prefill is not run (no cuDNN kernel for 576-wide
    heads, the XLA one needs [N, T, S] scores).
+5. paged index scores (``kdsa.kernels_pallas.paged_index``; K3's 64 index heads of 128, bf16
+   keys, pages of 64 scattered over a pool, batch 64, one query per row): correctness against
+   the reference in f32 and bf16, then at 32K and 128K context the kernel against XLA's
+   gather-then-score path and against scoring contiguous (dense-slot) keys, the floor for a
+   paged cache: ``paged_over_dense`` is the time the pages cost (issue #18 asks <= 1.1x of the
+   whole decode step).
 
 Writes ``bench/results/sparse_mla_gpu.json`` or ``sparse_mla_tpu.json`` (with the device
 name). ``--quick`` drops 128K, the prefill backward and most of the sweep (about 2 minutes after
@@ -39,7 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdsa.kernels_pallas import common
+from kdsa.kernels_pallas.paged_index import paged_index_scores, paged_index_scores_ref
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention, sparse_mla_attention_ref
+from kdsa.model.dsa import indexer_scores
 from timing import seconds  # noqa: E402  (bench/timing.py)
 
 N, DC, DR, TOPK = 128, 512, 64, 2048
@@ -150,6 +158,41 @@ def prefill(log, t, backward):
     log("prefill", row)
 
 
+def paged_problem(key, b, s, dtype, heads=64, width=128, page=64):
+    """Index queries ``[B, 1, J, D]``, weights, a pool of ``b * s / page`` pages (+ 2 scratch
+    rows) and each row's pages in a random order."""
+    kq, kw, kp, kt = jax.random.split(key, 4)
+    pages = b * s // page
+    q = jax.random.normal(kq, (b, 1, heads, width), dtype)
+    w = jax.random.normal(kw, (b, 1, heads), jnp.float32) * heads ** -0.5
+    pool = jax.random.normal(kp, (pages * page + 2, width), dtype)
+    table = jax.random.permutation(kt, pages).reshape(b, s // page).astype(jnp.int32)
+    return q, w, pool, table
+
+
+def paged_index(log, contexts):
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, w, pool, table = paged_problem(jax.random.key(5), 4, 4096, dtype)
+        got = jax.jit(lambda *a: paged_index_scores(*a, 64))(q, w, pool, table)
+        want = paged_index_scores_ref(q, w, pool, table, 64)
+        log("paged_index_correctness", {"dtype": jnp.dtype(dtype).name, "max_abs_err": float(
+            jnp.max(jnp.abs(got - want))), "max_abs": float(jnp.max(jnp.abs(want)))})
+    for s in contexts:
+        q, w, pool, table = paged_problem(jax.random.key(6), 64, s, jnp.bfloat16)
+        rows = (table[:, :, None] * 64 + jnp.arange(64)).reshape(64, s)
+        dense_keys = jax.block_until_ready(pool[rows])                  # a dense-slot cache
+        row = {"context": s, "batch": 64,
+               "kernel_ms": 1e3 * seconds(jax.jit(lambda *a: paged_index_scores(*a, 64)),
+                                          q, w, pool, table, reps=10),
+               "xla_gather_ms": 1e3 * seconds(jax.jit(lambda *a: paged_index_scores(
+                   *a, 64, impl="xla")), q, w, pool, table, reps=10),
+               "dense_slots_ms": 1e3 * seconds(jax.jit(indexer_scores), q, dense_keys, w,
+                                               reps=10)}
+        row["paged_over_dense"] = row["kernel_ms"] / row["dense_slots_ms"]
+        row["key_gb_per_s"] = pool.dtype.itemsize * 64 * s * 128 / row["kernel_ms"] / 1e6
+        log("paged_index", row)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -181,6 +224,7 @@ def main() -> None:
     tiles = best[1] if best else tile_configs(platform, True)[0]
     stage("decode", decode, log, [32768] if args.quick else [32768, 131072], tiles)
     stage("prefill", prefill, log, 32768 if not args.quick else 8192, not args.quick)
+    stage("paged_index", paged_index, log, [32768] if args.quick else [32768, 131072])
     print(f"wrote {out}")
 
 
