@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdsa.kernels_pallas.paged_index import paged_index_scores
+from kdsa.kernels_pallas.paged_index.ops import supports as paged_index_supported
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
@@ -89,7 +90,9 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     indexer = None if index is None else (index[0], index_pool, index[1],
                                           ctx_rows)  # the indexer reads positions
     decode_scores = None
-    if impl == "pallas":  # a decode step's scores read through the block table, no key copy
+    if impl == "pallas" and index is not None and paged_index_supported(
+            index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0]):
+        # a decode step's scores read through the block table, no copy of the keys
         def decode_scores(q, weights):
             return paged_index_scores(q, weights, index_pool, block_table, pc.PAGE_SIZE)
     o_lat = attend_cache(

@@ -15,7 +15,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kdsa.kernels_pallas.paged_index import paged_index_scores, paged_index_scores_ref
-from kdsa.kernels_pallas.paged_index.ops import default_pages_per_block
+from kdsa.kernels_pallas.paged_index.kernel import check_tiles
+from kdsa.kernels_pallas.paged_index.ops import default_pages_per_block, supports
 from kdsa.model.dsa import indexer_scores
 
 PAGE, PAGES, W = 16, 24, 21
@@ -99,7 +100,16 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(NotImplementedError, match="use backend='mosaic'"):
         paged_index_scores(q, w, pool, table, PAGE, backend="triton",
                            interpret=pltpu.InterpretParams())
+    with pytest.raises(ValueError, match="must share a dtype"):
+        paged_index_scores(q, w, pool.astype(jnp.bfloat16), table, PAGE)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        check_tiles(128, 64, 8, pool_rows=2 ** 24)
     assert default_pages_per_block(64) == 8 and default_pages_per_block(32) == 16
+    assert default_pages_per_block(64, 2048) == 32
+    # where a kernel's tiles do not fit, the model keeps XLA's path (model/paged_attention.py)
+    assert supports(128, 64, 1 << 20, "triton") and supports(16, 64, 1 << 20, "mosaic")
+    assert not supports(24, 64, 1 << 20, "triton") and not supports(128, 64, 1 << 24, "triton")
+    assert not supports(128, 12, 1 << 20, "mosaic")
 
 
 def test_triton_kernel_lowers_for_cuda():

@@ -28,8 +28,12 @@ f32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
 
 
-def check_tiles(width: int, page_size: int, pages_per_block: int) -> None:
-    """ValueError for what Triton's power-of-two tiles cannot hold (module docstring)."""
+def check_tiles(width: int, page_size: int, pages_per_block: int, pool_rows: int = 0) -> None:
+    """ValueError for what Triton's power-of-two tiles and 32-bit row offsets cannot hold
+    (module docstring)."""
+    if pool_rows * width >= 2 ** 31:
+        raise ValueError(f"paged_index_scores Triton kernel: a pool of {pool_rows} x {width} "
+                         f"elements passes 2^31, beyond the kernel's int32 offsets")
     for name, v in (("index key width D", width), ("page_size * pages_per_block",
                                                    page_size * pages_per_block)):
         if v < 16 or v & (v - 1):
@@ -67,7 +71,7 @@ def paged_index_scores_triton(q, w, pool, table, *, page: int, ppb: int, interpr
     b, t, jp, d = q.shape
     wp = table.shape[1]
     n = ppb * page
-    check_tiles(d, page, ppb)
+    check_tiles(d, page, ppb, pool.shape[0])
     return pl.pallas_call(
         functools.partial(_kernel, page=page, ppb=ppb),
         out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32),

@@ -16,15 +16,17 @@ Layout (prepared by ``ops.py``):
 * the pool ``[R, D]`` stays in HBM (``memory_space=pltpu.HBM``): page ``p`` is rows
   ``[p * page, (p + 1) * page)``, a run of whole ``(8, 128)`` tiles when ``page`` is a multiple
   of the sublane tile (8 rows for 32-bit keys, 16 for bfloat16);
-* the block table, flattened to ``[B * Wp]`` (``Wp`` a multiple of ``ppb``, padded with -1),
-  is a scalar-prefetch operand in SMEM: its entries are the DMA addresses.
+* the block table ``[B, Wp]`` (``Wp`` a multiple of ``ppb``, padded with -1): each program
+  reads its row as an SMEM block, whose entries are the DMA addresses (a row, not the whole
+  table, so SMEM holds 64 KB at 1M tokens whatever the batch).
 
 Grid ``(B, Wp / ppb)``; the second axis walks a row's pages in blocks of ``ppb`` ("arbitrary"),
 the first is "parallel". At block ``j`` the kernel starts the ``ppb`` page DMAs of block
 ``j + 1`` into the other half of a ``[2, ppb * page, D]`` VMEM double buffer (one semaphore per
 half, waited once for all its pages), waits for block ``j`` and computes ``[T, ppb * page]``
-scores: ``(w @ relu(q @ keys^T))``, float32 accumulation. A page id of -1 fetches page 0 and its
-columns are written as 0 (the reference's convention).
+scores: ``(w @ relu(q @ keys^T))``, float32 accumulation. A page id of -1 is not fetched (its
+start and wait are skipped: a row shorter than the table costs no reads) and its columns are
+written as 0 (the reference's convention).
 """
 
 from __future__ import annotations
@@ -65,16 +67,20 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
-def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int, ppb: int,
-            wp: int):
-    b, j, nj = pl.program_id(0), pl.program_id(1), pl.num_programs(1)
+def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int, ppb: int):
+    j, nj = pl.program_id(1), pl.num_programs(1)
     slot = j % 2
 
-    def start(block, half):  # the ppb page DMAs of page block `block` into buffer half `half`
+    def page_dma(block, half, i):  # page i of page block `block` into buffer half `half`
+        page_id = table_ref[0, block * ppb + i]
+        src = pool_hbm.at[pl.ds(pl.multiple_of(jnp.maximum(page_id, 0) * page, page), page)]
+        return page_id >= 0, pltpu.make_async_copy(src, buf.at[half, pl.ds(i * page, page)],
+                                                   sems.at[half])
+
+    def start(block, half):  # a -1 page is not fetched: its columns are written as 0
         for i in range(ppb):
-            page_id = jnp.maximum(table_ref[b * wp + block * ppb + i], 0)   # -1: page 0
-            src = pool_hbm.at[pl.ds(pl.multiple_of(page_id * page, page), page)]
-            pltpu.make_async_copy(src, buf.at[half, pl.ds(i * page, page)], sems.at[half]).start()
+            backed, dma = page_dma(block, half, i)
+            pl.when(backed)(dma.start)
 
     @pl.when(j == 0)
     def _():
@@ -84,39 +90,41 @@ def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int,
     def _():
         start(j + 1, 1 - slot)
 
-    pltpu.make_async_copy(buf.at[slot], buf.at[slot], sems.at[slot]).wait()  # all ppb pages
+    for i in range(ppb):  # one wait per fetched page (the semaphore counts bytes)
+        backed, dma = page_dma(j, slot, i)
+        pl.when(backed)(dma.wait)
     logits = _dot(q_ref[...], buf[slot], _NT)                                 # [TJp, n]
     scores = _dot(w_ref[...], jnp.maximum(logits, 0.0), _NN)                  # [T, n]
     col_page = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (1, ppb * page), 1),
                            jnp.int32(page))                          # no floor: all >= 0
     backed = jnp.zeros((1, ppb * page), jnp.bool_)
-    for i in range(ppb):
-        backed = backed | ((col_page == i) & (table_ref[b * wp + j * ppb + i] >= 0))
+    for i in range(ppb):  # (a skipped page's buffer rows hold stale data, maybe NaN)
+        backed = backed | ((col_page == i) & (table_ref[0, j * ppb + i] >= 0))
     out_ref[...] = jnp.where(backed, scores, 0.0)
 
 
 def paged_index_scores_tpu(q, w, pool, table, *, page: int, ppb: int, interpret):
     """Prepared layout (module docstring) -> scores ``[B, T, Wp * page]`` float32.
 
-    ``q [B, TJp, D]``, ``w [B, T, TJp]`` float32, ``pool [R, D]``, ``table [B * Wp]`` int32;
+    ``q [B, TJp, D]``, ``w [B, T, TJp]`` float32, ``pool [R, D]``, ``table [B, Wp]`` int32;
     ``interpret``: False (Mosaic), True (the generic interpreter) or ``pltpu.InterpretParams``
     (the TPU simulator)."""
     b, tjp, d = q.shape
-    t = w.shape[1]
-    wp = table.shape[0] // b
+    t, wp = w.shape[1], table.shape[1]
     n = ppb * page
     check_tiles(page, ppb, pool.dtype)
     pool = pltpu.with_memory_space_constraint(pool, pltpu.HBM)  # else XLA may copy it to VMEM
-    spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1, grid=(b, wp // ppb),
-        in_specs=[pl.BlockSpec((None, tjp, d), lambda i, j, tab: (i, 0, 0)),
-                  pl.BlockSpec((None, t, tjp), lambda i, j, tab: (i, 0, 0)),
+    spec = pl.GridSpec(
+        grid=(b, wp // ppb),
+        in_specs=[pl.BlockSpec((None, 1, wp), lambda i, j: (i, 0, 0), memory_space=pltpu.SMEM),
+                  pl.BlockSpec((None, tjp, d), lambda i, j: (i, 0, 0)),
+                  pl.BlockSpec((None, t, tjp), lambda i, j: (i, 0, 0)),
                   pl.BlockSpec(memory_space=pltpu.HBM)],
-        out_specs=pl.BlockSpec((None, t, n), lambda i, j, tab: (i, 0, j)),
+        out_specs=pl.BlockSpec((None, t, n), lambda i, j: (i, 0, j)),
         scratch_shapes=[pltpu.VMEM((2, n, d), pool.dtype), pltpu.SemaphoreType.DMA((2,))])
     return pl.pallas_call(
-        functools.partial(_kernel, page=page, ppb=ppb, wp=wp),
+        functools.partial(_kernel, page=page, ppb=ppb),
         out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32), grid_spec=spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret, name="paged_index_scores_tpu",
-    )(table, q, w, pool)
+    )(table[:, None], q, w, pool)

@@ -29,16 +29,36 @@ BACKENDS = ("triton", "mosaic")
 f32 = jnp.float32
 
 
+def supports(width: int, page_size: int, pool_rows: int, backend: str | None = None) -> bool:
+    """Whether the platform's (or ``backend``'s) kernel takes keys of ``width`` in pages of
+    ``page_size`` from a pool of ``pool_rows`` rows with its default blocks; the model falls
+    back to XLA where it does not (``model/paged_attention.py``)."""
+    backend = backend or default_backend()
+    ppb = default_pages_per_block(page_size, KEYS_PER_BLOCK[backend])
+    try:
+        if backend == "mosaic":
+            kernel_tpu.check_tiles(page_size, ppb, jnp.bfloat16)
+        else:
+            kernel.check_tiles(width, page_size, ppb, pool_rows)
+    except ValueError:
+        return False
+    return True
+
+
 def default_backend() -> str:
     """The kernel of this platform (or :func:`common.compile_target`): Mosaic on TPU, else
     Triton (GPU; CPU interprets it)."""
     return "mosaic" if common.backend() == "tpu" else "triton"
 
 
-def default_pages_per_block(page_size: int) -> int:
-    """Pages per grid step: 512 keys a step (at least one lane tile of 128, a power of two for
-    Triton), so that a step's fixed cost is spread over a ``[rows, 512]`` score tile."""
-    ppb = max(1, 512 // page_size)
+KEYS_PER_BLOCK = {"triton": 512, "mosaic": 2048}  # a Mosaic grid step costs ~0.35 us on its own
+
+
+def default_pages_per_block(page_size: int, keys: int = 512) -> int:
+    """Pages per grid step: about ``keys`` keys a step (at least one lane tile of 128, a power of
+    two for Triton), so that a step's fixed cost is spread over a ``[rows, keys]`` score tile
+    (:data:`KEYS_PER_BLOCK` per backend)."""
+    ppb = max(1, keys // page_size)
     while (ppb * page_size) % 128 or ppb & (ppb - 1):
         ppb += 1
     return ppb
@@ -52,14 +72,14 @@ def _pad_table(block_table, ppb: int):
 
 def prepare_mosaic(q, weights, block_table, ppb: int):
     """``kernel_tpu``'s layout: ``q [B, TJp, D]``, ``w [B, T, TJp]`` float32 (row ``t`` holds
-    query ``t``'s head weights in its ``J`` columns), the table ``[B * Wp]``."""
+    query ``t``'s head weights in its ``J`` columns), the table ``[B, Wp]``."""
     b, t, j, d = q.shape
     tjp = common.round_up(t * j, kernel_tpu.sublanes(q.dtype))
     qf = jnp.pad(q.reshape(b, t * j, d), ((0, 0), (0, tjp - t * j), (0, 0)))
     eye = jnp.eye(t, dtype=f32)
     w = (eye[None, :, :, None] * weights.astype(f32)[:, None]).reshape(b, t, t * j)
     w = jnp.pad(w, ((0, 0), (0, 0), (0, tjp - t * j)))
-    return qf, w, _pad_table(block_table, ppb).reshape(-1)
+    return qf, w, _pad_table(block_table, ppb)
 
 
 def prepare_triton(q, weights, block_table, ppb: int):
@@ -89,9 +109,10 @@ def paged_index_scores(q: jax.Array, weights: jax.Array, pool: jax.Array,
     check_inputs(q, weights, pool, block_table, page_size)
     if impl == "xla":
         return paged_index_scores_ref(q, weights, pool, block_table, page_size)
-    dt = jnp.promote_types(q.dtype, pool.dtype)
-    q, pool = q.astype(dt), pool.astype(dt)
-    ppb = pages_per_block or default_pages_per_block(page_size)
+    if q.dtype != pool.dtype:  # casting the pool would copy it, the copy the kernel avoids
+        raise ValueError(f"paged_index_scores: q ({q.dtype}) and pool ({pool.dtype}) must share "
+                         f"a dtype (the model keeps both in index_dtype); or use impl='xla'")
+    ppb = pages_per_block or default_pages_per_block(page_size, KEYS_PER_BLOCK[backend])
     if not isinstance(interpret, pltpu.InterpretParams):
         interpret = common.resolve_interpret(interpret)
     if backend == "mosaic":
