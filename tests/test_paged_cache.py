@@ -88,20 +88,23 @@ def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model, index_dtype)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch):
+@pytest.mark.parametrize("index_backend", ["triton", "mosaic"])
+def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index_backend):
     """``attention_impl="pallas"``: the sparse MLA kernel, and in decode steps the paged index
-    kernel reading index keys through the block table (``kernels_pallas/paged_index``; both in
-    interpret mode), give the XLA path's logits over the same scattered pages."""
+    kernel reading index keys through the block table (``kernels_pallas/paged_index``, the GPU
+    or the TPU version; all in interpret mode), give the XLA path's logits over the same
+    scattered pages."""
     from kdsa.model import paged_attention
 
     calls = []
 
     def counted(*a, **k):
         calls.append(a[0].shape)
-        return real(*a, **k)
+        return real(*a, backend=index_backend, **k)
 
     real = paged_attention.paged_index_scores
     monkeypatch.setattr(paged_attention, "paged_index_scores", counted)
+    jax.clear_caches()  # the other backend's run compiled the same steps: trace them again
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),
                rng.integers(0, CFG.vocab_size, 5).tolist()]
