@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernel_target", default=None)
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -61,6 +62,22 @@ def next_pow2(n: int) -> int:
 
 def round_up(n: int, m: int) -> int:
     return -(-int(n) // m) * m
+
+
+DIMS_NN = (((1,), (0,)), ((), ()))  # a [M, K] x b [K, N] -> [M, N]
+DIMS_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
+
+
+def dot_f32(a: jax.Array, b: jax.Array, dims=DIMS_NN) -> jax.Array:
+    """The kernels' matmul: float32 accumulation, float32 inputs at full precision."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, dims, precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def sublanes(dtype) -> int:
+    """Rows of one packed TPU VMEM tile: 8 for 32-bit, 16 for bfloat16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -91,7 +91,7 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
                                           ctx_rows)  # the indexer reads positions
     decode_scores = None
     if impl == "pallas" and index is not None and paged_index_supported(
-            index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0]):
+            index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0], dtype=index_pool.dtype):
         # a decode step's scores read through the block table, no copy of the keys
         def decode_scores(q, weights):
             return paged_index_scores(q, weights, index_pool, block_table, pc.PAGE_SIZE)

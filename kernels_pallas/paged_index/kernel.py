@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kdsa.kernels_pallas.common import DIMS_NT, dot_f32
+
 f32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
 
 
 def check_tiles(width: int, page_size: int, pages_per_block: int, pool_rows: int = 0) -> None:
@@ -44,11 +45,6 @@ def check_tiles(width: int, page_size: int, pages_per_block: int, pool_rows: int
                          f"{pages_per_block} must be a power of two")
 
 
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
-
-
 def _kernel(table_ref, q_ref, w_ref, pool_ref, out_ref, *, page: int, ppb: int):
     ids = table_ref[...]                                                     # [ppb] int32
     n = ppb * page
@@ -60,7 +56,7 @@ def _kernel(table_ref, q_ref, w_ref, pool_ref, out_ref, *, page: int, ppb: int):
         page_of = jnp.where(which == i, jnp.sum(jnp.where(lane == i, ids, 0)), page_of)
     rows = jnp.maximum(page_of, 0) * page + (col - which * page)             # -1: page 0
     keys = pool_ref[rows, :]                                                 # [n, D]
-    logits = _dot(q_ref[...], keys, _NT)                                     # [Jp, n]
+    logits = dot_f32(q_ref[...], keys, DIMS_NT)                                     # [Jp, n]
     scores = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)  # [n]
     out_ref[...] = jnp.where(page_of >= 0, scores, 0.0)
 

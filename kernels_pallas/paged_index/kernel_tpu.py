@@ -38,14 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kdsa.kernels_pallas.common import DIMS_NT, dot_f32, sublanes
+
 f32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
-_NN = (((1,), (0,)), ((), ()))  # a [M, K] x b [K, N] -> [M, N]
-
-
-def sublanes(dtype) -> int:
-    """Rows of one packed VMEM tile: 8 for 32-bit, 16 for bfloat16."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def check_tiles(page_size: int, pages_per_block: int, dtype) -> None:
@@ -60,11 +55,6 @@ def check_tiles(page_size: int, pages_per_block: int, dtype) -> None:
         raise ValueError(f"paged_index_scores TPU kernel: pages_per_block * page_size = "
                          f"{pages_per_block} * {page_size} must be a positive multiple of 128 "
                          f"(the score block's lanes)")
-
-
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
 def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int, ppb: int):
@@ -93,8 +83,8 @@ def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int,
     for i in range(ppb):  # one wait per fetched page (the semaphore counts bytes)
         backed, dma = page_dma(j, slot, i)
         pl.when(backed)(dma.wait)
-    logits = _dot(q_ref[...], buf[slot], _NT)                                 # [TJp, n]
-    scores = _dot(w_ref[...], jnp.maximum(logits, 0.0), _NN)                  # [T, n]
+    logits = dot_f32(q_ref[...], buf[slot], DIMS_NT)                                 # [TJp, n]
+    scores = dot_f32(w_ref[...], jnp.maximum(logits, 0.0))                  # [T, n]
     col_page = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (1, ppb * page), 1),
                            jnp.int32(page))                          # no floor: all >= 0
     backed = jnp.zeros((1, ppb * page), jnp.bool_)

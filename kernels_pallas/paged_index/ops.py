@@ -29,18 +29,19 @@ BACKENDS = ("triton", "mosaic")
 f32 = jnp.float32
 
 
-def supports(width: int, page_size: int, pool_rows: int, backend: str | None = None) -> bool:
-    """Whether the platform's (or ``backend``'s) kernel takes keys of ``width`` in pages of
-    ``page_size`` from a pool of ``pool_rows`` rows with its default blocks; the model falls
-    back to XLA where it does not (``model/paged_attention.py``)."""
+def supports(width: int, page_size: int, pool_rows: int, backend: str | None = None,
+             dtype=jnp.bfloat16) -> bool:
+    """Whether the platform's (or ``backend``'s) kernel takes ``dtype`` keys of ``width`` in
+    pages of ``page_size`` from a pool of ``pool_rows`` rows with its default blocks; the model
+    falls back to XLA where it does not (``model/paged_attention.py``)."""
     backend = backend or default_backend()
     ppb = default_pages_per_block(page_size, KEYS_PER_BLOCK[backend])
     try:
         if backend == "mosaic":
-            kernel_tpu.check_tiles(page_size, ppb, jnp.bfloat16)
+            kernel_tpu.check_tiles(page_size, ppb, dtype)
         else:
             kernel.check_tiles(width, page_size, ppb, pool_rows)
-    except ValueError:
+    except (ValueError, NotImplementedError):
         return False
     return True
 
@@ -74,7 +75,7 @@ def prepare_mosaic(q, weights, block_table, ppb: int):
     """``kernel_tpu``'s layout: ``q [B, TJp, D]``, ``w [B, T, TJp]`` float32 (row ``t`` holds
     query ``t``'s head weights in its ``J`` columns), the table ``[B, Wp]``."""
     b, t, j, d = q.shape
-    tjp = common.round_up(t * j, kernel_tpu.sublanes(q.dtype))
+    tjp = common.round_up(t * j, common.sublanes(q.dtype))
     qf = jnp.pad(q.reshape(b, t * j, d), ((0, 0), (0, tjp - t * j), (0, 0)))
     eye = jnp.eye(t, dtype=f32)
     w = (eye[None, :, :, None] * weights.astype(f32)[:, None]).reshape(b, t, t * j)

@@ -54,9 +54,9 @@ from kdsa.kernels_pallas import common
 from kdsa.kernels_pallas.sparse_mla import kernel_tpu
 
 f32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
+_NT, _NN = common.DIMS_NT, common.DIMS_NN
 _TN = (((0,), (0,)), ((), ()))  # a [K, M] x b [K, N] -> [M, N]
-_NN = (((1,), (0,)), ((), ()))  # a [M, K] x b [K, N] -> [M, N]
+_dot = common.dot_f32
 
 # GPU (Triton): tl.dot needs every dim >= 16; FlashMLA runs 64 heads x 64 rows per step.
 # CPU (interpret): the same minimums, so tests see the GPU's padded shapes.
@@ -124,7 +124,7 @@ def plan(s: int, h: int, k: int, v_dim: int, d_b: int, *, block_h: int | None = 
 def _plan_tpu(s, h, k, v_dim, d_b, block_h, block_k, dtype) -> Plan:
     """Mosaic plan: heads padded to the sublane tile (8 f32 / 16 bf16) and to ``bh``, slots to
     ``bk``, key widths unpadded (``kernel_tpu.check_tiles`` says what is allowed)."""
-    sub = kernel_tpu.sublanes(dtype) if jnp.dtype(dtype).itemsize in (2, 4) else 8
+    sub = common.sublanes(dtype) if jnp.dtype(dtype).itemsize in (2, 4) else 8
     for name, v in (("block_h", block_h), ("block_k", block_k)):
         if v is not None and v < 1:
             raise ValueError(f"{name} = {v} must be positive")
@@ -154,11 +154,6 @@ def to_layout(q: jax.Array, ka: jax.Array, kb: jax.Array | None, indices: jax.Ar
 
 
 # ----------------------------------------------------------------------------- kernel bodies
-
-def _dot(a, b, dims):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
-
 
 def _tile(idx_ref, ka_ref, kb_ref, j, p: Plan):
     """Slot tile ``j``: validity ``[bk]``, start, gathered rows ``[bk, Da]`` (and ``[bk, Db]``)."""

@@ -68,14 +68,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kdsa.kernels_pallas.common import DIMS_NT, dot_f32, sublanes
+
 f32 = jnp.float32
-_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
+_NT = DIMS_NT
 _LANES = 128
-
-
-def sublanes(dtype) -> int:
-    """Rows of one packed VMEM tile: 8 for 32-bit, 16 for bf16."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
+_dot = dot_f32
 
 
 def check_tiles(bh: int, bk: int, hp: int, dtype) -> None:
@@ -189,11 +187,6 @@ def _tile(idx_smem, idx_vmem, hbm, bufs, sems, p, dtype):
     else:
         rows = [buf[slot] for buf in bufs]
     return valid, [jnp.where(live, r, jnp.zeros_like(r)) for r in rows]
-
-
-def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
-    precision = jax.lax.Precision.HIGHEST if a.dtype == f32 else None
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
 def _scores(qs, rows, scale):
