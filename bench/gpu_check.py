@@ -159,13 +159,13 @@ def prefill(log, t, backward):
 
 
 def paged_problem(key, b, s, dtype, heads=64, width=128, page=64):
-    """Index queries ``[B, 1, J, D]``, weights, a pool of ``b * s / page`` pages (+ 2 scratch
-    rows) and each row's pages in a random order."""
+    """Index queries ``[B, 1, J, D]``, weights, a pool of ``b * s / page`` pages (+ a scratch
+    page, as ``PagedDSACache``'s) and each row's pages in a random order."""
     kq, kw, kp, kt = jax.random.split(key, 4)
     pages = b * s // page
     q = jax.random.normal(kq, (b, 1, heads, width), dtype)
     w = jax.random.normal(kw, (b, 1, heads), jnp.float32) * heads ** -0.5
-    pool = jax.random.normal(kp, (pages * page + 2, width), dtype)
+    pool = jax.random.normal(kp, ((pages + 1) * page, width), dtype)
     table = jax.random.permutation(kt, pages).reshape(b, s // page).astype(jnp.int32)
     return q, w, pool, table
 

@@ -74,27 +74,34 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     rows_w = write.reshape(-1)
     cache = cache.replace(**{name: cache.write(name, rows_w, v.reshape(b * t, -1))
                              for name, v in written.items()}).settled()
+    # reads go to the layer's rows of its whole stack's pools (PagedDSACache.stacked: slicing
+    # its own pool out would copy it), so every row and page id is offset to the layer's own
+    first = cache.first_row
     ctx_rows, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
+    ctx_rows = ctx_rows + first
     s = ctx_rows.shape[1]
-    lat_pool, rope_pool = cache.view("kv_latent"), cache.view("k_rope")
+    lat_pool, rope_pool = cache.stacked("kv_latent"), cache.stacked("k_rope")
     attention = sparse_mla_kernel if impl == "pallas" else sparse_mla_attention
 
     def sparse(q, idx):  # top-k positions -> pool rows (-1 stays -1); one batch of queries
         rows = pc.positions_to_slots(idx, block_table)  # [B, T', K]
+        rows = jnp.where(rows >= 0, rows + first, -1)
         bt, n, dk = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         o, _ = attention(q.reshape(1, bt, n, dk), (lat_pool[None], rope_pool[None]),
                          rows.reshape(1, bt, -1), scale, v_dim, chunk_size=chunk_size)
         return o.reshape(q.shape[0], q.shape[1], n, -1)
 
-    index_pool = cache.view("index_keys")
+    index_pool = cache.stacked("index_keys")
     indexer = None if index is None else (index[0], index_pool, index[1],
                                           ctx_rows)  # the indexer reads positions
     decode_scores = None
     if impl == "pallas" and index is not None and paged_index_supported(
             index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0], dtype=index_pool.dtype):
         # a decode step's scores read through the block table, no copy of the keys
+        pages = jnp.where(block_table >= 0, block_table + first // pc.PAGE_SIZE, -1)
+
         def decode_scores(q, weights):
-            return paged_index_scores(q, weights, index_pool, block_table, pc.PAGE_SIZE)
+            return paged_index_scores(q, weights, index_pool, pages, pc.PAGE_SIZE)
     o_lat = attend_cache(
         q_abs, indexer, keys=lambda w: (lat_pool[ctx_rows[:, :w]], rope_pool[ctx_rows[:, :w]]),
         sparse=sparse, topk=topk, scale=scale, num_keys=s, q_pos=positions,

@@ -26,10 +26,13 @@ import jax.numpy as jnp
 from flax import struct
 
 PAGE_SIZE = 64
-# Rows after each partition's pages: the last is the scratch row (the writes of tokens without a
-# page); the other keeps the row count even, since the TPU sparse attention kernel reads 16-bit
-# rows as 32-bit row pairs and padded (copied) a pool with an odd count at every step.
-SCRATCH_ROWS = 2
+# Rows after each partition's pages, a page's worth: the last is the scratch row (the writes of
+# tokens without a page), the others are unused. A whole page keeps every layer's rows a whole
+# number of pages and TPU tiles: the TPU sparse attention kernel reads 16-bit rows as 32-bit
+# row pairs and padded (copied) a pool with an odd row count at every step, and a layer reads
+# its stack's pools as one ``[L * R, D]`` array (``PagedDSACache.stacked``), a free reshape only
+# when ``R`` is a whole number of tiles.
+SCRATCH_ROWS = PAGE_SIZE
 
 
 class LayerBuffers:
@@ -56,20 +59,22 @@ class LayerBuffers:
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
-    dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = num_pages * PAGE_SIZE + 2``
+    dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = (num_pages + 1) * PAGE_SIZE``
     rows (:data:`SCRATCH_ROWS`): the last, :attr:`scratch_row`, belongs to no page and takes
     the writes of tokens that have no page (padding), so every write is in bounds (a write XLA
-    must be ready to drop made it copy the whole pool to keep the old value); the one before it
-    is unused and keeps ``R`` even.
+    must be ready to drop made it copy the whole pool to keep the old value); the rest of the
+    last page is unused.
 
     On a mesh whose layout splits the batch over ``parts`` device groups the pool is ``parts``
-    such pools end to end, ``R = parts * (num_pages / parts * PAGE_SIZE + 2)``, split over the
+    such pools end to end, ``R = parts * (num_pages / parts + 1) * PAGE_SIZE``, split over the
     same groups: group ``p`` holds pages ``[p * n, (p + 1) * n)`` (``n`` pages per part) for the
     slots it runs (``model/paged_attention.py``).
 
     Inside the layer scan a layer gets the pools of its whole stack, ``[repeats, R, D]``, with
-    ``layer`` its index there: it writes and reads ``pool[layer, rows]`` in place, since slicing
-    its own ``[R, D]`` out and stacking it back made XLA copy every pool at every step."""
+    ``layer`` its index there, and reads and writes them as one ``[repeats * R, D]`` array whose
+    rows ``[layer * R, (layer + 1) * R)`` are its own (:meth:`stacked`): slicing its own
+    ``[R, D]`` out made XLA:TPU copy each of its pools at every step, and stacking it back
+    copied every pool."""
     kv_latent: jax.Array
     k_rope: jax.Array
     index_keys: jax.Array
@@ -94,14 +99,24 @@ class PagedDSACache(LayerBuffers):
     def scratch_row(self) -> int:
         return self.num_rows - 1
 
-    def write(self, name: str, rows: jax.Array, values: jax.Array) -> jax.Array:
-        """Pool ``name`` with ``values [n, D]`` at ``rows [n]``, each in ``[0, num_rows)`` (the
-        scratch row for a token without a page)."""
+    @property
+    def first_row(self) -> jax.Array | int:
+        """Where this layer's rows start in :meth:`stacked`'s arrays (a whole page: ``R`` is)."""
+        return 0 if self.layer is None else self.layer * self.num_rows
+
+    def stacked(self, name: str) -> jax.Array:
+        """Pool ``name`` of the layer's whole stack as rows ``[repeats * R, D]`` (``[R, D]``
+        outside a scan): its own row ``r`` is row ``first_row + r``. A reshape, no copy."""
         pool = getattr(self, name)
-        values = values.astype(pool.dtype)
-        if self.layer is None:
-            return pool.at[rows].set(values, mode="promise_in_bounds")
-        return pool.at[self.layer, rows].set(values, mode="promise_in_bounds")
+        return pool if self.layer is None else pool.reshape(-1, pool.shape[-1])
+
+    def write(self, name: str, rows: jax.Array, values: jax.Array) -> jax.Array:
+        """Pool ``name`` with ``values [n, D]`` at this layer's ``rows [n]``, each in
+        ``[0, num_rows)`` (the scratch row for a token without a page)."""
+        pool = getattr(self, name)
+        flat = self.stacked(name).at[rows + self.first_row].set(values.astype(pool.dtype),
+                                                                  mode="promise_in_bounds")
+        return flat.reshape(pool.shape)
 
 
 @struct.dataclass
@@ -158,7 +173,7 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACach
                          f"partitions")
     dt = dtype_of(config.compute_dtype)
     di = config.index_head_dim if config.use_indexer else 0
-    rows = parts * (num_pages // parts * PAGE_SIZE + SCRATCH_ROWS)  # + scratch per partition
+    rows = parts * (num_pages // parts * PAGE_SIZE + SCRATCH_ROWS)  # + a scratch page each
     zeros = lambda d, dt=dt: jnp.zeros((rows, d), dt)  # noqa: E731
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
                          k_rope=zeros(config.qk_rope_head_dim),

@@ -119,6 +119,27 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
+    """Layers 2 and 3 share one scan, so their pools are one ``[2, R, D]`` stack that each layer
+    reads and writes as ``[2 * R, D]`` at its own rows (``PagedDSACache.stacked``): the paged
+    steps equal the dense-slot cache's, with XLA and with the Pallas kernels (whose page ids
+    are offset to the layer's rows)."""
+    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
+                                "linear_attn_config.full_attn_layers=[1, 2, 3]"])
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, 70).tolist(),
+               rng.integers(0, cfg.vocab_size, 5).tolist()]
+    table = jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32)
+    for impl in ("xla", "pallas"):
+        model = Transformer(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
+        paged = model.init_paged_cache(2, num_pages=9, max_pages=3).replace(block_table=table)
+        stacks = [x.kv_latent.shape[0] for x in jax.tree.leaves(paged.layers, is_leaf=lambda x:
+                  isinstance(x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
+        assert stacks == [1, 2], stacks
+        want = _run(model, model.init_cache(2, 3 * P), prompts)
+        np.testing.assert_allclose(_run(model, paged, prompts), want, rtol=1e-5, atol=1e-5)
+
+
 def test_other_requests_pages_are_never_read(model):
     """Garbage in pages a row does not own changes nothing for that row."""
     rng = np.random.default_rng(1)
@@ -283,10 +304,10 @@ def test_cache_memory_sizes_the_pool():
 
     per = page_bytes(CFG)
     assert per == 1 * P * dsa_cache_bytes_per_token(CFG)  # one DSA layer
-    assert pages_in(10 * per + per // 2, CFG) == 10
-    # the pool also holds 2 scratch rows per DSA layer: 10 pages need that much more
+    assert pages_in(11 * per + per // 2, CFG) == 10  # and the scratch page
+    # the pool also holds a scratch page per DSA layer: 10 pages need that much more
     scratch = pc.SCRATCH_ROWS * (per // P)
-    assert pc.SCRATCH_ROWS == 2
+    assert pc.SCRATCH_ROWS == P
     assert pages_in(10 * per + scratch - 1, CFG) == 9 and pages_in(10 * per + scratch, CFG) == 10
     pool = jax.eval_shape(lambda: pc.init_paged_dsa_cache(CFG, 10))
     assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \

@@ -119,7 +119,7 @@ def test_triton_kernel_lowers_for_cuda():
 
     shapes = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
         ((8, 1, 64, 128), jnp.bfloat16), ((8, 1, 64), jnp.float32),
-        ((1024 * 64 + 2, 128), jnp.bfloat16), ((8, 256), jnp.int32))]
+        ((1025 * 64, 128), jnp.bfloat16), ((8, 256), jnp.int32))]
     device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
             jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):

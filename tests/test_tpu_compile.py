@@ -77,7 +77,7 @@ def test_paged_index_mosaic_kernel_compiles_and_reads_the_pool_in_place(topology
     pool reaches it as it is, in HBM (no copy or re-layout: pages are fetched by DMA through the
     block table)."""
     b, j, d, pages, width = 8, 64, 128, 1024, 256
-    rows = pages * 64 + 2  # as a paged cache pool: an even row count
+    rows = (pages + 1) * 64  # as a paged cache pool: its pages and the scratch page
     shapes = (((b, 1, j, d), jnp.bfloat16), ((b, 1, j), jnp.float32),
               ((rows, d), jnp.bfloat16), ((b, width), jnp.int32))
     compiled = compile_for(topology, lambda q, w, pool, table: paged_index_scores(
@@ -181,21 +181,24 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     ``data=2,tensor=2`` (two batch device groups, each with its partition of the pool) compile
     for v5e with XLA attention and with the Pallas kernels inside (sparse MLA; the paged index
     scores in the decode step), and no collective moves the pool (no collective has the pool's
-    rows, whole or one partition, in its shape), nor is it padded."""
+    rows, whole or one partition, in its shape), nor is it padded. Two Gated DSA layers share
+    one scan: neither slices its own pool out of the stack (no array has one layer's rows)."""
     import re
 
     from kdsa.infer import aot
     from kdsa.model.config import get_preset
     from kdsa.model.overrides import apply_overrides
+    from kdsa.model.paged_cache import SCRATCH_ROWS
 
     monkeypatch.setattr(aot, "compiled_memory", lambda compiled, seconds: compiled.as_text())
     sizes = {"data": 2, "fsdp": 1, "expert": 1, "tensor": 2, "sequence": 1}
-    part = 4 * 4 // 2 * 64 + 2  # 4 slots x 4 pages in 2 partitions, 2 scratch rows each
+    # 4 slots x 4 pages in 2 partitions, with their scratch rows (a page's worth) each
+    part = 4 * 4 // 2 * 64 + SCRATCH_ROWS
     steps = {}
     for impl in ("xla", "pallas"):
         cfg = apply_overrides(get_preset("tiny"), [
-            "num_hidden_layers=1", "linear_attn_config.kda_layers=[]",
-            "linear_attn_config.full_attn_layers=[1]", "first_k_dense_replace=0",
+            "num_hidden_layers=2", "linear_attn_config.kda_layers=[]",
+            "linear_attn_config.full_attn_layers=[1, 2]", "first_k_dense_replace=0",
             "compute_dtype=bfloat16", f"attention_impl={impl}"])
         steps.update({(impl, name): f for name, f in aot.generate_step_compiles(
             cfg, "v5e:2x2", sizes, slots=4, max_len=256, prefill_chunk=64, paged=True).items()})
@@ -213,5 +216,9 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
         # nor is a partition padded (bfloat16 pools: the sparse MLA kernel reads rows as 32-bit
         # pairs, and an odd row count made it pad, i.e. copy, the whole pool at every step)
         whole = [ln for ln in text.splitlines() if re.search(
-            rf"= \w+\[(1,)?({part}|{part + 1}),\d+\]\S* pad\(", ln)]
+            rf"= \w+\[(\d+,)?({part}|{part + 1}),\d+\]\S* pad\(", ln)]
         assert not whole, (name, whole[:2])
+        # the layers read and write their stack's [2, R, D] pools in place: slicing a layer's
+        # own [R, D] out (a dynamic-slice, then a copy) cost a pool's copy per layer and step
+        sliced = [ln for ln in text.splitlines() if re.search(rf"= \w+\[(1,)?{part},\d+\]", ln)]
+        assert not sliced, (name, sliced[:2])
