@@ -48,6 +48,7 @@ from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.layers import inverse_permutation
 from kdsa.model.partitioning import ShardingContext, current
+from kdsa.model.stacked_experts import ragged_dot, spec_of
 
 
 def expert_parallel_experts():
@@ -96,7 +97,8 @@ def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *
     """Expert-parallel ``experts_ragged``: ``(y [N, De] in z.dtype, {"moe_dropped": [] int32})``.
 
     Same arguments as ``kdsa.model.moe.experts_ragged`` (global shapes): z ``[N, De]``,
-    topk ``[N, k]``, w1/w3 ``[E, De, I]``, w2 ``[E, I, De]``.
+    topk ``[N, k]``, w1/w3 ``[E, De, I]``, w2 ``[E, I, De]`` (or ``StackedWeight``s, whose
+    stacks enter split the same way behind their repeat axis).
     """
     n, de = z.shape
     e, _, i = w1.shape
@@ -117,7 +119,8 @@ def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *
                              tok_axes=tok, factor=ctx.moe_capacity_factor)
     t = P(_entry(tok), None)
     up, down = P(_entry(ep_axes), None, _entry(tp_axes)), P(_entry(ep_axes), _entry(tp_axes), None)
-    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(t, t, t, up, up, down),
+    fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(t, t, t, spec_of(w1, up), spec_of(w3, up),
+                                                       spec_of(w2, down)),
                        out_specs=(t, P()))
     y, dropped = fn(z, topk_idx, topk_weight, w1, w3, w2)
     return y, {"moe_dropped": dropped}
@@ -141,10 +144,10 @@ def _local_experts(rows, ids, w1, w3, w2, config):
     sizes = jnp.zeros((e_loc,), jnp.int32).at[ids].add(1, mode="drop")  # [E_loc]
     x = jnp.take(rows, order, axis=0)                                   # [R, De]
     valid = (jnp.take(ids, order) < e_loc)[:, None]                     # [R, 1]
-    gate = jax.lax.ragged_dot(x, w1.astype(dt), sizes)                  # [R, I_loc]
-    up = jax.lax.ragged_dot(x, w3.astype(dt), sizes)
+    gate = ragged_dot(x, w1, sizes, dt)                                 # [R, I_loc]
+    up = ragged_dot(x, w3, sizes, dt)
     h = jnp.where(valid, gated_activation(gate, up, config), 0)
-    out = jnp.where(valid, jax.lax.ragged_dot(h, w2.astype(dt), sizes), 0)  # [R, De]
+    out = jnp.where(valid, ragged_dot(h, w2, sizes, dt), 0)             # [R, De]
     return jnp.take(out, _inverse(order), axis=0)
 
 

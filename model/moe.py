@@ -50,6 +50,7 @@ from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, l
 from kdsa.model.expert_parallel import expert_parallel_experts
 from kdsa.model.experts_cpu import experts_cpu
 from kdsa.model.partitioning import compile_platform
+from kdsa.model.stacked_experts import own, ragged_dot
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
@@ -147,7 +148,8 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     """Dropless sorted dispatch: ``sum_j weight_j * w2_e(act(w1_e z, w3_e z))`` per token.
 
     Args:
-      z: ``[N, De]``; topk_idx, topk_weight: ``[N, k]``; w1, w3: ``[E, De, I]``; w2: ``[E, I, De]``.
+      z: ``[N, De]``; topk_idx, topk_weight: ``[N, k]``; w1, w3: ``[E, De, I]``; w2: ``[E, I, De]``
+        (or ``stacked_experts.StackedWeight``s: the layer's in its scan's stacks).
     Returns ``[N, De]`` in ``z.dtype``; the weighted combine is float32.
 
     The ``M = N*k`` assignments are stably sorted by expert, so each expert's rows are
@@ -166,10 +168,10 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     order = jnp.argsort(flat, stable=True)  # [M] assignment ids sorted by expert
     rows = jnp.take(z, order // k, axis=0)  # [M, De]
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-    gate = jax.lax.ragged_dot(rows, w1.astype(dt), group_sizes)  # [M, I]
-    up = jax.lax.ragged_dot(rows, w3.astype(dt), group_sizes)  # [M, I]
+    gate = ragged_dot(rows, w1, group_sizes, dt)  # [M, I]
+    up = ragged_dot(rows, w3, group_sizes, dt)  # [M, I]
     h = gated_activation(gate, up, config)  # [M, I]
-    out_sorted = jax.lax.ragged_dot(h, w2.astype(dt), group_sizes)  # [M, De]
+    out_sorted = ragged_dot(h, w2, group_sizes, dt)  # [M, De]
     inverse = inverse_permutation(order)  # [M]
     out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, de)  # [N, k, De]
     y = jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), topk_weight.astype(jnp.float32))
@@ -182,7 +184,7 @@ def experts_routed(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     TPU (the active mesh's devices, else ``kernels_pallas.common.backend()``, which follows
     ``compile_target``), ``kdsa.model.experts_cpu.experts_cpu`` for CPU."""
     if compile_platform() == "cpu":
-        return experts_cpu(z, topk_idx, topk_weight, w1, w3, w2, config)
+        return experts_cpu(z, topk_idx, topk_weight, own(w1), own(w3), own(w2), config)
     return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
 
 
@@ -193,8 +195,8 @@ def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w
     ``combine[n, e]`` is the routing weight of expert e for token n (zero when not chosen).
     Costs ``E / k`` times the routed FLOPs; for tests and small runs only.
     """
-    e = w1.shape[0]
-    dt = z.dtype
+    e, dt = w1.shape[0], z.dtype
+    w1, w3, w2 = own(w1), own(w3), own(w2)
     combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(topk_idx, e, dtype=jnp.float32),
                          topk_weight.astype(jnp.float32))  # [N, E]
     gate = jnp.einsum("nd,edi->nei", z, w1.astype(dt))
@@ -305,7 +307,7 @@ class RoutedExperts(nnx.Module):
                                               getattr(self, f"{n}_scale")[...], dt)
                          for n in ("w1", "w3", "w2"))
         ws = (self.w1[...], self.w3[...], self.w2[...])
-        return qat_expert_weights(*ws) if self.config.expert_qat else ws
+        return qat_expert_weights(*map(own, ws)) if self.config.expert_qat else ws
 
     def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
                  experts_fn: ExpertsFn = experts_routed) -> jax.Array:

@@ -33,6 +33,7 @@ from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
 from kdsa.model.paged_cache import PagedCache, PagedDSACache, init_paged_dsa_cache
 from kdsa.model.partitioning import constrain
+from kdsa.model.stacked_experts import StackedWeight, is_expert_weight, keep_stacked
 
 Segment = tuple[int, int, int]  # (first layer, period, repeats)
 
@@ -215,12 +216,23 @@ class Transformer(nnx.Module):
         the scan's carry; each layer gets its own slice of the per-row (KDA) leaves, and the
         whole stack's DSA buffers (dense slots or paged pools) with its index, which it updates
         in place (``DSACache.layer``, ``PagedDSACache.layer``): XLA copied every DSA cache
-        several times per step when a layer's was sliced out and stacked back."""
+        several times per step when a layer's was sliced out and stacked back. Compiled for
+        TPU, the routed experts' weights stay whole too (``model/stacked_experts.py``)."""
         is_pool = lambda x: isinstance(x, (DSACache, PagedDSACache))  # noqa: E731
+        per_layer = any(isinstance(x, LayerSlices) for x in jax.tree.leaves(
+            state, is_leaf=lambda x: isinstance(x, LayerSlices)))
+        whole = []  # (path, Variable) of the expert stacks each layer reads with its index
+        if keep_stacked() and not per_layer and len(firsts) > 1:
+            flat = nnx.to_flat_state(state)
+            whole = [(p, v) for p, v in flat if is_expert_weight(p)]
+            state = nnx.from_flat_state([(p, v) for p, v in flat if not is_expert_weight(p)])
 
         def body(carry, xs):
             res, stacked = carry
             st, first, i, ids = xs
+            if whole:
+                st = nnx.from_flat_state(list(nnx.to_flat_state(st)) + [
+                    (p, v.replace(StackedWeight(v[...], i))) for p, v in whole])
             cache = jax.tree.map(lambda a: a.replace(layer=i) if is_pool(a) else
                                  jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
                                  stacked, is_leaf=is_pool)
@@ -235,8 +247,6 @@ class Transformer(nnx.Module):
             return (res, stacked), stats
 
         xs = (state, firsts, jnp.arange(len(firsts), dtype=jnp.int32), expert_ids)
-        per_layer = any(isinstance(x, LayerSlices) for x in jax.tree.leaves(
-            state, is_leaf=lambda x: isinstance(x, LayerSlices)))
         if self.config.scan_layers and not per_layer:
             (res, caches), stats = jax.lax.scan(body, (res, caches), xs)
             return res, caches, stats

@@ -181,8 +181,9 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     ``data=2,tensor=2`` (two batch device groups, each with its partition of the pool) compile
     for v5e with XLA attention and with the Pallas kernels inside (sparse MLA; the paged index
     scores in the decode step), and no collective moves the pool (no collective has the pool's
-    rows, whole or one partition, in its shape), nor is it padded. Two Gated DSA layers share
-    one scan: neither slices its own pool out of the stack (no array has one layer's rows)."""
+    rows, whole or one partition, in its shape), nor is it padded. Two Gated DSA + MoE layers
+    share one scan: neither slices its own pool out of the stack (no array has one layer's
+    rows), nor its routed experts' weights (``model/stacked_experts.py``)."""
     import re
 
     from kdsa.infer import aot
@@ -199,7 +200,7 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
         cfg = apply_overrides(get_preset("tiny"), [
             "num_hidden_layers=2", "linear_attn_config.kda_layers=[]",
             "linear_attn_config.full_attn_layers=[1, 2]", "first_k_dense_replace=0",
-            "compute_dtype=bfloat16", f"attention_impl={impl}"])
+            "compute_dtype=bfloat16", "param_dtype=bfloat16", f"attention_impl={impl}"])
         steps.update({(impl, name): f for name, f in aot.generate_step_compiles(
             cfg, "v5e:2x2", sizes, slots=4, max_len=256, prefill_chunk=64, paged=True).items()})
     for name, compile_step in steps.items():
@@ -222,3 +223,9 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
         # own [R, D] out (a dynamic-slice, then a copy) cost a pool's copy per layer and step
         sliced = [ln for ln in text.splitlines() if re.search(rf"= \w+\[(1,)?{part},\d+\]", ln)]
         assert not sliced, (name, sliced[:2])
+        # nor are a layer's routed experts [E, De, I / tensor] (or [E, I / tensor, De]) sliced
+        # out of their [2, E, ...] stacks: the grouped matmuls read the stacks whole
+        e, de, i = cfg.num_experts, cfg.expert_hidden_size, cfg.moe_intermediate_size // 2
+        experts = [ln for ln in text.splitlines()
+                   if re.search(rf"= \w+\[(1,)?{e},({de},{i}|{i},{de})\]", ln)]
+        assert not experts, (name, experts[:2])

@@ -1,0 +1,94 @@
+"""Routed experts' weights read where they lie inside the cached layer scan (TPU).
+
+The cached layer scan (``Transformer._run_cached_segment``, prefill and decode) gives each layer
+its weights sliced out of their ``[R, ...]`` stacks. XLA:TPU fuses such a slice into a dense
+matmul that reads it, but not into ``jax.lax.ragged_dot``: every MoE layer's routed experts
+``[E, De, I]`` were copied out of their stack at every step (``k3-slice`` at 12 layers on
+``v5e``: all of a decode step's temporaries, docs/sharding.md §9). The copy reads and writes
+the layer's expert weights once more before the grouped matmul reads them, and a decode step
+at small batch is bound by reading those weights.
+
+So when compiling for TPU the scan hands each MoE layer its whole stacks, as
+:class:`StackedWeight` ``(stack [R, E, ...], layer)``, and :func:`ragged_dot` multiplies by
+``stack.reshape(R * E, ...)`` (a free reshape) with the layer's group sizes at groups
+``[layer * E, (layer + 1) * E)`` and every other group empty: the products of
+``ragged_dot(x, stack[layer], sizes)`` without the slice. The paths that take no stack (the CPU
+experts, the one-hot reference, fake-quantised QAT weights, a cast to another dtype) get the
+layer's own slice (:func:`own`), as before. MXFP4 weights are not kept stacked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kdsa.model.partitioning import compile_platform
+
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # RoutedExperts' float weights, by attribute name
+
+
+@jax.tree_util.register_pytree_node_class
+class StackedWeight:
+    """One layer's routed-expert weight ``[E, ...]``, held as its scan's whole ``stack``
+    ``[R, E, ...]`` and the ``layer`` index there; ``shape`` and ``dtype`` are the layer's."""
+
+    def __init__(self, stack, layer):
+        self.stack, self.layer = stack, layer
+
+    def tree_flatten(self):
+        return (self.stack, self.layer), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    def __getitem__(self, index):  # ``variable[...]`` (nnx) reads the value whole
+        if index is not Ellipsis:
+            raise TypeError("a StackedWeight is read whole (w[...]) or through own(w)")
+        return self
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+
+def keep_stacked() -> bool:
+    """Whether the cached scan hands MoE layers their expert stacks: when compiling for TPU
+    (``ragged_dot`` on XLA:CPU is a masked dense product over every group, and GPU was not
+    measured)."""
+    return compile_platform() == "tpu"
+
+
+def is_expert_weight(path: tuple) -> bool:
+    """Whether an ``nnx`` state path is a routed experts' float weight (``...experts.w1``)."""
+    return len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_WEIGHTS
+
+
+def own(w):
+    """The layer's own weight: ``w``, or its slice out of a :class:`StackedWeight`."""
+    if isinstance(w, StackedWeight):
+        return jax.lax.dynamic_index_in_dim(w.stack, w.layer, keepdims=False)
+    return w
+
+
+def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax.Array:
+    """``jax.lax.ragged_dot(x [M, K], w.astype(dtype) [E, K, N], group_sizes [E])`` with ``w``
+    an array or a :class:`StackedWeight` (read through the flat stack; module docstring)."""
+    if not isinstance(w, StackedWeight) or w.dtype != dtype:
+        return jax.lax.ragged_dot(x, own(w).astype(dtype), group_sizes)
+    r, e = w.stack.shape[:2]
+    sizes = jax.lax.dynamic_update_slice(jnp.zeros((r * e,), group_sizes.dtype), group_sizes,
+                                         (w.layer * e,))                           # [R * E]
+    return jax.lax.ragged_dot(x, w.stack.reshape((r * e,) + w.shape[1:]), sizes)
+
+
+def spec_of(w, spec):
+    """A ``shard_map`` in-spec for ``w``: ``spec`` of an ``[E, ...]`` array, or the same split
+    behind an unsplit repeat axis (and a replicated layer index) for a :class:`StackedWeight`."""
+    from jax.sharding import PartitionSpec as P
+
+    return StackedWeight(P(None, *spec), P()) if isinstance(w, StackedWeight) else spec
