@@ -3,7 +3,8 @@ requests; a block table says which pages hold each request's positions.
 
 Layout (PagedAttention, Kwon et al. 2023, applied to the MLA latent cache and the indexer keys)::
 
-    pool rows        [P * PAGE_SIZE, D]        one array per DSA layer and cache part
+    pool rows        [(P + 1) * PAGE_SIZE, D]  one array per DSA layer and cache part (the
+                                               last page: scratch, ``SCRATCH_ROWS``)
     block_table      [B, max_pages] int32      page id of positions [j * PAGE_SIZE, (j+1) * PAGE_SIZE)
                                                of row b; -1: no page (positions there are invisible)
     slot(b, p)     = block_table[b, p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE
@@ -107,8 +108,9 @@ class PagedDSACache(LayerBuffers):
     def stacked(self, name: str) -> jax.Array:
         """Pool ``name`` of the layer's whole stack as rows ``[repeats * R, D]`` (``[R, D]``
         outside a scan): its own row ``r`` is row ``first_row + r``. A reshape, no copy."""
-        pool = getattr(self, name)
-        return pool if self.layer is None else pool.reshape(-1, pool.shape[-1])
+        pool = getattr(self, name)  # (an indexer-less layer's index_keys are [.., R, 0])
+        return pool if self.layer is None else pool.reshape(pool.shape[0] * pool.shape[1],
+                                                            pool.shape[2])
 
     def write(self, name: str, rows: jax.Array, values: jax.Array) -> jax.Array:
         """Pool ``name`` with ``values [n, D]`` at this layer's ``rows [n]``, each in

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kdsa.model.partitioning import compile_platform
+from kdsa.model.partitioning import compile_platform, current
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # RoutedExperts' float weights, by attribute name
 
@@ -59,8 +59,11 @@ class StackedWeight:
 def keep_stacked() -> bool:
     """Whether the cached scan hands MoE layers their expert stacks: when compiling for TPU
     (``ragged_dot`` on XLA:CPU is a masked dense product over every group, and GPU was not
-    measured)."""
-    return compile_platform() == "tpu"
+    measured), unless the active layout splits the experts' ``expert_embed`` dim (the train
+    layout's FSDP): the expert-parallel ``shard_map`` gathers that dim at its boundary, which
+    would gather the whole stack for each layer."""
+    ctx = current()
+    return compile_platform() == "tpu" and (ctx is None or not ctx.axes("expert_embed"))
 
 
 def is_expert_weight(path: tuple) -> bool:

@@ -33,8 +33,8 @@ def mesh():
     return make_mesh(AXES)
 
 
-def _model():
-    return Transformer(CFG, rngs=nnx.Rngs(0))
+def _model(cfg=CFG):
+    return Transformer(cfg, rngs=nnx.Rngs(0))
 
 
 def _requests(prompts, max_tokens):
@@ -42,8 +42,8 @@ def _requests(prompts, max_tokens):
                                             ignore_eos=True)) for p in prompts]
 
 
-def _runner(mesh=None, **kw):
-    return ModelRunner(_model(), max_len=3 * P, prefill_chunk=32, min_bucket=32, mesh=mesh,
+def _runner(mesh=None, cfg=CFG, **kw):
+    return ModelRunner(_model(cfg), max_len=3 * P, prefill_chunk=32, min_bucket=32, mesh=mesh,
                        **kw)
 
 
@@ -58,18 +58,19 @@ def _engine(runner, **kw):
     return Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0, **kw)
 
 
-def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
-    """Prefill chunks and decode steps over pages of four partitions give one device's logits
-    for the same pages; each device holds a quarter of the pool. Engines on the two runners
-    without the prefix cache (five requests, a pool per group) give the same outputs."""
+def _steps_equal(runners):
+    """Prefill chunks and decode steps of four requests (slot 2g, pages 1 and 0 of group g's
+    partition) on the mesh runner and the one-device runner: the same logits. Returns the
+    random generator that drew the prompts."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n) for n in (40, 70, 20, 100)]
     logits = []
     for r in runners:
         got = []
         for g, p in enumerate(prompts):  # slot 2g: the first of group g; one device: the
-            local = [1, 0]               # same global pages
-            r.set_pages(2 * g, local if r.partitions > 1 else [3 * g + x for x in local])
+            local = [1, 0]               # same global pages (a dense-slot runner: no pages)
+            if r.num_pages is not None:
+                r.set_pages(2 * g, local if r.partitions > 1 else [3 * g + x for x in local])
             got += [np.asarray(r.prefill(2 * g, p[i:i + 32], i)) for i in range(0, len(p), 32)]
         toks, pos = np.zeros(8, np.int32), np.zeros(8, np.int32)
         pos[::2] = [len(p) for p in prompts]
@@ -81,6 +82,14 @@ def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
         logits.append(got)
     for a, b in zip(*logits):
         np.testing.assert_allclose(a, b, atol=2e-5)
+    return rng
+
+
+def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
+    """Prefill chunks and decode steps over pages of four partitions give one device's logits
+    for the same pages; each device holds a quarter of the pool. Engines on the two runners
+    without the prefix cache (five requests, a pool per group) give the same outputs."""
+    rng = _steps_equal(runners)
     r = runners[0]
     assert r.partitions == 4 and r.pages_per_partition == 3
     pool = jax.tree.leaves(r.cache, is_leaf=lambda x: isinstance(x, pc.PagedDSACache))
@@ -116,6 +125,19 @@ def _turns(eng, ref, rng, sessions, reverse_second=False):
         prompts = [p + g.token_ids + rng.integers(0, 256, 20).tolist()
                    for p, g in zip(order, got)]
     return eng.metrics()["prefix_cache"]["hit_tokens"] - hits
+
+
+def test_a_stack_of_dsa_layers_on_a_mesh_equals_one_device(mesh):
+    """Three Gated DSA layers, the last two in one scan: each reads and writes its own rows of
+    its stack's pools in every partition (``PagedDSACache.stacked``), as the dense-slot cache
+    on one device gives."""
+    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
+                                "linear_attn_config.full_attn_layers=[1, 2, 3]"])
+    runners = [_runner(mesh, cfg, num_slots=8, num_pages=12), _runner(None, cfg, num_slots=8)]
+    pools = [x for x in jax.tree.leaves(runners[0].cache, is_leaf=lambda x: isinstance(
+        x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
+    assert [p.kv_latent.shape[0] for p in pools] == [1, 2]
+    _steps_equal(runners)
 
 
 def test_engine_on_a_mesh_with_prefix_cache_equals_one_device(runners):
