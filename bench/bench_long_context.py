@@ -128,16 +128,16 @@ def decode_against_context(a, max_len: int) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     # whole-pool copies in the compiled step (XLA's optimized HLO): 0 when the pools are
     # written in place (docs/serving.md)
-    pool = next(x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if is_pool(x))
-    rows, stack = pool.num_rows, pool.kv_latent.shape[0]  # a layer's rows; [L, R, D] or [L*R, D]
+    pools = [x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if is_pool(x)]
+    rows = pools[0].num_rows  # a layer's rows; a whole stack's [L, R, D] or [L * R, D] too
+    flat = "|".join(sorted({str(p.kv_latent.shape[0] * rows) for p in pools}))
     args = runner._args(one, np.full(1, 4095, np.int32), active,
                         runner.block_table[:, :runner.table_width(64)].copy())
     hlo = runner._decode.lower(runner.decode_state(), runner.cache, *args).compile().as_text()
     pool_copies = sum(1 for line in hlo.splitlines() if " copy(" in line
-                      and re.search(rf"[\[,]({rows}|{stack * rows}),", line))
+                      and re.search(rf"[\[,]({rows}|{flat}),", line))
     # what the runner holds: the per-slot (KDA) leaves of one slot, and the DSA page pool
     per_slot = [x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if not is_pool(x)]
-    pools = [x for x in jax.tree.leaves(runner.cache, is_leaf=is_pool) if is_pool(x)]
     return {"max_len": max_len, "step_s": med, "pool_copies_per_step": pool_copies,
             "long_over_short": med[str(a.context)] / med["4096"],
             "table_pages_read": {k: runner.table_width(pages_for(c)) for k, c in contexts.items()},

@@ -34,7 +34,6 @@ from jax.sharding import PartitionSpec as P
 from kdsa.kernels_pallas.paged_index import paged_index_scores
 from kdsa.kernels_pallas.paged_index.ops import supports as paged_index_supported
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
-from kdsa.kernels_pallas.sparse_mla.ops import default_backend as sparse_mla_backend
 from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
 from kdsa.model.dsa_cache_attention import attend_cache
@@ -42,7 +41,6 @@ from kdsa.model.paged_cache import PagedDSACache
 from kdsa.model.partitioning import current, without_sharding
 
 BUFFERS = ("kv_latent", "k_rope", "index_keys")
-TRITON_MAX_ELEMENTS = 2 ** 31  # the Triton kernels' int32 element offsets into a pool
 
 
 def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions: jax.Array,
@@ -77,12 +75,8 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
     cache = cache.replace(**{name: cache.write(name, rows_w, v.reshape(b * t, -1))
                              for name, v in written.items()}).settled()
     # reads go to the layer's rows of its whole stack's pools (PagedDSACache.stacked: slicing
-    # its own pool out copied it on TPU), so every row and page id is offset to the layer's own;
-    # but the Triton kernels address a pool with int32 element offsets, so a stack past 2^31
-    # elements is read as the layer's own pool (a slice)
-    whole = (impl != "pallas" or sparse_mla_backend() != "triton"
-             or cache.kv_latent.size < TRITON_MAX_ELEMENTS)
-    read, first = (cache.stacked, cache.first_row) if whole else (cache.view, 0)
+    # its own pool out copied it on TPU), so every row and page id is offset to the layer's own
+    read, first = cache.stacked, cache.first_row
     ctx_rows, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
     ctx_rows = ctx_rows + first
     s = ctx_rows.shape[1]

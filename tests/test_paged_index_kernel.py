@@ -102,13 +102,16 @@ def test_bad_inputs_raise_clear_errors():
                            interpret=pltpu.InterpretParams())
     with pytest.raises(ValueError, match="must share a dtype"):
         paged_index_scores(q, w, pool.astype(jnp.bfloat16), table, PAGE)
-    with pytest.raises(ValueError, match="int32 offsets"):
-        check_tiles(128, 64, 8, pool_rows=2 ** 24)
+    with pytest.raises(ValueError, match="int32 offsets"):  # 1-byte keys, 2^31 .. 2^32 bytes
+        check_tiles(128, 64, 8, pool_rows=2 ** 24 + 1, itemsize=1)
+    check_tiles(128, 64, 8, pool_rows=2 ** 24 + 1)  # 2-byte keys: 64-bit offsets past 4 GiB
     assert default_pages_per_block(64) == 8 and default_pages_per_block(32) == 16
     assert default_pages_per_block(64, 2048) == 32
     # where a kernel's tiles do not fit, the model keeps XLA's path (model/paged_attention.py)
     assert supports(128, 64, 1 << 20, "triton") and supports(16, 64, 1 << 20, "mosaic")
-    assert not supports(24, 64, 1 << 20, "triton") and not supports(128, 64, 1 << 24, "triton")
+    assert not supports(24, 64, 1 << 20, "triton")
+    assert not supports(128, 64, (1 << 24) + 1, "triton", jnp.int8)  # 1-byte keys past 2^31
+    assert supports(128, 64, (1 << 24) + 1, "triton")  # bfloat16: 64-bit offsets past 4 GiB
     assert not supports(128, 12, 1 << 20, "mosaic")
 
 

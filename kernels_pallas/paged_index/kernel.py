@@ -29,12 +29,17 @@ from kdsa.kernels_pallas.common import DIMS_NT, dot_f32
 f32 = jnp.float32
 
 
-def check_tiles(width: int, page_size: int, pages_per_block: int, pool_rows: int = 0) -> None:
-    """ValueError for what Triton's power-of-two tiles and 32-bit row offsets cannot hold
-    (module docstring)."""
-    if pool_rows * width >= 2 ** 31:
+def check_tiles(width: int, page_size: int, pages_per_block: int, pool_rows: int = 0,
+                itemsize: int = 2) -> None:
+    """ValueError for what Triton's power-of-two tiles and offsets cannot hold (module
+    docstring). Pallas's Triton lowering addresses an operand with 64-bit offsets past 2^32
+    bytes and 32-bit ones below, so only a pool of 1-byte keys with 2^31 .. 2^32 elements
+    overflows them."""
+    n = pool_rows * width
+    if n > 2 ** 31 and n * itemsize <= 2 ** 32:
         raise ValueError(f"paged_index_scores Triton kernel: a pool of {pool_rows} x {width} "
-                         f"elements passes 2^31, beyond the kernel's int32 offsets")
+                         f"1-byte elements passes 2^31, beyond the int32 offsets Triton uses "
+                         f"below 2^32 bytes")
     for name, v in (("index key width D", width), ("page_size * pages_per_block",
                                                    page_size * pages_per_block)):
         if v < 16 or v & (v - 1):
@@ -67,7 +72,7 @@ def paged_index_scores_triton(q, w, pool, table, *, page: int, ppb: int, interpr
     b, t, jp, d = q.shape
     wp = table.shape[1]
     n = ppb * page
-    check_tiles(d, page, ppb, pool.shape[0])
+    check_tiles(d, page, ppb, pool.shape[0], pool.dtype.itemsize)
     return pl.pallas_call(
         functools.partial(_kernel, page=page, ppb=ppb),
         out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32),

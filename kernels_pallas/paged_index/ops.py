@@ -40,7 +40,7 @@ def supports(width: int, page_size: int, pool_rows: int, backend: str | None = N
         if backend == "mosaic":
             kernel_tpu.check_tiles(page_size, ppb, dtype)
         else:
-            kernel.check_tiles(width, page_size, ppb, pool_rows)
+            kernel.check_tiles(width, page_size, ppb, pool_rows, jnp.dtype(dtype).itemsize)
     except (ValueError, NotImplementedError):
         return False
     return True

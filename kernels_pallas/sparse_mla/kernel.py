@@ -265,19 +265,9 @@ def _check_platform(interpret: bool) -> None:
                                   "backend='mosaic' (kernel_tpu.py, the default there)")
 
 
-def _check_offsets(*caches) -> None:
-    """A batch row's key block is addressed with int32 element offsets (``ka_ref[rows, :]``)."""
-    for k in caches:
-        if k is not None and k.shape[1] * k.shape[2] >= 2 ** 31:
-            raise ValueError(f"sparse_mla_attention: a key cache of {k.shape[1]} rows x "
-                             f"{k.shape[2]} passes 2^31 elements, beyond the Triton kernel's "
-                             f"int32 offsets")
-
-
 def sparse_mla_fwd(qa, qb, ka, kb, idx, *, p: Plan, scale: float, interpret: bool):
     """Padded layout in -> ``out [B, T, Hp, Da]`` f32, ``lse [B, T, Hp]`` f32."""
     _check_platform(interpret)
-    _check_offsets(ka, kb)
     b, t = qa.shape[:2]
     args = [idx, qa, ka] + ([qb, kb] if p.two_parts else [])
     return pl.pallas_call(
@@ -296,7 +286,6 @@ def sparse_mla_bwd(qa, qb, ka, kb, idx, do, lse, delta, *, p: Plan, scale: float
     """Cotangents: ``dqa [B, T, Hp, Da]``, per-slot rows ``dka [B, T, Hb, Kp, Da]`` and, with two
     parts, ``dqb``, ``dkb``; all float32. do ``[B, T, Hp, Da]``, lse / delta ``[B, T, Hp]``."""
     _check_platform(interpret)
-    _check_offsets(ka, kb)
     b, t = qa.shape[:2]
     hb = p.hp // p.bh
     args = [idx, qa, ka] + ([qb, kb] if p.two_parts else []) + [do, lse, delta]
