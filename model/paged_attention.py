@@ -76,11 +76,11 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
                              for name, v in written.items()}).settled()
     # reads go to the layer's rows of its whole stack's pools (PagedDSACache.stacked: slicing
     # its own pool out copied it on TPU), so every row and page id is offset to the layer's own
-    read, first = cache.stacked, cache.first_row
+    first = cache.first_row
     ctx_rows, backed = pc.context_slots(block_table)  # [B, S]: every position a row can hold
     ctx_rows = ctx_rows + first
     s = ctx_rows.shape[1]
-    lat_pool, rope_pool = read("kv_latent"), read("k_rope")
+    lat_pool, rope_pool = cache.stacked("kv_latent"), cache.stacked("k_rope")
     attention = sparse_mla_kernel if impl == "pallas" else sparse_mla_attention
 
     def sparse(q, idx):  # top-k positions -> pool rows (-1 stays -1); one batch of queries
@@ -93,15 +93,15 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
 
     indexer, decode_scores = None, None
     if index is not None:
-        index_pool = read("index_keys")
+        index_pool = cache.stacked("index_keys")
         indexer = (index[0], index_pool, index[1], ctx_rows)  # the indexer reads positions
-    if impl == "pallas" and index is not None and paged_index_supported(
-            index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0], dtype=index_pool.dtype):
-        # a decode step's scores read through the block table, no copy of the keys
-        pages = jnp.where(block_table >= 0, block_table + first // pc.PAGE_SIZE, -1)
+        if impl == "pallas" and paged_index_supported(
+                index_pool.shape[-1], pc.PAGE_SIZE, index_pool.shape[0], dtype=index_pool.dtype):
+            # a decode step's scores read through the block table, no copy of the keys
+            pages = jnp.where(block_table >= 0, block_table + first // pc.PAGE_SIZE, -1)
 
-        def decode_scores(q, weights):
-            return paged_index_scores(q, weights, index_pool, pages, pc.PAGE_SIZE)
+            def decode_scores(q, weights):
+                return paged_index_scores(q, weights, index_pool, pages, pc.PAGE_SIZE)
     o_lat = attend_cache(
         q_abs, indexer, keys=lambda w: (lat_pool[ctx_rows[:, :w]], rope_pool[ctx_rows[:, :w]]),
         sparse=sparse, topk=topk, scale=scale, num_keys=s, q_pos=positions,

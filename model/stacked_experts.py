@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from kdsa.model.partitioning import compile_platform, current
 
@@ -92,6 +93,4 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax.Array:
 def spec_of(w, spec):
     """A ``shard_map`` in-spec for ``w``: ``spec`` of an ``[E, ...]`` array, or the same split
     behind an unsplit repeat axis (and a replicated layer index) for a :class:`StackedWeight`."""
-    from jax.sharding import PartitionSpec as P
-
     return StackedWeight(P(None, *spec), P()) if isinstance(w, StackedWeight) else spec

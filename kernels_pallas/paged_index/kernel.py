@@ -61,7 +61,7 @@ def _kernel(table_ref, q_ref, w_ref, pool_ref, out_ref, *, page: int, ppb: int):
         page_of = jnp.where(which == i, jnp.sum(jnp.where(lane == i, ids, 0)), page_of)
     rows = jnp.maximum(page_of, 0) * page + (col - which * page)             # -1: page 0
     keys = pool_ref[rows, :]                                                 # [n, D]
-    logits = dot_f32(q_ref[...], keys, DIMS_NT)                                     # [Jp, n]
+    logits = dot_f32(q_ref[...], keys, DIMS_NT)                              # [Jp, n]
     scores = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)  # [n]
     out_ref[...] = jnp.where(page_of >= 0, scores, 0.0)
 

@@ -83,8 +83,8 @@ def _kernel(table_ref, q_ref, w_ref, pool_hbm, out_ref, buf, sems, *, page: int,
     for i in range(ppb):  # one wait per fetched page (the semaphore counts bytes)
         backed, dma = page_dma(j, slot, i)
         pl.when(backed)(dma.wait)
-    logits = dot_f32(q_ref[...], buf[slot], DIMS_NT)                                 # [TJp, n]
-    scores = dot_f32(w_ref[...], jnp.maximum(logits, 0.0))                  # [T, n]
+    logits = dot_f32(q_ref[...], buf[slot], DIMS_NT)                          # [TJp, n]
+    scores = dot_f32(w_ref[...], jnp.maximum(logits, 0.0))                    # [T, n]
     col_page = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (1, ppb * page), 1),
                            jnp.int32(page))                          # no floor: all >= 0
     backed = jnp.zeros((1, ppb * page), jnp.bool_)
