@@ -61,7 +61,8 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
             slots, slots * pages, pages, batch_groups(mesh, "generate")[1]).layers)
     else:
         cache = jax.eval_shape(lambda: model.init_cache(slots, max_len))
-    cache = _sharded(cache, cache_shardings(cache, mesh, "generate"))
+    cache_sh = cache_shardings(cache, mesh, "generate")  # (the runner's; the DSA buffers
+    cache = _sharded(cache, cache_sh)                    # row-major as Formats)
     rep = NamedSharding(mesh, P())
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     i32, scalar = jnp.int32, ()
@@ -77,8 +78,8 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     def compile_step(fn, args) -> CompiledMemory:
         t0 = time.perf_counter()
         with compile_target("tpu"), use_sharding(mesh, "generate"):
-            compiled = jax.jit(functools.partial(fn, graphdef), donate_argnums=(1,)).lower(
-                state, cache, *args).compile()
+            compiled = jax.jit(functools.partial(fn, graphdef), donate_argnums=(1,),
+                               out_shardings=(rep, cache_sh)).lower(state, cache, *args).compile()
         return compiled_memory(compiled, time.perf_counter() - t0)
 
     return {name: functools.partial(compile_step, fn, args) for name, (fn, args) in steps.items()}

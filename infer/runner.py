@@ -362,12 +362,37 @@ class ModelRunner(PagedSlots):
 
 def cache_shardings(cache, mesh, layout: str):
     """Every cache leaf ``[repeats, slots, ...]`` with slots over the layout's ``act_batch``
-    axes ("DP attention": each device caches its own requests)."""
+    axes ("DP attention": each device caches its own requests); a paged pool's rows
+    ``[repeats, R, D]`` the same way (its partitions). A KDA layer's recurrent state
+    ``[repeats, slots, H, K, V]`` also has its heads split as the layout splits ``act_heads``,
+    as the step computes it: replicated over ``tensor``, the new state was all-gathered at the
+    end of every step to match (K3 on ``v5p:4x8x8``: three 264 MiB all-gathers per decode step
+    and device).
+
+    The Gated DSA layers' buffers (``kv_latent``, ``k_rope``, ``index_keys``) are placed
+    row-major (a ``Format``; CPU's default layout anyway). XLA:TPU's default for a buffer
+    narrower than 128 lanes (the RoPE key's 64 columns) keeps the rows minor, which neither
+    the Pallas kernels' row DMAs nor a layer's read of its stack as rows can use: each step
+    then copied those buffers to row-major and back (docs/sharding.md, section 9)."""
+    from jax.experimental.layout import Format, Layout
+
     from kdsa.sharding.rules import get_rules, logical_to_spec
 
     rules = get_rules(layout)
-    return jax.tree.map(lambda a: NamedSharding(mesh, logical_to_spec(
-        (None, "act_batch") + (None,) * (a.ndim - 2), a.shape, mesh, rules)), cache)
+
+    def place(path, a):
+        name = getattr(path[-1], "name", None)
+        axes = ((None, "act_batch", "act_heads", None, None) if name == "recurrent_state"
+                else (None, "act_batch") + (None,) * (a.ndim - 2))
+        s = NamedSharding(mesh, logical_to_spec(axes, a.shape, mesh, rules))
+        if name not in DSA_BUFFERS:
+            return s
+        return Format(Layout(major_to_minor=tuple(range(a.ndim))), s)
+
+    return jax.tree_util.tree_map_with_path(place, cache)
+
+
+DSA_BUFFERS = ("kv_latent", "k_rope", "index_keys")
 
 
 def _host(x) -> np.ndarray:

@@ -295,13 +295,15 @@ class GatedDSA(nnx.Module):
         scale = mla_softmax_scale(c)
         q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
+        if cache.layer is not None:  # the sparse attention reads the stacks [R, B, L, D] in place
+            kv = (cache.kv_latent, cache.k_rope)
         index = (None if self.indexer is None
                  else (iq, cache.view("index_keys"), iw, None))
         o_lat = attend_cache(
             q_abs, index, keys=lambda w: (kv_latent[:, :w], k_rope[:, :w]),
             sparse=lambda q, idx: cp.sparse_mla_attention(
                 q, kv, idx, scale, c.kv_lora_rank, chunk_size=c.dsa_query_chunk_size,
-                impl=c.attention_impl)[0],
+                impl=c.attention_impl, layer=cache.layer)[0],
             topk=c.index_topk, scale=scale, num_keys=big, **vis)
         return self._unabsorb(o_lat), cache
 

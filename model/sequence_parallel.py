@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import dsa as dsa_math
 from kdsa.model import kda as kda_math
-from kdsa.model.partitioning import ShardingContext, current
+from kdsa.model.partitioning import ShardingContext, compile_platform, current
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -184,14 +184,26 @@ def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chun
 
 
 def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_size: int = 256,
-                         impl: str = "xla"):
+                         impl: str = "xla", layer=None):
     """``kdsa.model.dsa.sparse_mla_attention`` (``impl="pallas"``: the Pallas kernel); with
     ``act_seq`` split, the key parts are gathered and each shard attends for its own queries
-    (heads stay sharded over tensor)."""
+    (heads stay sharded over tensor). ``layer``: the key parts are a layer scan's dense-slot
+    stacks ``[L, B, S, D]`` (``DSACache.layer``) and ``layer`` the index of the layer's own,
+    read in place (:func:`_in_stack`)."""
     attend = sparse_mla_kernel if impl == "pallas" else dsa_math.sparse_mla_attention
     ctx = current()
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
+    if layer is not None:
+        # in place where the stacks are row-major: CPU and GPU layouts, or on a mesh the
+        # runner's (infer/runner.py : cache_shardings); one TPU device keeps XLA's default
+        # (rows minor for narrow buffers), where a whole-stack reshape would re-lay the stack
+        if ((ctx is not None or compile_platform() != "tpu")
+                and not _split_self_attention(spec, q.shape[1], parts[0].shape[2])
+                and parts[0].shape[1] == q.shape[0] and parts[0].size < 2**31 * parts[0].shape[3]):
+            return _in_stack(ctx, attend, q, parts, layer, indices, sm_scale, v_dim, chunk_size)
+        parts = tuple(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in parts)
+        kv = parts
     if not _split_self_attention(spec, q.shape[1], parts[0].shape[1]):
         if impl == "pallas" and ctx is not None and parts[0].shape[0] == q.shape[0]:
             return _local_kernel(ctx, attend, q, parts, indices, sm_scale, v_dim, chunk_size)
@@ -232,6 +244,40 @@ def _local_kernel(ctx: ShardingContext, attend, q, parts, indices, sm_scale, v_d
                        in_specs=(P(bt, None, hd, None), r3) + (r3,) * len(parts),
                        out_specs=(P(bt, None, hd, None), P(bt, None, hd)), check_vma=False)
     return fn(q, indices, *parts)
+
+
+def _in_stack(ctx: ShardingContext | None, attend, q, stacks, layer, indices, sm_scale, v_dim,
+              chunk_size):
+    """Sparse attention of q ``[B, T, N, Dk]`` over layer ``layer``'s rows of dense-slot stacks
+    ``[L, B, S, D]``, without slicing them out: each device reads its ``[L, B', S, D]`` as rows
+    ``[1, L * B' * S, D]`` (a reshape), its queries as one row of ``B' * T``, with the top-k
+    slots ``[B, T, K]`` offset to their rows (-1 stays -1), as a paged pool is read
+    (``model/paged_attention.py``). The layer's ``[B, S, D]`` slice was a copy of its cache
+    at every step on XLA:TPU, for the Pallas kernel's operands and the reference's gather alike.
+    On a mesh it runs in a ``shard_map``: slots as the rules split ``act_batch`` (the cache's
+    layout, ``infer/runner.py : cache_shardings``), heads as they split ``act_heads``."""
+
+    def local(q, idx, layer, *stacks):
+        l, b, s = stacks[0].shape[:3]
+        t, n = q.shape[1], q.shape[2]
+        first = (layer * b + jnp.arange(b, dtype=jnp.int32)) * s  # [B'] each slot's slot 0
+        idx = idx.astype(jnp.int32)
+        rows = jnp.where((idx >= 0) & (idx < s), idx + first[:, None, None], -1)
+        flat = tuple(x.reshape(1, l * b * s, x.shape[3]) for x in stacks)
+        o, lse = attend(q.reshape(1, b * t, n, q.shape[3]), flat, rows.reshape(1, b * t, -1),
+                        sm_scale, v_dim, chunk_size=chunk_size)
+        return o.reshape(b, t, n, -1), lse.reshape(b, t, n)
+
+    if ctx is None:
+        return local(q, indices, layer, *stacks)
+    spec = ctx.spec(("act_batch", None, "act_heads", None), q.shape)
+    bt, hd = spec[0], spec[2]
+    # check_vma off, as in sparse_mla_attention (the Pallas kernel's interpret-mode grid loop)
+    fn = jax.shard_map(local, mesh=ctx.mesh,
+                       in_specs=(P(bt, None, hd, None), P(bt, None, None), P())
+                       + (P(None, bt, None, None),) * len(stacks),
+                       out_specs=(P(bt, None, hd, None), P(bt, None, hd)), check_vma=False)
+    return fn(q, indices, layer, *stacks)
 
 
 # ---------------------------------------------------------------------------------------------

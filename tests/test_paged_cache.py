@@ -122,8 +122,10 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
 def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     """Layers 2 and 3 share one scan, so their pools are one ``[2, R, D]`` stack that each layer
     reads and writes as ``[2 * R, D]`` at its own rows (``PagedDSACache.stacked``): the paged
-    steps equal the dense-slot cache's, with XLA and with the Pallas kernels (whose page ids
-    are offset to the layer's rows)."""
+    steps equal the dense-slot cache's with XLA, and so do the paged and the dense-slot steps
+    with the Pallas kernels (whose page ids, or slots, are offset to the layer's rows; the
+    dense-slot stacks ``[2, B, L, D]`` are read as rows too, ``sequence_parallel._in_stack``).
+    ``tests/test_transformer.py`` checks the dense-slot stack against the full forward."""
 
     cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
                                 "linear_attn_config.full_attn_layers=[1, 2, 3]"])
@@ -131,13 +133,18 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     prompts = [rng.integers(0, cfg.vocab_size, 70).tolist(),
                rng.integers(0, cfg.vocab_size, 5).tolist()]
     table = jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32)
+    want = None
     for impl in ("xla", "pallas"):
         model = Transformer(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
         paged = model.init_paged_cache(2, num_pages=9, max_pages=3).replace(block_table=table)
         stacks = [x.kv_latent.shape[0] for x in jax.tree.leaves(paged.layers, is_leaf=lambda x:
                   isinstance(x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
         assert stacks == [1, 2], stacks
-        want = _run(model, model.init_cache(2, 3 * P), prompts)
+        dense = _run(model, model.init_cache(2, 3 * P), prompts)
+        if want is None:  # XLA's dense slots (checked against the paged steps, which read
+            want = dense  # through attend_pool, not _in_stack)
+        else:  # the Pallas kernel over the dense-slot stacks
+            np.testing.assert_allclose(dense, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(_run(model, paged, prompts), want, rtol=1e-5, atol=1e-5)
 
 

@@ -80,8 +80,9 @@ def _steps_equal(runners):
             got.append(np.asarray(r.decode(toks, pos + k, active))[::2])
             toks = np.repeat(got[-1].argmax(-1).astype(np.int32), 2)
         logits.append(got)
-    for a, b in zip(*logits):
-        np.testing.assert_allclose(a, b, atol=2e-5)
+    for other in logits[1:]:
+        for a, b in zip(logits[0], other):
+            np.testing.assert_allclose(a, b, atol=2e-5)
     return rng
 
 
@@ -97,6 +98,9 @@ def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
     assert pool.shape[1] == 4 * (3 * P + pc.SCRATCH_ROWS)  # scratch rows per partition
     assert pool.sharding.shard_shape(pool.shape)[1] == 3 * P + pc.SCRATCH_ROWS
     assert len(pool.sharding.device_set) == 8
+    # the KDA recurrent states [R, slots, H, K, V]: slots over the groups, heads over tensor
+    kda = [a for a in jax.tree.leaves(r.cache) if a.ndim == 5]
+    assert kda and all(a.sharding.shard_shape(a.shape)[1:3] == (2, a.shape[2] // 2) for a in kda)
     with pytest.raises(ValueError, match="outside the 3 of a partition"):
         r.set_pages(0, [3])
     with pytest.raises(ValueError, match="num_pages=6 must be a multiple of the mesh's 4"):
@@ -130,13 +134,19 @@ def _turns(eng, ref, rng, sessions, reverse_second=False):
 def test_a_stack_of_dsa_layers_on_a_mesh_equals_one_device(mesh):
     """Three Gated DSA layers, the last two in one scan: each reads and writes its own rows of
     its stack's pools in every partition (``PagedDSACache.stacked``), as the dense-slot cache
-    on one device gives."""
+    on one device gives; and so does the dense-slot cache on the mesh, with XLA attention and
+    with the Pallas kernel, which reads each device's slots of a stack ``[2, B', L, D]`` as
+    rows (``sequence_parallel._in_stack``, in a ``shard_map``)."""
     cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
                                 "linear_attn_config.full_attn_layers=[1, 2, 3]"])
-    runners = [_runner(mesh, cfg, num_slots=8, num_pages=12), _runner(None, cfg, num_slots=8)]
-    pools = [x for x in jax.tree.leaves(runners[0].cache, is_leaf=lambda x: isinstance(
+    runners = [_runner(None, cfg, num_slots=8), _runner(mesh, cfg, num_slots=8, num_pages=12),
+               _runner(mesh, cfg.replace(attention_impl="pallas"), num_slots=8),
+               _runner(mesh, cfg, num_slots=8)]  # dense slots with XLA: the RL sampler's
+    pools = [x for x in jax.tree.leaves(runners[1].cache, is_leaf=lambda x: isinstance(
         x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
     assert [p.kv_latent.shape[0] for p in pools] == [1, 2]
+    dense = [a for a in jax.tree.leaves(runners[2].cache) if a.ndim == 4 and a.shape[0] == 2]
+    assert dense and all(a.sharding.shard_shape(a.shape)[1] == 2 for a in dense)  # 2 slots each
     _steps_equal(runners)
 
 

@@ -183,7 +183,12 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     scores in the decode step), and no collective moves the pool (no collective has the pool's
     rows, whole or one partition, in its shape), nor is it padded. Two Gated DSA + MoE layers
     share one scan: neither slices its own pool out of the stack (no array has one layer's
-    rows), nor its routed experts' weights (``model/stacked_experts.py``)."""
+    rows), nor its routed experts' weights (``model/stacked_experts.py``). The pools are
+    arguments in row-major layout (``infer/runner.py : cache_shardings``), so no step copies a
+    whole stack of them (XLA:TPU's default layout for these narrow buffers, rows minor, made
+    it copy each to row-major and back at every step). The dense-slot cache's decode step
+    reads its stacks in place too (``sequence_parallel._in_stack``): no layer's ``[slots,
+    L, D]`` slice, no copy of a stack."""
     import re
 
     from kdsa.infer import aot
@@ -203,8 +208,20 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
             "compute_dtype=bfloat16", "param_dtype=bfloat16", f"attention_impl={impl}"])
         steps.update({(impl, name): f for name, f in aot.generate_step_compiles(
             cfg, "v5e:2x2", sizes, slots=4, max_len=256, prefill_chunk=64, paged=True).items()})
+        dense = aot.generate_step_compiles(cfg, "v5e:2x2", sizes, slots=4, max_len=256,
+                                           prefill_chunk=64)["decode"]
+        # the dense-slot stacks [2 layers, 2 slots per device, 256, D]: no layer's slice or
+        # copy materialized (a slice fused into the indexer's product is no copy)
+        stacks = [ln for ln in _unfused(dense()) if re.search(
+            r"= \w+\[(2,)?(1,)?2,256,\d+\]\S* (copy|copy-start|fusion|dynamic-slice)\(", ln)
+            and "scatter" not in ln.split("=")[0]]  # (the writes update a stack in place)
+        assert not stacks, (impl, stacks[:2])
     for name, compile_step in steps.items():
         text = compile_step()
+        # no copy of a stack's pools [2, R, D] (a relayout)
+        copies = [ln for ln in text.splitlines()
+                  if re.search(rf"= \w+\[2,{part},\d+\]\S* copy(-start)?\(", ln)]
+        assert not copies, (name, copies[:2])
         assert ("sparse_mla_fwd_tpu" in text) == (name[0] == "pallas"), name
         # a decode step's index scores read the pool's pages by DMA (kernels_pallas/paged_index)
         assert ("paged_index_scores_tpu" in text) == (name == ("pallas", "decode")), name
@@ -229,3 +246,43 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
         experts = [ln for ln in text.splitlines()
                    if re.search(rf"= \w+\[(1,)?{e},({de},{i}|{i},{de})\]", ln)]
         assert not experts, (name, experts[:2])
+
+
+def _unfused(text: str) -> list[str]:
+    """The instructions of an optimized HLO module outside fusion bodies (what is computed
+    into buffers of its own)."""
+    import re
+
+    fused = {"%" + n for n in re.findall(r"calls=%([\w.\-]+)", text)}
+    out, inside = [], False
+    for ln in text.splitlines():
+        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{"):
+            inside = ln.split()[0] in fused
+        elif not inside:
+            out.append(ln)
+    return out
+
+
+def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
+    """The runner places a KDA layer's recurrent state ``[repeats, slots, H, K, V]`` with its
+    heads over ``tensor``, as the step computes it (``infer/runner.py : cache_shardings``):
+    the compiled decode step on ``expert=2,tensor=2`` gathers no KDA state. With the heads
+    replicated the step all-gathered every state it wrote (28 ``f32[2, 2, 16, 16]``
+    all-gathers in this 2-layer tiny step)."""
+    import re
+
+    from kdsa.infer import aot
+    from kdsa.model.config import get_preset
+    from kdsa.model.overrides import apply_overrides
+
+    monkeypatch.setattr(aot, "compiled_memory", lambda compiled, seconds: compiled.as_text())
+    cfg = apply_overrides(get_preset("tiny"), [
+        "num_hidden_layers=2", "linear_attn_config.kda_layers=[1]",
+        "linear_attn_config.full_attn_layers=[2]", "first_k_dense_replace=0"])
+    lac = cfg.linear_attn_config
+    sizes = {"data": 1, "fsdp": 1, "expert": 2, "tensor": 2, "sequence": 1}
+    text = aot.generate_step_compiles(cfg, "v5e:2x2", sizes, slots=4, max_len=256,
+                                      prefill_chunk=64)["decode"]()
+    gathers = [ln for ln in text.splitlines() if re.search(r" all-gather(-start)?\(", ln)]
+    state = rf"f32\[(1,)?2,{lac.num_heads},{lac.head_dim},{lac.head_dim}\]"
+    assert not [ln for ln in gathers if re.search(state, ln)], gathers[:2]
