@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdsa.infer.runner import cache_shardings
+from kdsa.infer.runner import TPU_LANES, cache_shardings
 from kdsa.infer.runner_steps import decode_step, prefill_step
 from kdsa.model.config import ModelConfig
 from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
@@ -58,9 +58,9 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     pages = pages_for(max_len)
     if paged:
         cache = jax.eval_shape(lambda: model.init_paged_cache(
-            slots, slots * pages, pages, batch_groups(mesh, "generate")[1]).layers)
+            slots, slots * pages, pages, batch_groups(mesh, "generate")[1], TPU_LANES).layers)
     else:
-        cache = jax.eval_shape(lambda: model.init_cache(slots, max_len))
+        cache = jax.eval_shape(lambda: model.init_cache(slots, max_len, TPU_LANES))
     cache_sh = cache_shardings(cache, mesh, "generate")  # (the runner's; the DSA buffers
     cache = _sharded(cache, cache_sh)                    # row-major as Formats)
     rep = NamedSharding(mesh, P())

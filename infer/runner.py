@@ -106,12 +106,14 @@ class ModelRunner(PagedSlots):
         self.partitions = 1 if mesh is None else self._place_weights(model)
         self.num_snapshots, self.snapshots = num_snapshots, None
         self._check_partitions(num_pages, num_snapshots)
+        # TPU: the RoPE keys in 128 lanes (model/dsa_layer.py : rope_cache_width)
+        lanes = TPU_LANES if _platform(mesh) == "tpu" else None
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
             make = lambda: model.init_paged_cache(  # noqa: E731
-                num_slots, num_pages, self.max_pages, self.partitions).layers
+                num_slots, num_pages, self.max_pages, self.partitions, lanes).layers
             self.block_table = np.full((num_slots, self.max_pages), -1, np.int32)
         else:
-            make = lambda: model.init_cache(num_slots, max_len)  # noqa: E731
+            make = lambda: model.init_cache(num_slots, max_len, lanes)  # noqa: E731
         snapshot_of = lambda c: states(lambda a: jnp.zeros(  # noqa: E731
             (a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c)
         if num_snapshots and num_pages is None:
@@ -371,9 +373,11 @@ def cache_shardings(cache, mesh, layout: str):
 
     The Gated DSA layers' buffers (``kv_latent``, ``k_rope``, ``index_keys``) are placed
     row-major (a ``Format``; CPU's default layout anyway). XLA:TPU's default for a buffer
-    narrower than 128 lanes (the RoPE key's 64 columns) keeps the rows minor, which neither
-    the Pallas kernels' row DMAs nor a layer's read of its stack as rows can use: each step
-    then copied those buffers to row-major and back (docs/sharding.md, section 9)."""
+    narrower than 128 lanes (a small model's latent, a 64-wide RoPE key) keeps the rows minor,
+    which neither the Pallas kernels' row DMAs nor a layer's read of its stack as rows can
+    use: each step then copied those buffers to row-major and back (docs/sharding.md, section
+    9). On TPU the RoPE keys also take 128 columns (``TPU_LANES``), which XLA keeps row-major
+    through the whole step."""
     from jax.experimental.layout import Format, Layout
 
     from kdsa.sharding.rules import get_rules, logical_to_spec
@@ -393,6 +397,14 @@ def cache_shardings(cache, mesh, layout: str):
 
 
 DSA_BUFFERS = ("kv_latent", "k_rope", "index_keys")
+
+
+TPU_LANES = 128
+
+
+def _platform(mesh) -> str:
+    """The platform the cache lives on: the mesh's devices, or the default backend."""
+    return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
 
 
 def _host(x) -> np.ndarray:

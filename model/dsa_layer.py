@@ -94,14 +94,35 @@ def _index_dim(config: ModelConfig) -> int:
     return config.index_head_dim if config.use_indexer else 0
 
 
-def init_dsa_cache(config: ModelConfig, batch_size: int, max_len: int) -> DSACache:
-    """A zero cache for ``batch_size`` rows of ``max_len`` slots."""
+def init_dsa_cache(config: ModelConfig, batch_size: int, max_len: int,
+                   rope_lanes: int | None = None) -> DSACache:
+    """A zero cache for ``batch_size`` rows of ``max_len`` slots; ``rope_lanes``: see
+    :func:`rope_cache_width`."""
     if batch_size < 1 or max_len < 1:
         raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
     dt = dtype_of(config.compute_dtype)
     zeros = lambda d, dt=dt: jnp.zeros((batch_size, max_len, d), dt)  # noqa: E731
-    return DSACache(kv_latent=zeros(config.kv_lora_rank), k_rope=zeros(config.qk_rope_head_dim),
+    return DSACache(kv_latent=zeros(config.kv_lora_rank),
+                    k_rope=zeros(rope_cache_width(config, rope_lanes)),
                     index_keys=zeros(_index_dim(config), dtype_of(config.index_compute_dtype)))
+
+
+def rope_cache_width(config: ModelConfig, rope_lanes: int | None = None) -> int:
+    """Columns of a cache's RoPE-key buffer: ``qk_rope_head_dim``, or with ``rope_lanes``
+    rounded up to a multiple of it, the extra columns zero (as are the absorbed queries' extra
+    columns, so every score is the same). The engine pads to TPU's 128 lanes: XLA:TPU lays out
+    a narrower bfloat16 stack ``[repeats, R, 64]`` rows-minor, and re-laid K3's 22-layer
+    RoPE-key stack at every decode step: a 704 MiB copy in, one out and one per layer inside
+    the scan, per device (docs/sharding.md, section 9). Padded, its row-major tiles hold the
+    bytes a row-major 64-wide buffer takes anyway (TPU tiles are 128 lanes wide)."""
+    r = config.qk_rope_head_dim
+    return r if not rope_lanes else -(-r // rope_lanes) * rope_lanes
+
+
+def _rope_lanes(x: jax.Array, width: int) -> jax.Array:
+    """``x [..., d]`` with zero columns up to ``width`` (the cache's RoPE-key width)."""
+    pad = width - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
 def dsa_cache_bytes_per_token(config: ModelConfig) -> int:
@@ -282,7 +303,8 @@ class GatedDSA(nnx.Module):
         else:
             write, q_seg = jnp.where(segment_ids != 0, positions, big), (segment_ids != 0)
             q_seg = q_seg.astype(jnp.int32)
-        written = dict(kv_latent=c_kv, k_rope=k_pe)
+        wr = cache.k_rope.shape[-1]  # (rope_cache_width: zero columns past the RoPE key)
+        written = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, wr))
         if self.indexer is not None:
             iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
         cache = cache.replace(**{name: cache.write(name, write, v)
@@ -293,7 +315,7 @@ class GatedDSA(nnx.Module):
                    q_seg=q_seg, kv_seg=jnp.ones((b, big), jnp.int32),
                    chunk_size=c.dsa_query_chunk_size)
         scale = mla_softmax_scale(c)
-        q_abs = self._absorb(q_nope, q_pe)  # [B, T, N, kv_lora + rope]
+        q_abs = _rope_lanes(self._absorb(q_nope, q_pe), c.kv_lora_rank + wr)  # [B, T, N, Dk]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if cache.layer is not None:  # the sparse attention reads the stacks [R, B, L, D] in place
             kv = (cache.kv_latent, cache.k_rope)
@@ -313,11 +335,13 @@ class GatedDSA(nnx.Module):
         """``_attend_cache`` with the rows in a shared pool (``model/paged_attention.py``: on
         one device, or split over a mesh's batch device groups)."""
         c = self.config
-        written, index = dict(kv_latent=c_kv, k_rope=k_pe), None
+        wr = cache.k_rope.shape[-1]  # (rope_cache_width: zero columns past the RoPE key)
+        written, index = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, wr)), None
         if self.indexer is not None:
             iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
             index = (iq, iw)
-        o_lat, cache = attend_pool(self._absorb(q_nope, q_pe), index, written, positions,
+        q_abs = _rope_lanes(self._absorb(q_nope, q_pe), c.kv_lora_rank + wr)
+        o_lat, cache = attend_pool(q_abs, index, written, positions,
                                    segment_ids, cache, block_table, scale=mla_softmax_scale(c),
                                    topk=c.index_topk, v_dim=c.kv_lora_rank,
                                    chunk_size=c.dsa_query_chunk_size, impl=c.attention_impl)
@@ -343,7 +367,9 @@ class GatedDSA(nnx.Module):
         want = (cache.num_rows,) if paged else (x.shape[0], cache.max_len)
         if cache.layer is not None:  # the stack's buffers, [repeats, ...]
             want = cache.kv_latent.shape[:1] + want
-        for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", c.qk_rope_head_dim),
+        rope = cache.k_rope.shape[-1]  # rope_cache_width: the RoPE key or more columns
+        for name, d in (("kv_latent", c.kv_lora_rank),
+                        ("k_rope", rope if rope >= c.qk_rope_head_dim else c.qk_rope_head_dim),
                         ("index_keys", _index_dim(c))):
             if getattr(cache, name).shape != want + (d,):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "

@@ -163,9 +163,12 @@ def positions_to_slots(indices: jax.Array, block_table: jax.Array) -> jax.Array:
     return jnp.where(flat >= 0, rows, -1).reshape(b, t, k)
 
 
-def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACache:
+def init_paged_dsa_cache(config, num_pages: int, parts: int = 1,
+                         rope_lanes: int | None = None) -> PagedDSACache:
     """A zero pool of ``num_pages`` pages for one DSA layer, in ``parts`` partitions of
-    ``num_pages / parts`` pages and :data:`SCRATCH_ROWS` rows each (``PagedDSACache``)."""
+    ``num_pages / parts`` pages and :data:`SCRATCH_ROWS` rows each (``PagedDSACache``);
+    ``rope_lanes``: ``dsa_layer.rope_cache_width``."""
+    from kdsa.model.dsa_layer import rope_cache_width
     from kdsa.model.layers import dtype_of
 
     if num_pages < 1:
@@ -178,6 +181,6 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1) -> PagedDSACach
     rows = parts * (num_pages // parts * PAGE_SIZE + SCRATCH_ROWS)  # + a scratch page each
     zeros = lambda d, dt=dt: jnp.zeros((rows, d), dt)  # noqa: E731
     return PagedDSACache(kv_latent=zeros(config.kv_lora_rank),
-                         k_rope=zeros(config.qk_rope_head_dim),
+                         k_rope=zeros(rope_cache_width(config, rope_lanes)),
                          index_keys=zeros(di, dtype_of(config.index_compute_dtype)),
                          parts=parts)

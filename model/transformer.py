@@ -258,17 +258,18 @@ class Transformer(nnx.Module):
             outs.append(out)
         return carry[0], carry[1], jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
-    def init_cache(self, batch_size: int, max_len: int) -> tuple:
-        """Zeroed decode caches: per segment, per period position, stacked over repeats."""
+    def init_cache(self, batch_size: int, max_len: int, rope_lanes: int | None = None) -> tuple:
+        """Zeroed decode caches: per segment, per period position, stacked over repeats
+        (``rope_lanes``: ``dsa_layer.rope_cache_width``)."""
         cfg = self.config
         if cfg.context_limit is not None and max_len > cfg.context_limit:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="
                              f"{cfg.context_limit} (this model encodes positions with RoPE)")
         return self._caches(lambda: init_kda_cache(cfg, batch_size),
-                            lambda: init_dsa_cache(cfg, batch_size, max_len))
+                            lambda: init_dsa_cache(cfg, batch_size, max_len, rope_lanes))
 
     def init_paged_cache(self, batch_size: int, num_pages: int, max_pages: int,
-                         parts: int = 1) -> PagedCache:
+                         parts: int = 1, rope_lanes: int | None = None) -> PagedCache:
         """Zeroed paged caches: KDA states for ``batch_size`` running rows, one pool of
         ``num_pages`` pages per DSA layer (in ``parts`` partitions, one per device group of a
         mesh's batch axes: ``model/paged_cache.py``), and an empty block table
@@ -277,7 +278,8 @@ class Transformer(nnx.Module):
         if max_pages < 1:
             raise ValueError(f"max_pages must be >= 1, got {max_pages}")
         layers = self._caches(lambda: init_kda_cache(cfg, batch_size),
-                              lambda: init_paged_dsa_cache(cfg, num_pages, parts))
+                              lambda: init_paged_dsa_cache(cfg, num_pages, parts,
+                                                           rope_lanes))
         return PagedCache(layers=layers,
                           block_table=jnp.full((batch_size, max_pages), -1, jnp.int32))
 

@@ -125,6 +125,7 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     steps equal the dense-slot cache's with XLA, and so do the paged and the dense-slot steps
     with the Pallas kernels (whose page ids, or slots, are offset to the layer's rows; the
     dense-slot stacks ``[2, B, L, D]`` are read as rows too, ``sequence_parallel._in_stack``).
+    All but the reference keep their RoPE keys in 128 columns, as the engine does on TPU.
     ``tests/test_transformer.py`` checks the dense-slot stack against the full forward."""
 
     cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
@@ -136,11 +137,14 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     want = None
     for impl in ("xla", "pallas"):
         model = Transformer(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
-        paged = model.init_paged_cache(2, num_pages=9, max_pages=3).replace(block_table=table)
-        stacks = [x.kv_latent.shape[0] for x in jax.tree.leaves(paged.layers, is_leaf=lambda x:
+        # the RoPE keys in 128 columns, as on TPU (dsa_layer.rope_cache_width), but for the
+        # reference: the zero columns change no score
+        paged = model.init_paged_cache(2, num_pages=9, max_pages=3, rope_lanes=128).replace(
+            block_table=table)
+        stacks = [x.k_rope.shape for x in jax.tree.leaves(paged.layers, is_leaf=lambda x:
                   isinstance(x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
-        assert stacks == [1, 2], stacks
-        dense = _run(model, model.init_cache(2, 3 * P), prompts)
+        assert [(r, d) for r, _, d in stacks] == [(1, 128), (2, 128)], stacks
+        dense = _run(model, model.init_cache(2, 3 * P, None if want is None else 128), prompts)
         if want is None:  # XLA's dense slots (checked against the paged steps, which read
             want = dense  # through attend_pool, not _in_stack)
         else:  # the Pallas kernel over the dense-slot stacks
