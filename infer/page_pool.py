@@ -54,18 +54,19 @@ class PagePool:
                 "pages_free": self.free, "pages_peak": self.peak}
 
 
-def page_bytes(config) -> int:
-    """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token)."""
+def page_bytes(config, rope_lanes: int | None = None) -> int:
+    """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token; the
+    RoPE key in ``rope_lanes`` columns as the runner keeps it: ``runner.rope_lanes_for``)."""
     from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
 
     n_dsa = sum(m != "kda" for m in config.mixer_kinds)
-    return n_dsa * PAGE_SIZE * dsa_cache_bytes_per_token(config)
+    return n_dsa * PAGE_SIZE * dsa_cache_bytes_per_token(config, rope_lanes)
 
 
-def pages_in(cache_bytes: int, config) -> int:
+def pages_in(cache_bytes: int, config, rope_lanes: int | None = None) -> int:
     """The pages a pool of ``cache_bytes`` holds (``--cache-memory``), besides each DSA
     layer's ``SCRATCH_ROWS`` (``PagedDSACache``: the writes of tokens without a page)."""
-    per = page_bytes(config)
+    per = page_bytes(config, rope_lanes)
     if per == 0:
         raise ValueError("this model has no DSA layers: there is nothing to page")
     n = (cache_bytes - SCRATCH_ROWS * (per // PAGE_SIZE)) // per

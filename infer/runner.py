@@ -106,8 +106,7 @@ class ModelRunner(PagedSlots):
         self.partitions = 1 if mesh is None else self._place_weights(model)
         self.num_snapshots, self.snapshots = num_snapshots, None
         self._check_partitions(num_pages, num_snapshots)
-        # TPU: the RoPE keys in 128 lanes (model/dsa_layer.py : rope_cache_width)
-        lanes = TPU_LANES if _platform(mesh) == "tpu" else None
+        lanes = rope_lanes_for(mesh)  # TPU: the RoPE keys in 128 columns
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
             make = lambda: model.init_paged_cache(  # noqa: E731
                 num_slots, num_pages, self.max_pages, self.partitions, lanes).layers
@@ -402,9 +401,12 @@ DSA_BUFFERS = ("kv_latent", "k_rope", "index_keys")
 TPU_LANES = 128
 
 
-def _platform(mesh) -> str:
-    """The platform the cache lives on: the mesh's devices, or the default backend."""
-    return jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+def rope_lanes_for(mesh) -> int | None:
+    """The runner's RoPE-key cache columns (``model/dsa_layer.py : rope_cache_width``): 128
+    lanes when the cache lives on TPUs (the mesh's devices, or the default backend), else the
+    key's own width (None)."""
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    return TPU_LANES if platform == "tpu" else None
 
 
 def _host(x) -> np.ndarray:

@@ -61,7 +61,7 @@ class DSACache(LayerBuffers):
     token at position ``s``.
 
     kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
-    RoPE; unrotated with NoPE), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``
+    RoPE; unrotated with NoPE; zero columns past ``rope`` up to :func:`rope_cache_width`), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``
     without an indexer).
 
     Inside the layer scan a layer gets its whole stack's arrays, ``[repeats, B, L, D]``, with
@@ -125,12 +125,12 @@ def _rope_lanes(x: jax.Array, width: int) -> jax.Array:
     return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def dsa_cache_bytes_per_token(config: ModelConfig) -> int:
+def dsa_cache_bytes_per_token(config: ModelConfig, rope_lanes: int | None = None) -> int:
     """Cache bytes per token per layer: ``(kv_lora + rope) * itemsize + Di * index itemsize``
-    (K3 bf16: 1408)."""
+    (K3 bf16: 1408; 1536 with the RoPE key in 128 lanes, :func:`rope_cache_width`)."""
     size = lambda name: jnp.dtype(dtype_of(name)).itemsize  # noqa: E731
-    return ((config.kv_lora_rank + config.qk_rope_head_dim) * size(config.compute_dtype)
-            + _index_dim(config) * size(config.index_compute_dtype))
+    return ((config.kv_lora_rank + rope_cache_width(config, rope_lanes))
+            * size(config.compute_dtype) + _index_dim(config) * size(config.index_compute_dtype))
 
 
 def _rope_dim(config: ModelConfig) -> int:

@@ -60,7 +60,7 @@ class LayerBuffers:
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
-    dtype), index_keys ``[R, Di]`` (``index_dtype``) with ``R = (num_pages + 1) * PAGE_SIZE``
+    dtype; ``dsa_layer.rope_cache_width`` columns), index_keys ``[R, Di]`` (``index_dtype``) with ``R = (num_pages + 1) * PAGE_SIZE``
     rows (:data:`SCRATCH_ROWS`): the last, :attr:`scratch_row`, belongs to no page and takes
     the writes of tokens that have no page (padding), so every write is in bounds (a write XLA
     must be ready to drop made it copy the whole pool to keep the old value); the rest of the

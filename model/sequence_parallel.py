@@ -196,8 +196,9 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if layer is not None:
         # in place where the stacks are row-major: CPU and GPU layouts, or on a mesh the
-        # runner's (infer/runner.py : cache_shardings); one TPU device keeps XLA's default
-        # (rows minor for narrow buffers), where a whole-stack reshape would re-lay the stack
+        # runner's (infer/runner.py : cache_shardings); one TPU device keeps XLA's default,
+        # rows minor for a buffer under 128 lanes (a small model's latent), where a whole-stack
+        # reshape would re-lay the stack
         if ((ctx is not None or compile_platform() != "tpu")
                 and not _split_self_attention(spec, q.shape[1], parts[0].shape[2])
                 and parts[0].shape[1] == q.shape[0] and parts[0].size < 2**31 * parts[0].shape[3]):

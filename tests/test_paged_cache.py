@@ -146,7 +146,9 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
         assert [(r, d) for r, _, d in stacks] == [(1, 128), (2, 128)], stacks
         dense = _run(model, model.init_cache(2, 3 * P, None if want is None else 128), prompts)
         if want is None:  # XLA's dense slots (checked against the paged steps, which read
-            want = dense  # through attend_pool, not _in_stack)
+            want = dense  # through attend_pool, not _in_stack), and the same padded
+            np.testing.assert_allclose(_run(model, model.init_cache(2, 3 * P, 128), prompts),
+                                       want, rtol=1e-5, atol=1e-5)
         else:  # the Pallas kernel over the dense-slot stacks
             np.testing.assert_allclose(dense, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(_run(model, paged, prompts), want, rtol=1e-5, atol=1e-5)
@@ -325,6 +327,13 @@ def test_cache_memory_sizes_the_pool():
     assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \
         == 10 * per + scratch
     assert pages_needed(70, 12, 3 * P) == 2 and pages_needed(150, 100, 3 * P) == 3
+    # the RoPE keys in 128 columns (the runner on TPU) take their pool bytes too
+    wide = page_bytes(CFG, 128)
+    pool = jax.eval_shape(lambda: pc.init_paged_dsa_cache(CFG, 10, rope_lanes=128))
+    assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \
+        == 10 * wide + pc.SCRATCH_ROWS * (wide // P)
+    assert wide - per == P * (128 - CFG.qk_rope_head_dim) * 4  # float32
+    assert pages_in(11 * wide, CFG, 128) == 10
     with pytest.raises(ValueError, match="holds no page"):
         pages_in(per - 1, CFG)
     dense = apply_overrides(CFG, ["linear_attn_config.kda_layers=[1, 2, 3]",
