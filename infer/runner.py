@@ -379,6 +379,7 @@ def cache_shardings(cache, mesh, layout: str):
     through the whole step."""
     from jax.experimental.layout import Format, Layout
 
+    from kdsa.model.paged_cache import BUFFERS
     from kdsa.sharding.rules import get_rules, logical_to_spec
 
     rules = get_rules(layout)
@@ -388,14 +389,12 @@ def cache_shardings(cache, mesh, layout: str):
         axes = ((None, "act_batch", "act_heads", None, None) if name == "recurrent_state"
                 else (None, "act_batch") + (None,) * (a.ndim - 2))
         s = NamedSharding(mesh, logical_to_spec(axes, a.shape, mesh, rules))
-        if name not in DSA_BUFFERS:
+        if name not in BUFFERS:
             return s
         return Format(Layout(major_to_minor=tuple(range(a.ndim))), s)
 
     return jax.tree_util.tree_map_with_path(place, cache)
 
-
-DSA_BUFFERS = ("kv_latent", "k_rope", "index_keys")
 
 
 TPU_LANES = 128

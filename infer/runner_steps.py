@@ -16,7 +16,7 @@ from flax import nnx
 
 from kdsa.model.dsa_layer import DSACache
 from kdsa.model.outputs import Collect, ImageInputs
-from kdsa.model.paged_cache import PAGE_SIZE, PagedCache, PagedDSACache
+from kdsa.model.paged_cache import BUFFERS, PAGE_SIZE, PagedCache, PagedDSACache
 from kdsa.model.partitioning import current as current_sharding
 
 
@@ -63,8 +63,8 @@ def copy_page(cache, src, dst):
         src_rows = pool.page_rows(src) + jnp.arange(PAGE_SIZE)
         dst_rows = pool.page_rows(dst) + jnp.arange(PAGE_SIZE)
         return buf.at[..., dst_rows, :].set(buf[..., src_rows, :])
-    return jax.tree.map(lambda x: x.replace(**{n: copy(x, n) for n in (
-        "kv_latent", "k_rope", "index_keys")}) if is_pool(x) else x, cache, is_leaf=is_pool)
+    return jax.tree.map(lambda x: x.replace(**{n: copy(x, n) for n in BUFFERS})
+                        if is_pool(x) else x, cache, is_leaf=is_pool)
 
 
 def slots_split() -> bool:

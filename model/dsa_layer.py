@@ -61,8 +61,8 @@ class DSACache(LayerBuffers):
     token at position ``s``.
 
     kv_latent ``[B, L, kv_lora]`` (after ``kv_a_layernorm``), k_rope ``[B, L, rope]`` (after
-    RoPE; unrotated with NoPE; zero columns past ``rope`` up to :func:`rope_cache_width`), index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0``
-    without an indexer).
+    RoPE; unrotated with NoPE; zero columns past ``rope`` up to :func:`rope_cache_width`),
+    index_keys ``[B, L, Di]`` (after ``k_norm`` and RoPE; ``Di = 0`` without an indexer).
 
     Inside the layer scan a layer gets its whole stack's arrays, ``[repeats, B, L, D]``, with
     ``layer`` its index there (``LayerBuffers``, shared with ``PagedDSACache``): slicing its
@@ -303,10 +303,8 @@ class GatedDSA(nnx.Module):
         else:
             write, q_seg = jnp.where(segment_ids != 0, positions, big), (segment_ids != 0)
             q_seg = q_seg.astype(jnp.int32)
-        wr = cache.k_rope.shape[-1]  # (rope_cache_width: zero columns past the RoPE key)
-        written = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, wr))
-        if self.indexer is not None:
-            iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
+        written, q_abs, (iq, iw) = self._cache_inputs(x, q_latent, q_nope, q_pe, c_kv, k_pe,
+                                                      positions, cache)
         cache = cache.replace(**{name: cache.write(name, write, v)
                                  for name, v in written.items()}).settled()
         kv_latent, k_rope = cache.view("kv_latent"), cache.view("k_rope")
@@ -315,7 +313,6 @@ class GatedDSA(nnx.Module):
                    q_seg=q_seg, kv_seg=jnp.ones((b, big), jnp.int32),
                    chunk_size=c.dsa_query_chunk_size)
         scale = mla_softmax_scale(c)
-        q_abs = _rope_lanes(self._absorb(q_nope, q_pe), c.kv_lora_rank + wr)  # [B, T, N, Dk]
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if cache.layer is not None:  # the sparse attention reads the stacks [R, B, L, D] in place
             kv = (cache.kv_latent, cache.k_rope)
@@ -329,19 +326,29 @@ class GatedDSA(nnx.Module):
             topk=c.index_topk, scale=scale, num_keys=big, **vis)
         return self._unabsorb(o_lat), cache
 
+    def _cache_inputs(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, cache):
+        """The rows a step writes to ``cache`` (``kv_latent``, ``k_rope`` and with an indexer
+        ``index_keys``), its absorbed queries ``[B, T, N, kv_lora + width]`` and the indexer's
+        ``(queries, weights)`` (Nones without one). The RoPE key and the queries' RoPE part
+        take the cache's ``width`` columns (:func:`rope_cache_width`), the extra ones zero."""
+        width = cache.k_rope.shape[-1]
+        written = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, width))
+        iq = iw = None
+        if self.indexer is not None:
+            iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
+        q_abs = _rope_lanes(self._absorb(q_nope, q_pe), self.config.kv_lora_rank + width)
+        return written, q_abs, (iq, iw)
+
     # ---- attention over a paged pool ----
     def _attend_pages(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
                       cache: PagedDSACache, block_table):
         """``_attend_cache`` with the rows in a shared pool (``model/paged_attention.py``: on
         one device, or split over a mesh's batch device groups)."""
         c = self.config
-        wr = cache.k_rope.shape[-1]  # (rope_cache_width: zero columns past the RoPE key)
-        written, index = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, wr)), None
-        if self.indexer is not None:
-            iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
-            index = (iq, iw)
-        q_abs = _rope_lanes(self._absorb(q_nope, q_pe), c.kv_lora_rank + wr)
-        o_lat, cache = attend_pool(q_abs, index, written, positions,
+        written, q_abs, index = self._cache_inputs(x, q_latent, q_nope, q_pe, c_kv, k_pe,
+                                                   positions, cache)
+        o_lat, cache = attend_pool(q_abs, None if self.indexer is None else index, written,
+                                   positions,
                                    segment_ids, cache, block_table, scale=mla_softmax_scale(c),
                                    topk=c.index_topk, v_dim=c.kv_lora_rank,
                                    chunk_size=c.dsa_query_chunk_size, impl=c.attention_impl)
@@ -367,9 +374,8 @@ class GatedDSA(nnx.Module):
         want = (cache.num_rows,) if paged else (x.shape[0], cache.max_len)
         if cache.layer is not None:  # the stack's buffers, [repeats, ...]
             want = cache.kv_latent.shape[:1] + want
-        rope = cache.k_rope.shape[-1]  # rope_cache_width: the RoPE key or more columns
-        for name, d in (("kv_latent", c.kv_lora_rank),
-                        ("k_rope", rope if rope >= c.qk_rope_head_dim else c.qk_rope_head_dim),
+        rope = max(cache.k_rope.shape[-1], c.qk_rope_head_dim)  # rope_cache_width: or wider
+        for name, d in (("kv_latent", c.kv_lora_rank), ("k_rope", rope),
                         ("index_keys", _index_dim(c))):
             if getattr(cache, name).shape != want + (d,):
                 raise ValueError(f"cache.{name} has shape {getattr(cache, name).shape}, expected "

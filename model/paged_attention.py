@@ -37,11 +37,8 @@ from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_ke
 from kdsa.model import paged_cache as pc
 from kdsa.model.dsa import sparse_mla_attention
 from kdsa.model.dsa_cache_attention import attend_cache
-from kdsa.model.paged_cache import PagedDSACache
+from kdsa.model.paged_cache import BUFFERS, PagedDSACache
 from kdsa.model.partitioning import current, without_sharding
-
-BUFFERS = ("kv_latent", "k_rope", "index_keys")
-
 
 def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions: jax.Array,
                 segment_ids: jax.Array | None, cache: PagedDSACache, block_table: jax.Array, *,

@@ -34,6 +34,7 @@ PAGE_SIZE = 64
 # its stack's pools as one ``[L * R, D]`` array (``PagedDSACache.stacked``), a free reshape only
 # when ``R`` is a whole number of tiles.
 SCRATCH_ROWS = PAGE_SIZE
+BUFFERS = ("kv_latent", "k_rope", "index_keys")  # a DSA layer's cache buffers, by name
 
 
 class LayerBuffers:
@@ -53,18 +54,18 @@ class LayerBuffers:
         fence XLA fuses a small gather (the top-k rows of a decode step) with the write before
         it, reading the old buffer plus the written rows: the old buffer must then outlive the
         in-place write, which costs two whole-buffer copies per buffer and step."""
-        bufs = jax.lax.optimization_barrier((self.kv_latent, self.k_rope, self.index_keys))
-        return self.replace(kv_latent=bufs[0], k_rope=bufs[1], index_keys=bufs[2])
+        bufs = jax.lax.optimization_barrier(tuple(getattr(self, n) for n in BUFFERS))
+        return self.replace(**dict(zip(BUFFERS, bufs)))
 
 
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
-    dtype; ``dsa_layer.rope_cache_width`` columns), index_keys ``[R, Di]`` (``index_dtype``) with ``R = (num_pages + 1) * PAGE_SIZE``
-    rows (:data:`SCRATCH_ROWS`): the last, :attr:`scratch_row`, belongs to no page and takes
-    the writes of tokens that have no page (padding), so every write is in bounds (a write XLA
-    must be ready to drop made it copy the whole pool to keep the old value); the rest of the
-    last page is unused.
+    dtype; ``dsa_layer.rope_cache_width`` columns), index_keys ``[R, Di]`` (``index_dtype``)
+    with ``R = (num_pages + 1) * PAGE_SIZE`` rows (:data:`SCRATCH_ROWS`): the last,
+    :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
+    (padding), so every write is in bounds (a write XLA must be ready to drop made it copy the
+    whole pool to keep the old value); the rest of the last page is unused.
 
     On a mesh whose layout splits the batch over ``parts`` device groups the pool is ``parts``
     such pools end to end, ``R = parts * (num_pages / parts + 1) * PAGE_SIZE``, split over the
