@@ -365,10 +365,11 @@ def cache_shardings(cache, mesh, layout: str):
     """Every cache leaf ``[repeats, slots, ...]`` with slots over the layout's ``act_batch``
     axes ("DP attention": each device caches its own requests); a paged pool's rows
     ``[repeats, R, D]`` the same way (its partitions). A KDA layer's recurrent state
-    ``[repeats, slots, H, K, V]`` also has its heads split as the layout splits ``act_heads``,
-    as the step computes it: replicated over ``tensor``, the new state was all-gathered at the
-    end of every step to match (K3 on ``v5p:4x8x8``: three 264 MiB all-gathers per decode step
-    and device).
+    ``[repeats, slots, H, K, V]`` and conv window ``[repeats, slots, W-1, 3, H*K]`` also have
+    their heads split as the layout splits ``act_heads``, as the step computes them: replicated
+    over ``tensor``, the new states were all-gathered at the end of every step to match (K3 on
+    ``v5p:4x8x8``: three 264 MiB all-gathers per decode step and device for the recurrent
+    states).
 
     The Gated DSA layers' buffers (``kv_latent``, ``k_rope``, ``index_keys``) are placed
     row-major (a ``Format``; CPU's default layout anyway). XLA:TPU's default for a buffer
@@ -386,8 +387,12 @@ def cache_shardings(cache, mesh, layout: str):
 
     def place(path, a):
         name = getattr(path[-1], "name", None)
-        axes = ((None, "act_batch", "act_heads", None, None) if name == "recurrent_state"
-                else (None, "act_batch") + (None,) * (a.ndim - 2))
+        if name == "recurrent_state":                    # [R, slots, H, K, V]
+            axes = (None, "act_batch", "act_heads", None, None)
+        elif name == "conv_state":                       # [R, slots, W-1, 3, H*K]
+            axes = (None, "act_batch", None, None, "act_heads")
+        else:
+            axes = (None, "act_batch") + (None,) * (a.ndim - 2)
         s = NamedSharding(mesh, logical_to_spec(axes, a.shape, mesh, rules))
         if name not in BUFFERS:
             return s

@@ -37,8 +37,9 @@ from kdsa.model import sequence_parallel as cp
 class KDACache:
     """Decode state of one KDA layer: constant size, whatever the context length.
 
-    ``conv_state [B, W-1, 3*H*K]``: the last W-1 pre-conv q|k|v projections (oldest first), in the
-    compute dtype. ``recurrent_state [B, H, K, V]``: the KDA state, float32.
+    ``conv_state [B, W-1, 3, H*K]``: the last W-1 pre-conv q, k and v projections (oldest first),
+    in the compute dtype; q, k and v on their own axis, so that splitting the heads (the last
+    axis) gives each device its heads' channels of all three. ``recurrent_state [B, H, K, V]``: the KDA state, float32.
     """
 
     conv_state: jax.Array
@@ -54,7 +55,7 @@ def init_kda_cache(config: ModelConfig, batch_size: int) -> KDACache:
     """A zero cache for ``batch_size`` sequences (the state before any token)."""
     h, dk, w = _sizes(config)
     return KDACache(
-        conv_state=jnp.zeros((batch_size, w - 1, 3 * h * dk), dtype_of(config.compute_dtype)),
+        conv_state=jnp.zeros((batch_size, w - 1, 3, h * dk), dtype_of(config.compute_dtype)),
         recurrent_state=jnp.zeros((batch_size, h, dk, dk), jnp.float32))
 
 
@@ -72,24 +73,25 @@ def kda_cache_bytes_per_sequence(config: ModelConfig) -> int:
 def causal_depthwise_conv(x, weight, *, history=None, seg=None):
     """``out[t, c] = sum_j weight[c, j] * xx[t + j, c]`` with ``xx = concat(history, x)``.
 
-    x [B, T, C]; weight [C, W] (tap W-1 multiplies the current token, as PyTorch ``conv1d`` with
-    left padding W-1); history [B, W-1, C] (the previous inputs, zeros if None). With ``seg``
-    [B, T] (document numbers, packed training) a tap reading another document contributes 0.
-    Computed in float32; returns float32 [B, T, C].
+    x [B, T, *C] (any channel axes: the layer's [3, H*K]); weight [*C, W] (tap W-1 multiplies
+    the current token, as PyTorch ``conv1d`` with left padding W-1); history [B, W-1, *C] (the
+    previous inputs, zeros if None). With ``seg`` [B, T] (document numbers, packed training) a
+    tap reading another document contributes 0. Computed in float32; returns float32 [B, T, *C].
     """
-    b, t, c = x.shape
+    b, t, *c = x.shape
     w = weight.shape[-1]
     if history is None:
-        history = jnp.zeros((b, w - 1, c), x.dtype)
-    xx = jnp.concatenate([history, x], axis=1).astype(jnp.float32)   # [B, W-1+T, C]
+        history = jnp.zeros((b, w - 1, *c), x.dtype)
+    xx = jnp.concatenate([history, x], axis=1).astype(jnp.float32)   # [B, W-1+T, *C]
     wf = weight.astype(jnp.float32)
-    out = jnp.zeros((b, t, c), jnp.float32)
+    out = jnp.zeros((b, t, *c), jnp.float32)
     for j in range(w):
-        tap = xx[:, j:j + t] * wf[:, j]
+        tap = xx[:, j:j + t] * wf[..., j]
         lag = w - 1 - j
         if seg is not None and lag:
             prev = jnp.concatenate([jnp.full((b, lag), -1, seg.dtype), seg[:, :t - lag]], axis=1)
-            tap = jnp.where((prev == seg)[..., None], tap, 0.0)
+            same = (prev == seg).reshape(b, t, *(1,) * len(c))
+            tap = jnp.where(same, tap, 0.0)
         out = out + tap
     return out
 
@@ -114,10 +116,11 @@ def kda_gate(raw, a_log, lower_bound: float | None):
 
 
 def _last_valid_window(history, x, lengths, width):
-    """The last ``width`` rows of ``concat(history, x[:lengths])`` per row: [B, width, C]."""
+    """The last ``width`` rows of ``concat(history, x[:lengths])`` per row: [B, width, *C]."""
     xx = jnp.concatenate([history, x.astype(history.dtype)], axis=1)
     idx = lengths[:, None] + jnp.arange(width)[None, :]               # [B, W-1]
-    return jnp.take_along_axis(xx, idx[..., None], axis=1)
+    idx = idx.reshape(idx.shape + (1,) * (xx.ndim - 2))
+    return jnp.take_along_axis(xx, idx, axis=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class KDA(nnx.Module):
             raise ValueError(f"segment_ids must be integer [B, T] = {(b, t)}, got "
                              f"{segment_ids.dtype}{list(segment_ids.shape)}")
         if cache is not None:
-            want = ((b, w - 1, 3 * h * dk), (b, h, dk, dk))
+            want = ((b, w - 1, 3, h * dk), (b, h, dk, dk))
             got = (cache.conv_state.shape, cache.recurrent_state.shape)
             if got != want:
                 raise ValueError(f"KDACache shapes (conv_state, recurrent_state) must be {want} "
@@ -206,10 +209,10 @@ class KDA(nnx.Module):
         b, t, _ = x.shape
         h, dk, w = self.num_heads, self.head_dim, self.conv_size
         valid = None if segment_ids is None else segment_ids != 0           # [B, T]
-        qkv = jnp.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+        qkv = jnp.stack([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=2)
         if valid is not None:
-            qkv = jnp.where(valid[..., None], qkv, 0).astype(qkv.dtype)    # [B, T, 3HK]
-        weight = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]])
+            qkv = jnp.where(valid[..., None, None], qkv, 0).astype(qkv.dtype)  # [B, T, 3, HK]
+        weight = jnp.stack([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]])
         if cache is None:
             seg = None if segment_ids is None else segment_starts(segment_ids)[1]
             conv = causal_depthwise_conv(qkv, weight, seg=seg)

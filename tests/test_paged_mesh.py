@@ -13,6 +13,7 @@ from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import ByteTokenizer
 from kdsa.model import paged_cache as pc
 from kdsa.model.config import get_preset
+from kdsa.model.kda_layer import KDACache
 from kdsa.model.overrides import apply_overrides
 from kdsa.model.transformer import Transformer
 
@@ -98,9 +99,16 @@ def test_runner_steps_on_a_mesh_equal_one_device(mesh, runners):
     assert pool.shape[1] == 4 * (3 * P + pc.SCRATCH_ROWS)  # scratch rows per partition
     assert pool.sharding.shard_shape(pool.shape)[1] == 3 * P + pc.SCRATCH_ROWS
     assert len(pool.sharding.device_set) == 8
-    # the KDA recurrent states [R, slots, H, K, V]: slots over the groups, heads over tensor
-    kda = [a for a in jax.tree.leaves(r.cache) if a.ndim == 5]
-    assert kda and all(a.sharding.shard_shape(a.shape)[1:3] == (2, a.shape[2] // 2) for a in kda)
+    # the KDA recurrent states [R, slots, H, K, V] and conv windows [R, slots, W-1, 3, H*K]:
+    # slots over the groups, heads over tensor
+    states = [x for x in jax.tree.leaves(r.cache, is_leaf=lambda x: isinstance(x, KDACache))
+              if isinstance(x, KDACache)]
+    assert states
+    for x in states:
+        rec, conv = x.recurrent_state, x.conv_state
+        assert rec.sharding.shard_shape(rec.shape)[1:3] == (2, rec.shape[2] // 2)
+        assert conv.sharding.shard_shape(conv.shape)[1:] == (2, *conv.shape[2:4],
+                                                             conv.shape[4] // 2)
     with pytest.raises(ValueError, match="outside the 3 of a partition"):
         r.set_pages(0, [3])
     with pytest.raises(ValueError, match="num_pages=6 must be a multiple of the mesh's 4"):

@@ -264,11 +264,12 @@ def _unfused(text: str) -> list[str]:
 
 
 def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
-    """The runner places a KDA layer's recurrent state ``[repeats, slots, H, K, V]`` with its
-    heads over ``tensor``, as the step computes it (``infer/runner.py : cache_shardings``):
-    the compiled decode step on ``expert=2,tensor=2`` gathers no KDA state. With the heads
-    replicated the step all-gathered every state it wrote (28 ``f32[2, 2, 16, 16]``
-    all-gathers in this 2-layer tiny step)."""
+    """The runner places a KDA layer's recurrent state ``[repeats, slots, H, K, V]`` and conv
+    window ``[repeats, slots, W-1, 3, H*K]`` with their heads over ``tensor``, as the step
+    computes them (``infer/runner.py : cache_shardings``): the compiled decode step on
+    ``expert=2,tensor=2`` gathers no KDA state. With the heads replicated the step all-gathered
+    every state it wrote (28 ``f32[2, 2, 16, 16]`` all-gathers in this 2-layer tiny step), and
+    with q|k|v concatenated in one channel axis ``[.., W-1, 3*H*K]`` its conv window too."""
     import re
 
     from kdsa.infer import aot
@@ -284,5 +285,9 @@ def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
     text = aot.generate_step_compiles(cfg, "v5e:2x2", sizes, slots=4, max_len=256,
                                       prefill_chunk=64)["decode"]()
     gathers = [ln for ln in text.splitlines() if re.search(r" all-gather(-start)?\(", ln)]
-    state = rf"f32\[(1,)?2,{lac.num_heads},{lac.head_dim},{lac.head_dim}\]"
+    h, k, w = lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    state = rf"f32\[(1,)?2,{h},{k},{k}\]"
+    conv = rf"f32\[(1,)?2,{w - 1},(3,{h * k}|{3 * h * k})\]"
+    assert gathers                      # the pattern finds the step's other all-gathers
     assert not [ln for ln in gathers if re.search(state, ln)], gathers[:2]
+    assert not [ln for ln in gathers if re.search(conv, ln)], gathers[:2]
