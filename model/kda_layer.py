@@ -39,7 +39,8 @@ class KDACache:
 
     ``conv_state [B, W-1, 3, H*K]``: the last W-1 pre-conv q, k and v projections (oldest first),
     in the compute dtype; q, k and v on their own axis, so that splitting the heads (the last
-    axis) gives each device its heads' channels of all three. ``recurrent_state [B, H, K, V]``: the KDA state, float32.
+    axis) gives each device its heads' channels of all three. ``recurrent_state [B, H, K, V]``:
+    the KDA state, float32.
     """
 
     conv_state: jax.Array
