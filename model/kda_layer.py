@@ -90,7 +90,7 @@ def causal_depthwise_conv(x, weight, *, history=None, seg=None):
         tap = xx[:, j:j + t] * wf[..., j]
         lag = w - 1 - j
         if seg is not None and lag:
-            prev = jnp.concatenate([jnp.full((b, lag), -1, seg.dtype), seg[:, :t - lag]], axis=1)
+            prev = jnp.concatenate([jnp.full((b, lag), -1, seg.dtype), seg], axis=1)[:, :t]
             same = (prev == seg).reshape(b, t, *(1,) * len(c))
             tap = jnp.where(same, tap, 0.0)
         out = out + tap

@@ -184,6 +184,19 @@ def test_packed_documents_equal_separate_documents():
     assert float(jnp.max(jnp.abs(y[0, 34:]))) == 0.0
 
 
+def test_packed_documents_shorter_than_the_conv_window():
+    """Sequences of T < W - 1 tokens (T = 1 and 2 for W = 4) with packed documents: each
+    one-token document equals that token alone (the conv taps reach back further than T)."""
+    layer = build("k3")
+    for t, ids in ((1, [[3]]), (2, [[1, 2]]), (2, [[4, 4]])):
+        x = inputs(1, t, seed=6 + t)
+        y, _ = forward(layer, x, jnp.asarray(ids, jnp.int32), None)
+        starts = [i for i in range(t) if i == 0 or ids[0][i] != ids[0][i - 1]] + [t]
+        for a, b in zip(starts, starts[1:]):
+            y_ref, _, _ = numpy_layer(layer, x[0, a:b])
+            assert err(y[0, a:b], y_ref) <= 1e-4, (t, ids, a)
+
+
 # ---- gradients and bad input ------------------------------------------------------------------
 
 def test_gradients_finite_and_nonzero():
