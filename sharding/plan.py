@@ -309,10 +309,9 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
                 n_kda * (s - 1) * b_l * h_l * lac.head_dim * 2 * lac.head_dim * 4
                 + n_dsa * (s - 1) / s * b_l * seq * (dsa_cache_bytes_per_token(config)))
     else:
-        kda_seq = kda_cache_bytes_per_sequence(config)
-        lac = config.linear_attn_config
-        state = lac.num_heads * lac.head_dim * lac.head_dim * 4
-        kda_seq = kda_seq - state + state // max(1, min(tp, lac.num_heads))
+        # the recurrent state and the conv window both split their heads over tensor
+        kda_seq = kda_cache_bytes_per_sequence(config) // max(
+            1, min(tp, config.linear_attn_config.num_heads))
         row = n_dsa * seq * dsa_cache_bytes_per_token(config) + n_kda * kda_seq  # a sequence
         mem["caches"] = b_l * row
         mem["prefill"] = max(per_layer) * min(prefill_chunk, b_l * seq) * cb + 2 * row
