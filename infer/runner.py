@@ -401,7 +401,6 @@ def cache_shardings(cache, mesh, layout: str):
     return jax.tree_util.tree_map_with_path(place, cache)
 
 
-
 TPU_LANES = 128
 
 

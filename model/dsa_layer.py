@@ -303,8 +303,8 @@ class GatedDSA(nnx.Module):
         else:
             write, q_seg = jnp.where(segment_ids != 0, positions, big), (segment_ids != 0)
             q_seg = q_seg.astype(jnp.int32)
-        written, q_abs, (iq, iw) = self._cache_inputs(x, q_latent, q_nope, q_pe, c_kv, k_pe,
-                                                      positions, cache)
+        written, q_abs, index = self._cache_inputs(x, q_latent, q_nope, q_pe, c_kv, k_pe,
+                                                   positions, cache)
         cache = cache.replace(**{name: cache.write(name, write, v)
                                  for name, v in written.items()}).settled()
         kv_latent, k_rope = cache.view("kv_latent"), cache.view("k_rope")
@@ -316,8 +316,8 @@ class GatedDSA(nnx.Module):
         kv = (kv_latent, k_rope)  # key parts [B, L, kv_lora], [B, L, rope]; never concatenated
         if cache.layer is not None:  # the sparse attention reads the stacks [R, B, L, D] in place
             kv = (cache.kv_latent, cache.k_rope)
-        index = (None if self.indexer is None
-                 else (iq, cache.view("index_keys"), iw, None))
+        if index is not None:  # the indexer's queries and weights, the keys as written
+            index = (index[0], cache.view("index_keys"), index[1], None)
         o_lat = attend_cache(
             q_abs, index, keys=lambda w: (kv_latent[:, :w], k_rope[:, :w]),
             sparse=lambda q, idx: cp.sparse_mla_attention(
@@ -329,15 +329,16 @@ class GatedDSA(nnx.Module):
     def _cache_inputs(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, cache):
         """The rows a step writes to ``cache`` (``kv_latent``, ``k_rope`` and with an indexer
         ``index_keys``), its absorbed queries ``[B, T, N, kv_lora + width]`` and the indexer's
-        ``(queries, weights)`` (Nones without one). The RoPE key and the queries' RoPE part
+        ``(queries, weights)`` (None without one). The RoPE key and the queries' RoPE part
         take the cache's ``width`` columns (:func:`rope_cache_width`), the extra ones zero."""
         width = cache.k_rope.shape[-1]
         written = dict(kv_latent=c_kv, k_rope=_rope_lanes(k_pe, width))
-        iq = iw = None
+        index = None
         if self.indexer is not None:
             iq, written["index_keys"], iw = self.indexer(x, q_latent, positions)
+            index = (iq, iw)
         q_abs = _rope_lanes(self._absorb(q_nope, q_pe), self.config.kv_lora_rank + width)
-        return written, q_abs, (iq, iw)
+        return written, q_abs, index
 
     # ---- attention over a paged pool ----
     def _attend_pages(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, positions, segment_ids,
@@ -347,8 +348,7 @@ class GatedDSA(nnx.Module):
         c = self.config
         written, q_abs, index = self._cache_inputs(x, q_latent, q_nope, q_pe, c_kv, k_pe,
                                                    positions, cache)
-        o_lat, cache = attend_pool(q_abs, None if self.indexer is None else index, written,
-                                   positions,
+        o_lat, cache = attend_pool(q_abs, index, written, positions,
                                    segment_ids, cache, block_table, scale=mla_softmax_scale(c),
                                    topk=c.index_topk, v_dim=c.kv_lora_rank,
                                    chunk_size=c.dsa_query_chunk_size, impl=c.attention_impl)

@@ -40,6 +40,7 @@ from kdsa.model.dsa_cache_attention import attend_cache
 from kdsa.model.paged_cache import BUFFERS, PagedDSACache
 from kdsa.model.partitioning import current, without_sharding
 
+
 def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions: jax.Array,
                 segment_ids: jax.Array | None, cache: PagedDSACache, block_table: jax.Array, *,
                 scale: float, topk: int | None, v_dim: int, chunk_size: int,
