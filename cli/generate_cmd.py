@@ -120,7 +120,7 @@ def engine_from_args(args):
             raise ValueError("give --num-pages or --cache-memory, not both")
         from kdsa.cli.convert_cmd import parse_size
         from kdsa.infer.page_pool import pages_in
-        from kdsa.infer.runner import rope_lanes_for
+        from kdsa.infer.cache_layout import rope_lanes_for
         num_pages = pages_in(parse_size(args.cache_memory), config, rope_lanes_for(mesh))
         if mesh is not None:  # the bytes of one device: one group's partition of the pool
             from kdsa.sharding.rules import batch_groups

@@ -11,7 +11,8 @@ compiles it under the ``generate`` layout with XLA:TPU (libtpu), from sharded
 
 With ``paged=True`` both run on the paged cache the server uses by default (``slots x
 pages_for(L)`` pages in one partition per batch device group, ``model/paged_attention.py``)
-with their block tables.
+with their block tables. ``sizes=None``: the topology's first device alone, without a mesh,
+as the runner runs on one TPU (its cache placed by ``infer/cache_layout.py`` all the same).
 
 Both donate the cache, as the runner does. The result is XLA's per-device memory of each
 program (``sharding/aot.py``), which ``kdsa plan --compile --layout generate`` prints beside
@@ -28,18 +29,20 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdsa.infer.runner import TPU_LANES, cache_shardings
+from kdsa.infer.cache_layout import TPU_LANES, cache_shardings, row_major
 from kdsa.infer.runner_steps import decode_step, prefill_step
 from kdsa.model.config import ModelConfig
 from kdsa.sharding.aot import CompiledMemory, compiled_memory, topology_devices
 
 
-def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, int], *,
+def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, int] | None, *,
                            slots: int, max_len: int, prefill_chunk: int, paged: bool = False
                            ) -> dict[str, Callable[[], CompiledMemory]]:
     """``{"prefill": f, "decode": f}``, each ``f()`` compiling its step (module docstring); the
     caller decides what a refused compile means (``kdsa plan``: that step does not fit)."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import contextlib
+
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
     from kdsa.kernels_pallas.common import compile_target
     from kdsa.model.transformer import Transformer
@@ -50,20 +53,27 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
 
     if not 1 <= prefill_chunk <= max_len:
         raise ValueError(f"prefill chunk {prefill_chunk} must be in [1, --seq {max_len}]")
-    check_layout(config, sizes, "generate")
-    mesh = make_mesh(sizes, devices=topology_devices(topology))
+    devices = topology_devices(topology)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    state = _sharded(state, state_shardings(state, mesh, "generate"))
+    if sizes is None:  # one device, no mesh
+        mesh, parts, rep = None, 1, SingleDeviceSharding(devices[0])
+        state = _sharded(state, rep)
+    else:
+        check_layout(config, sizes, "generate")
+        mesh = make_mesh(sizes, devices=devices)
+        parts, rep = batch_groups(mesh, "generate")[1], NamedSharding(mesh, P())
+        state = _sharded(state, state_shardings(state, mesh, "generate"))
     pages = pages_for(max_len)
     if paged:
         cache = jax.eval_shape(lambda: model.init_paged_cache(
-            slots, slots * pages, pages, batch_groups(mesh, "generate")[1], TPU_LANES).layers)
+            slots, slots * pages, pages, parts, TPU_LANES).layers)
     else:
         cache = jax.eval_shape(lambda: model.init_cache(slots, max_len, TPU_LANES))
-    cache_sh = cache_shardings(cache, mesh, "generate")  # (the runner's; the DSA buffers
-    cache = _sharded(cache, cache_sh)                    # row-major as Formats)
-    rep = NamedSharding(mesh, P())
+    cache = row_major(cache)                             # (the runner's cache: the DSA
+    cache_sh = cache_shardings(cache, mesh, "generate",  # buffers row-major as Formats)
+                               devices[0])
+    cache = _sharded(cache, cache_sh)
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
     i32, scalar = jnp.int32, ()
     tables = ((None, None, arg((pages,), i32)), (arg((slots, pages), i32),)) if paged else ((), ())
@@ -77,7 +87,8 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
 
     def compile_step(fn, args) -> CompiledMemory:
         t0 = time.perf_counter()
-        with compile_target("tpu"), use_sharding(mesh, "generate"):
+        rules = contextlib.nullcontext() if mesh is None else use_sharding(mesh, "generate")
+        with compile_target("tpu"), rules:
             compiled = jax.jit(functools.partial(fn, graphdef), donate_argnums=(1,),
                                out_shardings=(rep, cache_sh)).lower(state, cache, *args).compile()
         return compiled_memory(compiled, time.perf_counter() - t0)

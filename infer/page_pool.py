@@ -56,7 +56,7 @@ class PagePool:
 
 def page_bytes(config, rope_lanes: int | None = None) -> int:
     """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token; the
-    RoPE key in ``rope_lanes`` columns as the runner keeps it: ``runner.rope_lanes_for``)."""
+    RoPE key in ``rope_lanes`` columns as the runner keeps it: ``cache_layout.rope_lanes_for``)."""
     from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
 
     n_dsa = sum(m != "kda" for m in config.mixer_kinds)

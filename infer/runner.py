@@ -57,8 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from kdsa.infer.cache_layout import cache_shardings, rope_lanes_for, row_major
 from kdsa.infer.runner_pages import PagedSlots
 from kdsa.infer.runner_steps import (copy_page, decode_step, encode_step, prefill_batch_step,
                                      prefill_step, restore_state, save_state, states)
@@ -108,23 +109,26 @@ class ModelRunner(PagedSlots):
         self._check_partitions(num_pages, num_snapshots)
         lanes = rope_lanes_for(mesh)  # TPU: the RoPE keys in 128 columns
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
-            make = lambda: model.init_paged_cache(  # noqa: E731
-                num_slots, num_pages, self.max_pages, self.partitions, lanes).layers
+            make = lambda: row_major(model.init_paged_cache(  # noqa: E731
+                num_slots, num_pages, self.max_pages, self.partitions, lanes).layers)
             self.block_table = np.full((num_slots, self.max_pages), -1, np.int32)
         else:
-            make = lambda: model.init_cache(num_slots, max_len, lanes)  # noqa: E731
+            make = lambda: row_major(model.init_cache(num_slots, max_len, lanes))  # noqa: E731
         snapshot_of = lambda c: states(lambda a: jnp.zeros(  # noqa: E731
             (a.shape[0], num_snapshots) + a.shape[2:], a.dtype), c)
         if num_snapshots and num_pages is None:
             raise ValueError("KDA state snapshots (prefix caching) need a paged cache")
-        if mesh is None:
+        # None: the default placement (one CPU or GPU device); else a mesh's, or one TPU
+        # device's (the DSA buffers row-major: infer/cache_layout.py)
+        cache_sh = self.cache_shardings(jax.eval_shape(make))
+        if cache_sh is None:
             self.cache = make()
             self._copy_page, self._save, self._restore = _copy_page_jit, _save_jit, _restore_jit
         else:
-            cache_sh = self.cache_shardings(jax.eval_shape(make))
             self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
-            rep = NamedSharding(mesh, P())
+            rep = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                   else NamedSharding(mesh, P()))
             jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
                 (rep,) if record_routing else ()))
             snap_sh = self.cache_shardings(jax.eval_shape(snapshot_of, self.cache))
@@ -132,8 +136,8 @@ class ModelRunner(PagedSlots):
             self._save = jax.jit(save_state, donate_argnums=(1,), out_shardings=snap_sh)
             self._restore = jax.jit(restore_state, donate_argnums=(0,), out_shardings=cache_sh)
         if num_snapshots:  # KDA states of the prefix cache (infer/prefix_cache.py)
-            self.snapshots = jax.jit(snapshot_of, out_shardings=None if mesh is None else
-                                     snap_sh)(self.cache)
+            self.snapshots = jax.jit(snapshot_of, out_shardings=None if cache_sh is None
+                                     else snap_sh)(self.cache)
         self.graphdef, self.state = nnx.split(model)
         # the decode step on one CPU device reads per-layer weight arrays when a repeated
         # layer's weights are large (module docstring); decided once from the shapes, the
@@ -142,12 +146,16 @@ class ModelRunner(PagedSlots):
         self._per_layer_decode = (mesh is None and _on_cpu(self.state) and repeated_layer_bytes(
             self.state, self._segment_layout) >= PER_LAYER_MIN_BYTES)
         self._decode_weights = (None, None)  # (the weights' leaves it was built from, state)
-        if mesh is None:  # runners of one model structure share their compiled steps
+        if cache_sh is None:  # runners of one model structure share their compiled steps
             options = tuple(sorted((compiler_options or {}).items()))
             self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
             self._prefill_batch = _shared_batch_step(self.graphdef, options)
         else:
             self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
+            self._prefill_batch = jax.jit(  # (one device only: ``batched_prefill``)
+                functools.partial(prefill_batch_step, self.graphdef), donate_argnums=(1,),
+                compiler_options=compiler_options, static_argnames=("width",),
+                out_shardings=(rep, cache_sh))
         self._encode = jax.jit(functools.partial(encode_step, self.graphdef))
 
     def decode_state(self):
@@ -359,57 +367,6 @@ class ModelRunner(PagedSlots):
             pos = np.full(s, (w - 1) * PAGE_SIZE, np.int32)  # compiles the width of ``w``
             self.decode(np.zeros(s, np.int32), pos, np.ones(s, bool) if w > 1 else
                         np.zeros(s, bool))
-
-
-def cache_shardings(cache, mesh, layout: str):
-    """Every cache leaf ``[repeats, slots, ...]`` with slots over the layout's ``act_batch``
-    axes ("DP attention": each device caches its own requests); a paged pool's rows
-    ``[repeats, R, D]`` the same way (its partitions). A KDA layer's recurrent state
-    ``[repeats, slots, H, K, V]`` and conv window ``[repeats, slots, W-1, 3, H*K]`` also have
-    their heads split as the layout splits ``act_heads``, as the step computes them: replicated
-    over ``tensor``, the new states were all-gathered at the end of every step to match (K3 on
-    ``v5p:4x8x8``: three 264 MiB all-gathers per decode step and device for the recurrent
-    states).
-
-    The Gated DSA layers' buffers (``kv_latent``, ``k_rope``, ``index_keys``) are placed
-    row-major (a ``Format``; CPU's default layout anyway). XLA:TPU's default for a buffer
-    narrower than 128 lanes (a small model's latent, a 64-wide RoPE key) keeps the rows minor,
-    which neither the Pallas kernels' row DMAs nor a layer's read of its stack as rows can
-    use: each step then copied those buffers to row-major and back (docs/sharding.md, section
-    9). On TPU the RoPE keys also take 128 columns (``TPU_LANES``), which XLA keeps row-major
-    through the whole step."""
-    from jax.experimental.layout import Format, Layout
-
-    from kdsa.model.paged_cache import BUFFERS
-    from kdsa.sharding.rules import get_rules, logical_to_spec
-
-    rules = get_rules(layout)
-
-    def place(path, a):
-        name = getattr(path[-1], "name", None)
-        if name == "recurrent_state":                    # [R, slots, H, K, V]
-            axes = (None, "act_batch", "act_heads", None, None)
-        elif name == "conv_state":                       # [R, slots, W-1, 3, H*K]
-            axes = (None, "act_batch", None, None, "act_heads")
-        else:
-            axes = (None, "act_batch") + (None,) * (a.ndim - 2)
-        s = NamedSharding(mesh, logical_to_spec(axes, a.shape, mesh, rules))
-        if name not in BUFFERS:
-            return s
-        return Format(Layout(major_to_minor=tuple(range(a.ndim))), s)
-
-    return jax.tree_util.tree_map_with_path(place, cache)
-
-
-TPU_LANES = 128
-
-
-def rope_lanes_for(mesh) -> int | None:
-    """The runner's RoPE-key cache columns (``model/dsa_layer.py : rope_cache_width``): 128
-    lanes when the cache lives on TPUs (the mesh's devices, or the default backend), else the
-    key's own width (None)."""
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    return TPU_LANES if platform == "tpu" else None
 
 
 def _host(x) -> np.ndarray:

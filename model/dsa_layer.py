@@ -67,13 +67,17 @@ class DSACache(LayerBuffers):
     Inside the layer scan a layer gets its whole stack's arrays, ``[repeats, B, L, D]``, with
     ``layer`` its index there (``LayerBuffers``, shared with ``PagedDSACache``): slicing its
     own ``[B, L, D]`` out and stacking it back made XLA copy the stack's caches several times
-    per decode step.
+    per decode step. ``rows_major``: whoever placed the stacks laid them out row-major (the
+    engine's runner does: ``infer/cache_layout.py``), so on TPU too a layer's sparse attention
+    reads its stack as rows in place, where XLA:TPU's default layout for a narrow buffer (rows
+    minor) would make that reshape a copy of the stack.
     """
 
     kv_latent: jax.Array
     k_rope: jax.Array
     index_keys: jax.Array
     layer: jax.Array | None = None
+    rows_major: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def max_len(self) -> int:
@@ -322,7 +326,7 @@ class GatedDSA(nnx.Module):
             q_abs, index, keys=lambda w: (kv_latent[:, :w], k_rope[:, :w]),
             sparse=lambda q, idx: cp.sparse_mla_attention(
                 q, kv, idx, scale, c.kv_lora_rank, chunk_size=c.dsa_query_chunk_size,
-                impl=c.attention_impl, layer=cache.layer)[0],
+                impl=c.attention_impl, layer=cache.layer, rows_major=cache.rows_major)[0],
             topk=c.index_topk, scale=scale, num_keys=big, **vis)
         return self._unabsorb(o_lat), cache
 

@@ -184,22 +184,21 @@ def indexer_topk(q, k, weights, topk: int, *, q_pos, kv_pos, q_seg, kv_seg, chun
 
 
 def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_size: int = 256,
-                         impl: str = "xla", layer=None):
+                         impl: str = "xla", layer=None, rows_major: bool = False):
     """``kdsa.model.dsa.sparse_mla_attention`` (``impl="pallas"``: the Pallas kernel); with
     ``act_seq`` split, the key parts are gathered and each shard attends for its own queries
     (heads stay sharded over tensor). ``layer``: the key parts are a layer scan's dense-slot
     stacks ``[L, B, S, D]`` (``DSACache.layer``) and ``layer`` the index of the layer's own,
-    read in place (:func:`_in_stack`)."""
+    read in place (:func:`_in_stack`) where the stacks are row-major: CPU and GPU layouts, or
+    ``rows_major`` (``DSACache.rows_major``: the engine's runner places them so on TPU)."""
     attend = sparse_mla_kernel if impl == "pallas" else dsa_math.sparse_mla_attention
     ctx = current()
     parts = tuple(kv) if isinstance(kv, (tuple, list)) else (kv,)
     spec = _seq_spec(ctx, ("act_batch", "act_seq", "act_heads", None), q.shape)
     if layer is not None:
-        # in place where the stacks are row-major: CPU and GPU layouts, or on a mesh the
-        # runner's (infer/runner.py : cache_shardings); one TPU device keeps XLA's default,
-        # rows minor for a buffer under 128 lanes (a small model's latent), where a whole-stack
-        # reshape would re-lay the stack
-        if ((ctx is not None or compile_platform() != "tpu")
+        # XLA:TPU's default layout keeps a buffer under 128 lanes (a small model's latent)
+        # rows minor, where a whole-stack reshape would re-lay the stack
+        if ((rows_major or compile_platform() != "tpu")
                 and not _split_self_attention(spec, q.shape[1], parts[0].shape[2])
                 and parts[0].shape[1] == q.shape[0] and parts[0].size < 2**31 * parts[0].shape[3]):
             return _in_stack(ctx, attend, q, parts, layer, indices, sm_scale, v_dim, chunk_size)
@@ -256,7 +255,7 @@ def _in_stack(ctx: ShardingContext | None, attend, q, stacks, layer, indices, sm
     (``model/paged_attention.py``). The layer's ``[B, S, D]`` slice was a copy of its cache
     at every step on XLA:TPU, for the Pallas kernel's operands and the reference's gather alike.
     On a mesh it runs in a ``shard_map``: slots as the rules split ``act_batch`` (the cache's
-    layout, ``infer/runner.py : cache_shardings``), heads as they split ``act_heads``."""
+    layout, ``infer/cache_layout.py``), heads as they split ``act_heads``."""
 
     def local(q, idx, layer, *stacks):
         l, b, s = stacks[0].shape[:3]

@@ -4,6 +4,7 @@ whole history (resumed from the last turn's end-of-request snapshot, inside a pa
 concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
 write), and under eviction (no page leaked)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -180,3 +181,38 @@ def test_branch_point_snapshot_serves_the_next_request(model):
         hits.append(cached.metrics()["prefix_cache"]["hit_tokens"])
     assert hits == [0, 0, 3 * P], hits
     assert cached.metrics()["prefix_cache"]["confirmed_snapshots"] == 1
+
+
+def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(model,
+                                                                             monkeypatch):
+    """On one TPU device without a mesh the runner places its cache itself
+    (``infer/cache_layout.py``: the DSA pools row-major as ``Format``s) and every step that
+    returns the cache returns it so: prefill, batched prefill, decode, page copies and KDA
+    snapshots. Run here by treating the CPU device as one that needs placing (row-major is
+    CPU's default layout, so what this checks is the wiring): the engine's greedy tokens and
+    log-probs, with prefix-cache hits, a copy-on-write page and batched prompts, equal those
+    of the default placement."""
+    from kdsa.infer import cache_layout
+
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 256, 100).tolist()
+    turns = [[system + rng.integers(0, 256, 30).tolist()],
+             [system + rng.integers(0, 256, n).tolist() for n in (4, 45)]]
+
+    def run():
+        runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48,
+                             min_bucket=16, num_pages=24, num_snapshots=4, batch_prefill=True)
+        engine = Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0,
+                        prefix_snapshot_every=1, prefill_tokens_per_step=96)
+        return runner, engine, [_run(engine, prompts) for prompts in turns]
+
+    _, plain, want = run()
+    monkeypatch.setattr(cache_layout, "places_one_device", lambda device: True)
+    runner, placed, got = run()
+    from kdsa.infer import runner as runner_module
+    assert runner._copy_page is not runner_module._copy_page_jit  # its own, placing jits
+    for a, b in zip(got, want):
+        _same(a, b)
+    m = placed.metrics()
+    assert m["prefix_cache"]["hit_tokens"] > 0 and m["batched_prefill_steps"] > 0, m
+    assert m["prefix_cache"] == plain.metrics()["prefix_cache"]

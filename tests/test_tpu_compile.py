@@ -291,3 +291,38 @@ def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
     assert gathers                      # the pattern finds the step's other all-gathers
     assert not [ln for ln in gathers if re.search(state, ln)], gathers[:2]
     assert not [ln for ln in gathers if re.search(conv, ln)], gathers[:2]
+
+
+def test_one_tpu_device_without_a_mesh_reads_its_caches_in_place(monkeypatch):
+    """One TPU device without a mesh (``kdsa serve`` on a single chip): the runner places its
+    cache on that device with the DSA buffers row-major (``infer/cache_layout.py``) and marks
+    the dense-slot stacks so (``DSACache.rows_major``). The generate steps of two Gated DSA
+    layers in one scan, paged and dense-slot, then copy no stack or pool and slice no layer's
+    own rows out of them. With XLA:TPU's default layout for these narrow buffers (rows minor)
+    the paged decode step copied each pool to row-major and back (four whole-pool copies per
+    step here), and the dense-slot decode step sliced each layer's ``[slots, L, D]`` out."""
+    import re
+
+    from kdsa.infer import aot
+    from kdsa.model.config import get_preset
+    from kdsa.model.overrides import apply_overrides
+    from kdsa.model.paged_cache import SCRATCH_ROWS
+
+    monkeypatch.setattr(aot, "compiled_memory", lambda compiled, seconds: compiled.as_text())
+    cfg = apply_overrides(get_preset("tiny"), [
+        "num_hidden_layers=2", "linear_attn_config.kda_layers=[]",
+        "linear_attn_config.full_attn_layers=[1, 2]", "first_k_dense_replace=0",
+        "compute_dtype=bfloat16", "param_dtype=bfloat16"])
+    part = 4 * 4 * 64 + SCRATCH_ROWS  # 4 slots x 4 pages, one partition, its scratch page
+    for paged, rows in ((True, rf"{part}"), (False, r"4,256")):
+        for name, compile_step in aot.generate_step_compiles(
+                cfg, "v5e:1x1", None, slots=4, max_len=256, prefill_chunk=64,
+                paged=paged).items():
+            text = compile_step()
+            copies = [ln for ln in text.splitlines()
+                      if re.search(rf"= \w+\[2,{rows},\d+\]\S* copy(-start)?\(", ln)]
+            assert not copies, (paged, name, copies[:2])
+            # a layer's own rows as a buffer of their own (a slice, then read): outside fusions
+            sliced = [ln for ln in _unfused(text) if re.search(
+                rf"= \w+\[(1,)?{rows},\d+\]\S* (copy|fusion|dynamic-slice)\(", ln)]
+            assert not sliced, (paged, name, sliced[:2])
