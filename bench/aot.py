@@ -63,7 +63,7 @@ def compile_one(device, fn, shapes) -> dict:
     arguments with a layout are the key caches (``cache_copies``)."""
     from kdsa.kernels_pallas import common
 
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.make_single_device_sharding(device)
     shapes = [tuple(x) + (None,) * (3 - len(x)) for x in shapes]
     args = [jax.ShapeDtypeStruct(s, d, sharding=_format(lay, sharding)) for s, d, lay in shapes]
     t0 = time.perf_counter()

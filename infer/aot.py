@@ -42,7 +42,7 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     caller decides what a refused compile means (``kdsa plan``: that step does not fit)."""
     import contextlib
 
-    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+    from jax.sharding import NamedSharding, PartitionSpec as P, make_single_device_sharding
 
     from kdsa.kernels_pallas.common import compile_target
     from kdsa.model.transformer import Transformer
@@ -57,7 +57,7 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     if sizes is None:  # one device, no mesh
-        mesh, parts, rep = None, 1, SingleDeviceSharding(devices[0])
+        mesh, parts, rep = None, 1, make_single_device_sharding(devices[0])
         state = _sharded(state, rep)
     else:
         check_layout(config, sizes, "generate")

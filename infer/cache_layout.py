@@ -10,7 +10,7 @@ so placed: its layers read their stacks in place (``model/sequence_parallel.py :
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, make_single_device_sharding
 
 from kdsa.model.dsa_layer import DSACache
 from kdsa.model.paged_cache import BUFFERS
@@ -61,7 +61,7 @@ def cache_shardings(cache, mesh, layout: str, device=None):
     def place(path, a):
         name = getattr(path[-1], "name", None)
         if mesh is None:
-            s = SingleDeviceSharding(device)
+            s = make_single_device_sharding(device)
         else:
             if name == "recurrent_state":                    # [R, slots, H, K, V]
                 axes = (None, "act_batch", "act_heads", None, None)

@@ -88,7 +88,9 @@ class ReferenceTokens:
     """A's teacher-forced view of one sequence (host arrays, ``G`` generated tokens)."""
     top_ids: np.ndarray  # [G, K] int32
     top_logp: np.ndarray  # [G, K] float32
-    rest_logp: np.ndarray  # [G] float32: log of the probability outside the top-k
+    rest_logp: np.ndarray  # [G] float64: log of the probability outside the top-k, as
+    # token_stats computes B's from the same top-k (rounded to float32 it left a KL of up to
+    # 1e-8 between identical distributions)
     argmax: np.ndarray  # [G] int32
     token_logp: np.ndarray  # [G] float32: log-prob of the generated token
 
@@ -109,7 +111,7 @@ def reference_tokens(logp: jax.Array, generated: list[int], top_k: int) -> Refer
     rest = (np.full(len(gen), -np.inf) if k == logp.shape[-1]  # every token kept: no rest
             else _log_rest(lp))
     return ReferenceTokens(top_ids=ids, top_logp=lp.astype(np.float32),
-                           rest_logp=rest.astype(np.float32),
+                           rest_logp=rest,
                            argmax=np.asarray(jnp.argmax(logp, -1), np.int32),
                            token_logp=np.asarray(logp)[np.arange(len(gen)), gen])
 
@@ -121,7 +123,7 @@ def token_stats(ref: ReferenceTokens, cand_logp: jax.Array, generated: list[int]
     b_top = np.take_along_axis(b, ref.top_ids, axis=-1)                 # [G, K]
     a_top = ref.top_logp.astype(np.float64)
     kl = np.sum(np.exp(a_top) * (a_top - b_top), axis=-1)
-    rest = ref.rest_logp.astype(np.float64)
+    rest = ref.rest_logp
     tail = np.zeros_like(kl)
     coarse = np.isfinite(rest)  # the top-k did not cover the vocabulary
     if coarse.any():

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P, make_single_device_sharding
 
 from kdsa.infer.cache_layout import cache_shardings, rope_lanes_for, row_major
 from kdsa.infer.runner_pages import PagedSlots
@@ -127,7 +127,7 @@ class ModelRunner(PagedSlots):
         else:
             self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
-            rep = (SingleDeviceSharding(jax.devices()[0]) if mesh is None
+            rep = (make_single_device_sharding(jax.devices()[0]) if mesh is None
                    else NamedSharding(mesh, P()))
             jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
                 (rep,) if record_routing else ()))

@@ -85,7 +85,7 @@ def target_shardings(state: nnx.State,
     """``{key: Sharding}``: ``shardings(state)`` (the same tree with a ``Sharding`` per
     variable), else the first local device for every variable."""
     if shardings is None:
-        dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        dev = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         return {k: dev for k in flat_variables(state)}
     return flat_variables(shardings(state))
 
@@ -386,7 +386,7 @@ def iter_params(path: str | os.PathLike, config: ModelConfig, keys: Iterable[str
                 ) -> Iterator[tuple[str, np.ndarray]]:
     """``(key, host array)`` one parameter at a time (bounded memory; for export)."""
     abstract = flat_variables(nnx.state(abstract_model(config)))
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    dev = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
     for k in keys if keys is not None else abstract:
         v = abstract[k]
         arr = load_params(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev)})[k]

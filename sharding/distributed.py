@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import jax
 
@@ -69,9 +70,28 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             f"(every host must run the same command; process 0 hosts the coordinator). "
             f"Cause: {_cause(e)}") from e
     _initialized = True
-    if os.environ.get(ENV_SHARE_COMPILES):
+    if _loaded_cpu_programs_deadlock():
+        # each process compiles for itself: no executable from the persistent cache or a peer
+        jax.config.update("jax_enable_compilation_cache", False)
+        if os.environ.get(ENV_SHARE_COMPILES):
+            print(f"kdsa: {ENV_SHARE_COMPILES} ignored: JAX {jax.__version__} on CPU cannot run "
+                  "a program another process compiled (docs/sharding.md, section 7)",
+                  file=sys.stderr, flush=True)
+    elif os.environ.get(ENV_SHARE_COMPILES):
         share_compiles(os.environ[ENV_SHARE_COMPILES])
     return True
+
+
+def _loaded_cpu_programs_deadlock() -> bool:
+    """Whether this multi-process CPU job must compile every program in every process.
+
+    Under JAX 0.12.1 (released 2026-12-06) a multi-process program on CPU that one process
+    loads from the persistent compilation cache, or receives from process 0
+    (``share_compiles``), hangs in its first gloo collective while the peer runs the copy it
+    compiled itself: two processes of two devices, four small jitted reductions, a warm cache
+    (0.12.0 runs the same script, and the two-process jobs of the test suite, either way).
+    Later versions are treated alike until one is shown to work."""
+    return jax.default_backend() == "cpu" and jax.__version_info__[:3] >= (0, 12, 1)
 
 
 def share_compiles(cache_dir: str) -> None:

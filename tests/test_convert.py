@@ -226,7 +226,8 @@ def test_qat_layer_is_the_served_mxfp4_layer():
 
 def test_qat_gradient_is_straight_through():
     """QAT forward = float forward on dequant(quant(w)); its weight gradient equals the float
-    model's gradient there (STE), so on-grid weights (nothing clips) get the float gradient."""
+    model's gradient there (STE), so on-grid weights (nothing clips) get the float gradient
+    (up to float32 rounding: two programs)."""
     c = MICRO.replace(expert_qat=True)
     z, idx, wt, ws = _moe_inputs(c, 1)
     from kdsa.model.moe_mxfp4 import qat_expert_weights
@@ -238,10 +239,11 @@ def test_qat_gradient_is_straight_through():
     fq = jax.jit(lambda ws: tuple(fake_quantize_mxfp4(w, axis=-2) for w in ws))(ws)
     assert not np.allclose(fq[0], ws[0])
     grad = jax.jit(jax.grad(loss), static_argnums=1)  # one compile each, not op by op
-    for a, b in zip(grad(ws, True), grad(fq, False)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    for a, b in zip(grad(fq, True), grad(fq, False)):  # on the grid
-        np.testing.assert_array_equal(a, b)
+    for a, b in zip(grad(ws, True), grad(fq, False)):  # (two programs: JAX 0.12.1 rounds
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)  # them 5e-7 apart)
+    for a, b in zip(grad(fq, True), grad(fq, False)):  # on the grid: the same forward values
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # (bitwise under 0.12.0; 4e-6
+        # apart under 0.12.1, the two programs' sums rounded apart)
 
 
 def test_packed_experts_are_frozen_and_counted_logically():

@@ -43,7 +43,7 @@ def test_two_processes_read_their_slices_and_write_the_same_checkpoint(tmp_path)
     assert read[0] + read[1] >= one.bytes_sliced
     assert max(read.values()) < 0.75 * one.bytes_sliced, (read, one.bytes_sliced)
 
-    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    dev = jax.sharding.make_single_device_sharding(jax.devices()[0])
     targets = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=dev) for k, v in
                ckpt.flat_variables(nnx.state(ckpt.abstract_model(MICRO))).items()}
     a, b = (ckpt.load_params(tmp_path / d, targets) for d in ("one", "two"))

@@ -58,7 +58,7 @@ def test_generate_from_a_saved_checkpoint_equals_the_in_memory_model(tmp_path, m
     assert engine.runner.config == config          # the checkpoint's config, not a preset's
     # the in-memory weights (committed to the device like restored ones: same compiled steps)
     engine.runner.state = jax.device_put(nnx.split(model)[1],
-                                         jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                                         jax.sharding.make_single_device_sharding(jax.devices()[0]))
     reqs = gen.read_requests(prompts, engine, fmt, effort=None, seed=0,
                              defaults={"max_tokens": 6, "temperature": 0.0, "top_p": 1.0,
                                        "top_k": 0})

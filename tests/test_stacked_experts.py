@@ -43,7 +43,10 @@ def test_ragged_dot_through_the_stack_equals_the_layers_slice():
         assert w.shape == stack.shape[1:] and w[...] is w
         got = jax.jit(se.ragged_dot, static_argnums=3)(x, w, sizes, jnp.float32)
         want = jax.lax.ragged_dot(x, stack[layer], sizes)
-        np.testing.assert_array_equal(np.asarray(got)[:10], np.asarray(want)[:10])
+        # two programs: equal under JAX 0.12.0, within 5e-7 under 0.12.1 (a layer off by one
+        # would differ by O(1))
+        np.testing.assert_allclose(np.asarray(got)[:10], np.asarray(want)[:10], rtol=1e-6,
+                                   atol=1e-6)
         np.testing.assert_array_equal(np.asarray(se.own(w)), np.asarray(stack[layer]))
     with pytest.raises(TypeError, match="read whole"):
         se.StackedWeight(stack, 0)[0]

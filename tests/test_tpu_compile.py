@@ -24,7 +24,7 @@ def compile_for(topology: str, fn, *shapes):
     """``fn`` compiled for one abstract device of ``topology`` with the kernels' TPU tiles."""
     from kdsa.train.aot import topology_devices
 
-    sharding = jax.sharding.SingleDeviceSharding(topology_devices(topology)[0])
+    sharding = jax.sharding.make_single_device_sharding(topology_devices(topology)[0])
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     with common.compile_target("tpu"):
         return jax.jit(fn).lower(*args).compile()

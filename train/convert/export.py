@@ -45,7 +45,7 @@ class Loader:
     def __init__(self, path: Path, config: ModelConfig):
         self.path, self.cache, self.bytes = path, {}, 0
         self.abstract = ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
-        self.device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self.device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         self.collector = CycleCollector()  # Orbax's restore leaves reference cycles
 
     def get(self, key: str) -> np.ndarray:
