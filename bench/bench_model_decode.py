@@ -23,7 +23,6 @@ bench/results/model_decode.json.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import os
 import sys
@@ -58,11 +57,11 @@ def _runner(model, slots: int, max_len: int, chunk: int) -> ModelRunner:
     each depth gets its own runner) with the cache filled with random values."""
     runner = ModelRunner(model, num_slots=slots, max_len=max_len, prefill_chunk=chunk,
                          min_bucket=chunk)
-    runner.cache = _randomized(runner.cache)
+    runner.cache = jax.jit(_randomized, donate_argnums=(0,), out_shardings=runner.cache_shardings(
+        runner.cache))(runner.cache)  # (None: the default placement; else the runner's layouts)
     return runner
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
 def _randomized(cache):
     """``cache`` with every leaf a fixed pseudo-random pattern in ``[-0.1, 0.1]``, computed
     elementwise over the donated zeros: an all-dense 128K batch-8 cache is 9.7 GB, so neither

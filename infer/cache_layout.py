@@ -18,12 +18,12 @@ from kdsa.model.paged_cache import BUFFERS
 TPU_LANES = 128
 
 
-def rope_lanes_for(mesh) -> int | None:
+def rope_lanes_for(mesh, device=None) -> int | None:
     """The runner's RoPE-key cache columns (``model/dsa_layer.py : rope_cache_width``): 128
-    lanes when the cache lives on TPUs (the mesh's devices, or the default backend), else the
-    key's own width (None)."""
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    return TPU_LANES if platform == "tpu" else None
+    lanes when the cache lives on TPUs (the mesh's devices, else ``device``, else this
+    process's first), else the key's own width (None)."""
+    first = mesh.devices.flat[0] if mesh is not None else device or jax.local_devices()[0]
+    return TPU_LANES if first.platform == "tpu" else None
 
 
 def cache_shardings(cache, mesh, layout: str, device=None):
@@ -44,14 +44,15 @@ def cache_shardings(cache, mesh, layout: str, device=None):
     9). On TPU the RoPE keys also take 128 columns (``TPU_LANES``), which XLA keeps row-major
     through the whole step.
 
-    Without a mesh: on one TPU device (``device``, else the default one) every leaf lives there
-    and the DSA buffers are row-major for the same reason (the paged decode step of a 2-layer
-    model copied its pools four times per step without); elsewhere None (the default
-    placement, row-major already)."""
+    Without a mesh: on one TPU device (``device``, else this process's first) every leaf
+    lives there and the DSA buffers are row-major for the same reason (the paged decode step of
+    a 2-layer model copied its pools four times per step without); elsewhere None (the
+    default placement, row-major already). Row-major rows narrower than 128 lanes are padded
+    to 128 in HBM (``dsa_layer.dsa_cache_bytes_per_token`` counts them so)."""
     from jax.experimental.layout import Format, Layout
 
     if mesh is None:
-        device = device or jax.devices()[0]
+        device = device or jax.local_devices()[0]
         if not places_one_device(device):
             return None
     else:

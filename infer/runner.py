@@ -105,9 +105,11 @@ class ModelRunner(PagedSlots):
         # on a mesh the slots, the page pool and the KDA snapshots are split alike into
         # ``partitions`` device groups (the layout's batch axes: model/paged_attention.py)
         self.partitions = 1 if mesh is None else self._place_weights(model)
+        # without a mesh: the device the weights live on (its cache placed there on TPU)
+        self.device = None if mesh is not None else _weights_device(model)
         self.num_snapshots, self.snapshots = num_snapshots, None
         self._check_partitions(num_pages, num_snapshots)
-        lanes = rope_lanes_for(mesh)  # TPU: the RoPE keys in 128 columns
+        lanes = rope_lanes_for(mesh, self.device)  # TPU: the RoPE keys in 128 columns
         if num_pages is not None:  # DSA rows in pages of one shared pool (model/paged_cache.py)
             make = lambda: row_major(model.init_paged_cache(  # noqa: E731
                 num_slots, num_pages, self.max_pages, self.partitions, lanes).layers)
@@ -127,7 +129,7 @@ class ModelRunner(PagedSlots):
         else:
             self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
-            rep = (make_single_device_sharding(jax.devices()[0]) if mesh is None
+            rep = (make_single_device_sharding(self.device) if mesh is None
                    else NamedSharding(mesh, P()))
             jit = functools.partial(jit, out_shardings=(rep, cache_sh) + (
                 (rep,) if record_routing else ()))
@@ -147,6 +149,8 @@ class ModelRunner(PagedSlots):
             self.state, self._segment_layout) >= PER_LAYER_MIN_BYTES)
         self._decode_weights = (None, None)  # (the weights' leaves it was built from, state)
         if cache_sh is None:  # runners of one model structure share their compiled steps
+            # (with a mesh or on one TPU each runner compiles its own, with its cache's
+            # shardings and layouts as outputs)
             options = tuple(sorted((compiler_options or {}).items()))
             self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
             self._prefill_batch = _shared_batch_step(self.graphdef, options)
@@ -198,7 +202,7 @@ class ModelRunner(PagedSlots):
         return k
 
     def cache_shardings(self, cache):
-        return cache_shardings(cache, self.mesh, self.layout)
+        return cache_shardings(cache, self.mesh, self.layout, self.device)
 
     def _rules(self):
         """The layout's rules while tracing and calling the steps (part of jit's cache key)."""
@@ -379,6 +383,13 @@ def _host(x) -> np.ndarray:
 # 32K, a tiny one (0.18 MB) 0.9-1.1 -> 1.3 ms at 4K (bench_model_decode, bench_long_context
 # --step-only, 2026-12-05). Above this many bytes per repeated layer, past the CPU's caches:
 PER_LAYER_MIN_BYTES = 32 << 20
+
+
+def _weights_device(model):
+    """The device a model's weights live on (the first array's), else this process's first."""
+    leaves = jax.tree.leaves(nnx.state(model))
+    devices = getattr(leaves[0], "devices", None) if leaves else None
+    return next(iter(devices())) if devices else jax.local_devices()[0]
 
 
 def _on_cpu(state) -> bool:

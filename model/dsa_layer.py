@@ -131,10 +131,15 @@ def _rope_lanes(x: jax.Array, width: int) -> jax.Array:
 
 def dsa_cache_bytes_per_token(config: ModelConfig, rope_lanes: int | None = None) -> int:
     """Cache bytes per token per layer: ``(kv_lora + rope) * itemsize + Di * index itemsize``
-    (K3 bf16: 1408; 1536 with the RoPE key in 128 lanes, :func:`rope_cache_width`)."""
+    (K3 bf16: 1408). With ``rope_lanes`` (the engine on TPU) every row as it lies in HBM: each
+    buffer's width rounded up to that many lanes, the RoPE key's explicitly
+    (:func:`rope_cache_width`), the others by the row-major layout the runner gives them
+    (``infer/cache_layout.py``): K3 1536, ``tiny``'s 32 + 8 + 16 columns 3 x 128."""
     size = lambda name: jnp.dtype(dtype_of(name)).itemsize  # noqa: E731
-    return ((config.kv_lora_rank + rope_cache_width(config, rope_lanes))
-            * size(config.compute_dtype) + _index_dim(config) * size(config.index_compute_dtype))
+    lanes = lambda d: d if not rope_lanes or d == 0 else -(-d // rope_lanes) * rope_lanes  # noqa: E731
+    return ((lanes(config.kv_lora_rank) + rope_cache_width(config, rope_lanes))
+            * size(config.compute_dtype)
+            + lanes(_index_dim(config)) * size(config.index_compute_dtype))
 
 
 def _rope_dim(config: ModelConfig) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 import jax
@@ -46,6 +47,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if auto:
             jax.distributed.initialize(initialization_timeout=timeout_s)
             _initialized = True
+            _compile_in_every_process()
             return jax.process_count() > 1
         return False
     if not all(given):
@@ -70,15 +72,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             f"(every host must run the same command; process 0 hosts the coordinator). "
             f"Cause: {_cause(e)}") from e
     _initialized = True
-    if _loaded_cpu_programs_deadlock():
-        # each process compiles for itself: no executable from the persistent cache or a peer
-        jax.config.update("jax_enable_compilation_cache", False)
-        if os.environ.get(ENV_SHARE_COMPILES):
-            print(f"kdsa: {ENV_SHARE_COMPILES} ignored: JAX {jax.__version__} on CPU cannot run "
-                  "a program another process compiled (docs/sharding.md, section 7)",
-                  file=sys.stderr, flush=True)
-    elif os.environ.get(ENV_SHARE_COMPILES):
+    if not _compile_in_every_process() and os.environ.get(ENV_SHARE_COMPILES):
         share_compiles(os.environ[ENV_SHARE_COMPILES])
+    return True
+
+
+def _compile_in_every_process() -> bool:
+    """After joining: in a multi-process CPU job whose JAX cannot run a program another process
+    compiled (:func:`_loaded_cpu_programs_deadlock`), turn the persistent compilation cache off
+    and say that ``KDSA_SHARE_COMPILES`` is ignored. Returns whether it did."""
+    if jax.process_count() < 2 or not _loaded_cpu_programs_deadlock():
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    if os.environ.get(ENV_SHARE_COMPILES):
+        print(f"kdsa: {ENV_SHARE_COMPILES} ignored: JAX {jax.__version__} on CPU cannot run a "
+              "program another process compiled (docs/sharding.md, section 7)",
+              file=sys.stderr, flush=True)
     return True
 
 
@@ -91,7 +100,8 @@ def _loaded_cpu_programs_deadlock() -> bool:
     compiled itself: two processes of two devices, four small jitted reductions, a warm cache
     (0.12.0 runs the same script, and the two-process jobs of the test suite, either way).
     Later versions are treated alike until one is shown to work."""
-    return jax.default_backend() == "cpu" and jax.__version_info__[:3] >= (0, 12, 1)
+    version = tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])  # 0.12.1rc1 too
+    return jax.default_backend() == "cpu" and version >= (0, 12, 1)
 
 
 def share_compiles(cache_dir: str) -> None:

@@ -336,6 +336,10 @@ def test_cache_helpers():
     assert init_dsa_cache(BF16_INDEX, 1, 4).kv_latent.dtype == jnp.float32
     assert dsa_cache_bytes_per_token(BF16_INDEX) == (32 + 8) * 4 + 16 * 2
     assert dsa_cache_bytes_per_token(get_preset("k3-slice")) == (512 + 64) * 4 + 128 * 2
+    # on TPU (128 lanes): every row as laid out in HBM, each width a multiple of 128 lanes
+    assert dsa_cache_bytes_per_token(TINY, 128) == 3 * 128 * 4
+    assert dsa_cache_bytes_per_token(get_preset("k3-2.8t"), 128) == (512 + 128 + 128) * 2
+    assert dsa_cache_bytes_per_token(DENSE, 128) == (128 + 128) * 4
 
 
 def test_bad_inputs_raise():

@@ -83,3 +83,28 @@ def test_jobcheck_steps_and_the_cross_process_count():
     assert _crosses_processes(src, reversed_, (4, 3))
     assert _crosses_processes(src, replicated, (4, 3))  # each process needs the other's half
     assert not _crosses_processes(replicated, src, (4, 3))
+
+
+@pytest.mark.parametrize("version,processes,off", [("0.12.1", 2, True), ("0.12.2rc1", 2, True),
+                                                   ("0.12.0.1", 2, False), ("0.12.1", 1, False)])
+def test_every_process_compiles_for_itself_where_jax_deadlocks(monkeypatch, capsys, version,
+                                                               processes, off):
+    """JAX 0.12.1 on CPU deadlocks a multi-process program one process loaded (from the
+    persistent cache or a peer) against the copy its peer compiled (docs/sharding.md, section
+    7): after joining such a job, ``distributed`` turns the persistent cache off and ignores
+    ``KDSA_SHARE_COMPILES``; a single process, or JAX 0.12.0, keeps both."""
+    import jax
+
+    from kdsa.sharding import distributed
+
+    monkeypatch.setattr(jax, "__version__", version)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    monkeypatch.setenv(distributed.ENV_SHARE_COMPILES, "/nonexistent")
+    before = jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        assert distributed._compile_in_every_process() == off
+        assert jax.config.jax_enable_compilation_cache == (not off)
+        assert ("KDSA_SHARE_COMPILES ignored" in capsys.readouterr().err) == off
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)

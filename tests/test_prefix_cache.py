@@ -193,26 +193,32 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     log-probs, with prefix-cache hits, a copy-on-write page and batched prompts, equal those
     of the default placement."""
     from kdsa.infer import cache_layout
+    from kdsa.infer import runner as runner_module
 
     rng = np.random.default_rng(3)
-    system = rng.integers(0, 256, 100).tolist()
-    turns = [[system + rng.integers(0, 256, 30).tolist()],
-             [system + rng.integers(0, 256, n).tolist() for n in (4, 45)]]
+    first = rng.integers(0, 256, 130).tolist()
+    forks = [rng.integers(0, 256, n).tolist() for n in (4, 45)]
+    copies = []
+    copy_page = ModelRunner.copy_page
+    monkeypatch.setattr(ModelRunner, "copy_page", lambda self, *a, **k: (
+        copies.append(a), copy_page(self, *a, **k))[1])
 
     def run():
         runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48,
                              min_bucket=16, num_pages=24, num_snapshots=4, batch_prefill=True)
         engine = Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0,
                         prefix_snapshot_every=1, prefill_tokens_per_step=96)
-        return runner, engine, [_run(engine, prompts) for prompts in turns]
+        (out, _), = done = _run(engine, [first])
+        # the turn ended mid-page: both forks resume from its end and copy that page
+        return runner, engine, done + _run(engine, [first + out + f for f in forks])
 
     _, plain, want = run()
+    n_copies = len(copies)
     monkeypatch.setattr(cache_layout, "places_one_device", lambda device: True)
     runner, placed, got = run()
-    from kdsa.infer import runner as runner_module
     assert runner._copy_page is not runner_module._copy_page_jit  # its own, placing jits
-    for a, b in zip(got, want):
-        _same(a, b)
+    _same(got, want)
     m = placed.metrics()
     assert m["prefix_cache"]["hit_tokens"] > 0 and m["batched_prefill_steps"] > 0, m
     assert m["prefix_cache"] == plain.metrics()["prefix_cache"]
+    assert n_copies > 0 and len(copies) == 2 * n_copies, copies

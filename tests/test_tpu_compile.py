@@ -184,7 +184,7 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
     rows, whole or one partition, in its shape), nor is it padded. Two Gated DSA + MoE layers
     share one scan: neither slices its own pool out of the stack (no array has one layer's
     rows), nor its routed experts' weights (``model/stacked_experts.py``). The pools are
-    arguments in row-major layout (``infer/runner.py : cache_shardings``), so no step copies a
+    arguments in row-major layout (``infer/cache_layout.py : cache_shardings``), so no step copies a
     whole stack of them (XLA:TPU's default layout for these narrow buffers, rows minor, made
     it copy each to row-major and back at every step). The dense-slot cache's decode step
     reads its stacks in place too (``sequence_parallel._in_stack``): no layer's ``[slots,
@@ -266,7 +266,7 @@ def _unfused(text: str) -> list[str]:
 def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
     """The runner places a KDA layer's recurrent state ``[repeats, slots, H, K, V]`` and conv
     window ``[repeats, slots, W-1, 3, H*K]`` with their heads over ``tensor``, as the step
-    computes them (``infer/runner.py : cache_shardings``): the compiled decode step on
+    computes them (``infer/cache_layout.py : cache_shardings``): the compiled decode step on
     ``expert=2,tensor=2`` gathers no KDA state. With the heads replicated the step all-gathered
     every state it wrote (28 ``f32[2, 2, 16, 16]`` all-gathers in this 2-layer tiny step), and
     with q|k|v concatenated in one channel axis ``[.., W-1, 3*H*K]`` its conv window too."""
