@@ -104,17 +104,16 @@ def paged_index_scores_tpu(q, w, pool, table, *, page: int, ppb: int, interpret)
     n = ppb * page
     check_tiles(page, ppb, pool.dtype)
     pool = pltpu.with_memory_space_constraint(pool, pltpu.HBM)  # else XLA may copy it to VMEM
-    spec = pl.GridSpec(
+    return pl.pallas_call(
+        functools.partial(_kernel, page=page, ppb=ppb),
+        out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32),
         grid=(b, wp // ppb),
         in_specs=[pl.BlockSpec((None, 1, wp), lambda i, j: (i, 0, 0), memory_space=pltpu.SMEM),
                   pl.BlockSpec((None, tjp, d), lambda i, j: (i, 0, 0)),
                   pl.BlockSpec((None, t, tjp), lambda i, j: (i, 0, 0)),
                   pl.BlockSpec(memory_space=pltpu.HBM)],
         out_specs=pl.BlockSpec((None, t, n), lambda i, j: (i, 0, j)),
-        scratch_shapes=[pltpu.VMEM((2, n, d), pool.dtype), pltpu.SemaphoreType.DMA((2,))])
-    return pl.pallas_call(
-        functools.partial(_kernel, page=page, ppb=ppb),
-        out_shape=jax.ShapeDtypeStruct((b, t, wp * page), f32), grid_spec=spec,
+        scratch_shapes=[pltpu.VMEM((2, n, d), pool.dtype), pltpu.SemaphoreType.DMA((2,))],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret, name="paged_index_scores_tpu",
     )(table[:, None], q, w, pool)
