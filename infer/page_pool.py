@@ -55,8 +55,9 @@ class PagePool:
 
 
 def page_bytes(config, rope_lanes: int | None = None) -> int:
-    """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token; the
-    RoPE key in ``rope_lanes`` columns as the runner keeps it: ``cache_layout.rope_lanes_for``)."""
+    """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token; with
+    ``rope_lanes``, the runner on TPU (``cache_layout.rope_lanes_for``), each row as it lies in
+    HBM: ``dsa_layer.dsa_cache_bytes_per_token``)."""
     from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
 
     n_dsa = sum(m != "kda" for m in config.mixer_kinds)

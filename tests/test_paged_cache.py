@@ -327,12 +327,14 @@ def test_cache_memory_sizes_the_pool():
     assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \
         == 10 * per + scratch
     assert pages_needed(70, 12, 3 * P) == 2 and pages_needed(150, 100, 3 * P) == 3
-    # the RoPE keys in 128 columns (the runner on TPU) take their pool bytes too
+    # on TPU (128 lanes) every row lies in HBM padded to 128 lanes: the RoPE key's 128 columns
+    # are in the pool's array itself, the latent's and index keys' padding in the row-major
+    # layout the runner gives them (infer/cache_layout.py)
     wide = page_bytes(CFG, 128)
     pool = jax.eval_shape(lambda: pc.init_paged_dsa_cache(CFG, 10, rope_lanes=128))
-    assert sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(pool)) \
-        == 10 * wide + pc.SCRATCH_ROWS * (wide // P)
-    assert wide - per == P * (128 - CFG.qk_rope_head_dim) * 4  # float32
+    assert pool.k_rope.shape[-1] == 128 and pool.kv_latent.shape[-1] < 128
+    assert pool.index_keys.shape[-1] < 128
+    assert wide == P * 3 * 128 * 4  # three float32 buffers of 128 lanes
     assert pages_in(11 * wide, CFG, 128) == 10
     with pytest.raises(ValueError, match="holds no page"):
         pages_in(per - 1, CFG)
