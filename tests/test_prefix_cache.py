@@ -190,8 +190,9 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     returns the cache returns it so: prefill, batched prefill, decode, page copies and KDA
     snapshots. Run here by treating the CPU device as one that needs placing (row-major is
     CPU's default layout, so what this checks is the wiring): the engine's greedy tokens and
-    log-probs, with prefix-cache hits, a copy-on-write page and batched prompts, equal those
-    of the default placement."""
+    log-probs, with prefix-cache hits, copy-on-write pages and batched prompts, equal those of
+    the default placement (prompts one at a time: batched prefill equals that,
+    tests/test_batched_prefill.py)."""
     from kdsa.infer import cache_layout
     from kdsa.infer import runner as runner_module
 
@@ -203,22 +204,24 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     monkeypatch.setattr(ModelRunner, "copy_page", lambda self, *a, **k: (
         copies.append(a), copy_page(self, *a, **k))[1])
 
-    def run():
-        runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48,
-                             min_bucket=16, num_pages=24, num_snapshots=4, batch_prefill=True)
+    def run(batch: bool):  # batched prefill only where placed: the plain runner then shares
+        runner = ModelRunner(  # the compiled steps of the tests above (_engine's sizes)
+            model, num_slots=2, max_len=6 * P, prefill_chunk=48, min_bucket=16, num_pages=24,
+            num_snapshots=4, batch_prefill=batch)
         engine = Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0,
                         prefix_snapshot_every=1, prefill_tokens_per_step=96)
         (out, _), = done = _run(engine, [first])
         # the turn ended mid-page: both forks resume from its end and copy that page
         return runner, engine, done + _run(engine, [first + out + f for f in forks])
 
-    _, plain, want = run()
+    _, plain, want = run(batch=False)
     n_copies = len(copies)
     monkeypatch.setattr(cache_layout, "places_one_device", lambda device: True)
-    runner, placed, got = run()
+    runner, placed, got = run(batch=True)
     assert runner._copy_page is not runner_module._copy_page_jit  # its own, placing jits
     _same(got, want)
     m = placed.metrics()
     assert m["prefix_cache"]["hit_tokens"] > 0 and m["batched_prefill_steps"] > 0, m
     assert m["prefix_cache"] == plain.metrics()["prefix_cache"]
+    assert plain.metrics()["batched_prefill_steps"] == 0
     assert n_copies > 0 and len(copies) == 2 * n_copies, copies
