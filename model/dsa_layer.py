@@ -119,8 +119,12 @@ def rope_cache_width(config: ModelConfig, rope_lanes: int | None = None) -> int:
     RoPE-key stack at every decode step: a 704 MiB copy in, one out and one per layer inside
     the scan, per device (docs/sharding.md, section 9). Padded, its row-major tiles hold the
     bytes a row-major 64-wide buffer takes anyway (TPU tiles are 128 lanes wide)."""
-    r = config.qk_rope_head_dim
-    return r if not rope_lanes else -(-r // rope_lanes) * rope_lanes
+    return _in_lanes(config.qk_rope_head_dim, rope_lanes)
+
+
+def _in_lanes(width: int, lanes: int | None) -> int:
+    """``width`` rounded up to a multiple of ``lanes`` (unchanged without ``lanes``)."""
+    return width if not lanes else -(-width // lanes) * lanes
 
 
 def _rope_lanes(x: jax.Array, width: int) -> jax.Array:
@@ -136,10 +140,9 @@ def dsa_cache_bytes_per_token(config: ModelConfig, rope_lanes: int | None = None
     (:func:`rope_cache_width`), the others by the row-major layout the runner gives them
     (``infer/cache_layout.py``): K3 1536, ``tiny``'s 32 + 8 + 16 columns 3 x 128."""
     size = lambda name: jnp.dtype(dtype_of(name)).itemsize  # noqa: E731
-    lanes = lambda d: d if not rope_lanes or d == 0 else -(-d // rope_lanes) * rope_lanes  # noqa: E731
-    return ((lanes(config.kv_lora_rank) + rope_cache_width(config, rope_lanes))
+    return ((_in_lanes(config.kv_lora_rank, rope_lanes) + rope_cache_width(config, rope_lanes))
             * size(config.compute_dtype)
-            + lanes(_index_dim(config)) * size(config.index_compute_dtype))
+            + _in_lanes(_index_dim(config), rope_lanes) * size(config.index_compute_dtype))
 
 
 def _rope_dim(config: ModelConfig) -> int:

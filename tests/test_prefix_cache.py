@@ -4,7 +4,6 @@ whole history (resumed from the last turn's end-of-request snapshot, inside a pa
 concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
 write), and under eviction (no page leaked)."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
