@@ -38,21 +38,9 @@ from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.overrides import apply_overrides  # noqa: E402
 from kdsa.model.paged_cache import SCRATCH_ROWS, pages_for  # noqa: E402
 from kdsa.model.transformer import Transformer  # noqa: E402
-from kdsa.sharding.aot import topology_devices  # noqa: E402
+from kdsa.sharding.aot import topology_devices, unfused_instructions  # noqa: E402
 
 CHUNK = 64
-
-
-def unfused(text: str) -> list[str]:
-    """The optimized module's instructions outside fusion bodies."""
-    fused = {"%" + n for n in re.findall(r"calls=%([\w.\-]+)", text)}
-    out, inside = [], False
-    for ln in text.splitlines():
-        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{"):
-            inside = ln.split()[0] in fused
-        elif not inside:
-            out.append(ln)
-    return out
 
 
 def measure(impl: str, paged: bool, placed: bool, slots: int, max_len: int, device) -> dict:
@@ -92,7 +80,7 @@ def measure(impl: str, paged: bool, placed: bool, slots: int, max_len: int, devi
         text, mem = compiled.as_text(), compiled.memory_analysis()
         copies = [ln for ln in text.splitlines()
                   if re.search(rf"= \w+\[2,{rows},\d+\]\S* copy(-start)?\(", ln)]
-        sliced = [ln for ln in unfused(text) if re.search(
+        sliced = [ln for ln in unfused_instructions(text) if re.search(
             rf"= \w+\[(1,)?{rows},\d+\]\S* (copy|fusion|dynamic-slice)\(", ln)]
         out[name] = {"stack_copies": len(copies), "layer_slices": len(sliced),
                      "temp_mib": round(mem.temp_size_in_bytes / 2**20, 3),

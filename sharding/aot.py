@@ -97,3 +97,16 @@ def count_kernels(hlo: str) -> dict[str, int]:
     return dict(collections.Counter(
         m.group(1) for m in re.finditer(r"%([A-Za-z_][\w-]*?)(?:\.[\w-]+)* = [^\n]*"
                                         r'custom_call_target="tpu_custom_call"', hlo)))
+
+
+def unfused_instructions(hlo: str) -> list[str]:
+    """The lines of an optimized HLO module outside fusion bodies: the instructions computed
+    into buffers of their own (a copy or slice there is memory traffic, inside a fusion not)."""
+    fused = {"%" + n for n in re.findall(r"calls=%([\w.\-]+)", hlo)}
+    out, inside = [], False
+    for ln in hlo.splitlines():
+        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{"):
+            inside = ln.split()[0] in fused
+        elif not inside:
+            out.append(ln)
+    return out

@@ -16,6 +16,7 @@ from kdsa.kernels_pallas import common  # noqa: E402
 from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul, mxfp4_matmul  # noqa: E402
 from kdsa.kernels_pallas.paged_index import paged_index_scores  # noqa: E402
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention  # noqa: E402
+from kdsa.sharding.aot import unfused_instructions  # noqa: E402
 
 CHIPS = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
 
@@ -212,7 +213,7 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
                                            prefill_chunk=64)["decode"]
         # the dense-slot stacks [2 layers, 2 slots per device, 256, D]: no layer's slice or
         # copy materialized (a slice fused into the indexer's product is no copy)
-        stacks = [ln for ln in _unfused(dense()) if re.search(
+        stacks = [ln for ln in unfused_instructions(dense()) if re.search(
             r"= \w+\[(2,)?(1,)?2,256,\d+\]\S* (copy|copy-start|fusion|dynamic-slice)\(", ln)
             and "scatter" not in ln.split("=")[0]]  # (the writes update a stack in place)
         assert not stacks, (impl, stacks[:2])
@@ -246,21 +247,6 @@ def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
         experts = [ln for ln in text.splitlines()
                    if re.search(rf"= \w+\[(1,)?{e},({de},{i}|{i},{de})\]", ln)]
         assert not experts, (name, experts[:2])
-
-
-def _unfused(text: str) -> list[str]:
-    """The instructions of an optimized HLO module outside fusion bodies (what is computed
-    into buffers of its own)."""
-    import re
-
-    fused = {"%" + n for n in re.findall(r"calls=%([\w.\-]+)", text)}
-    out, inside = [], False
-    for ln in text.splitlines():
-        if ln and not ln.startswith(" ") and ln.rstrip().endswith("{"):
-            inside = ln.split()[0] in fused
-        elif not inside:
-            out.append(ln)
-    return out
 
 
 def test_decode_step_keeps_the_kda_states_split_over_heads(monkeypatch):
@@ -323,6 +309,6 @@ def test_one_tpu_device_without_a_mesh_reads_its_caches_in_place(monkeypatch):
                       if re.search(rf"= \w+\[2,{rows},\d+\]\S* copy(-start)?\(", ln)]
             assert not copies, (paged, name, copies[:2])
             # a layer's own rows as a buffer of their own (a slice, then read): outside fusions
-            sliced = [ln for ln in _unfused(text) if re.search(
+            sliced = [ln for ln in unfused_instructions(text) if re.search(
                 rf"= \w+\[(1,)?{rows},\d+\]\S* (copy|fusion|dynamic-slice)\(", ln)]
             assert not sliced, (paged, name, sliced[:2])
