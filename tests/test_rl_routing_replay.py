@@ -138,16 +138,16 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
         routing=True)).stats.expert_ids), (1, 2, 0, 3))              # [B, T, L_moe, k]
     step = rl_step_with_options(tuple(FAST.items()))
     kw = dict(tc=tc, tx=tx, loss_cfg=rc.loss_config(), layout=abstract.segment_layout)
-    s0, m0 = step(graphdef, state, batch, 0.0, None, **kw)
-    s1, m1 = step(graphdef, state, batch | {"expert_ids": own}, 0.0, None, **kw)
+    s0, m0 = step(graphdef, state, batch, 0.0, None, 1.0, **kw)
+    s1, m1 = step(graphdef, state, batch | {"expert_ids": own}, 0.0, None, 1.0, **kw)
     assert "routing_replay_agreement" not in m0 and float(m1["routing_replay_agreement"]) == 1.0
     np.testing.assert_allclose(float(m1["pg_loss"]), float(m0["pg_loss"]), rtol=1e-6)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
                  s0.params, s1.params)
     other = np.where(own >= 0, (own + 1) % SMALL.num_experts, -1)
-    _, m2 = step(graphdef, state, batch | {"expert_ids": other}, 0.0, None, **kw)
+    _, m2 = step(graphdef, state, batch | {"expert_ids": other}, 0.0, None, 1.0, **kw)
     assert float(m2["routing_replay_agreement"]) < 0.9
     assert abs(float(m2["ce"]) - float(m0["ce"])) > 1e-4
     none = np.full_like(own, -1)  # no record anywhere: the router's own choice
-    _, m3 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, None, **kw)
+    _, m3 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, None, 1.0, **kw)
     np.testing.assert_allclose(float(m3["ce"]), float(m0["ce"]), rtol=1e-6)

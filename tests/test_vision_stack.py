@@ -288,7 +288,7 @@ def test_rl_with_image_episodes(model, runner):
     _, params, _ = split_model(m2, tc)
     tx = make_optimizer(tc, params)
     graphdef, state = init_state(m2, tc, tx)
-    new, metrics = rl_step(graphdef, state, batch, 0.0, tc=tc, tx=tx,
+    new, metrics = rl_step(graphdef, state, batch, 0.0, None, 1.0, tc=tc, tx=tx,
                            loss_cfg=rc.loss_config(), layout=m2.segment_layout)
     assert float(metrics["mismatch_abs"]) < 2e-3 and np.isfinite(float(metrics["loss"]))
     path = ("vision_tower", "patch_embed", "proj", "kernel")

@@ -274,7 +274,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                         batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
                     with place.rules():
                         state, m = step_fn(graphdef, state, place.batch(batch), 1.0,
-                                           None if ref_ckpt is None else state.params, **kw)
+                                           None if ref_ckpt is None else state.params, 1.0,
+                                           **kw)  # the RL steps' arguments: one compile
                     m = host(m)
                     step += 1
                     m["step_time_s"] = time.perf_counter() - t0

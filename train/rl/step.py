@@ -90,8 +90,7 @@ def _policy_forward(model, mb):
                          collect=Collect(expert_load=True), replay=replay)
 
 
-def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params=None, update_scale=1.0,
-             *,
+def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_scale, *,
              tc: TrainConfig, tx: optax.GradientTransformation, loss_cfg: RLLossConfig,
              layout: tuple):
     if loss_cfg.kl_beta > 0 and ref_params is None:
@@ -204,6 +203,9 @@ def rl_step_with_options(compiler_options: tuple = ()):
 
 rl_step = rl_step_with_options()
 rl_step.__doc__ = """``(state, metrics) = rl_step(graphdef, state, batch, sft_weight, ref_params,
-tc=, tx=, loss_cfg=, layout=)``: compiled once per shapes and static configs; ``sft_weight`` 1.0
-is an SFT step, 0.0 an RL step; ``ref_params`` (the reference policy, same structure as
-``state.params``) is needed when ``loss_cfg.kl_beta > 0``."""
+update_scale, tc=, tx=, loss_cfg=, layout=)``: compiled once per shapes and static configs;
+``sft_weight`` 1.0 is an SFT step, 0.0 an RL step; ``ref_params`` (the reference policy, same
+structure as ``state.params``; None without a KL term) is needed when ``loss_cfg.kl_beta > 0``;
+``update_scale`` multiplies the optimizer's update. Every argument is passed, positionally, by
+every caller: a call with one argument fewer is another cache key, and the whole step compiles
+again (SFT steps once did that)."""
