@@ -182,7 +182,10 @@ def optimizer_step(graphdef, state: TrainState, batch: Batch, objective, *, tc: 
         zeros = jax.lax.with_sharding_constraint(
             zeros, train_state_shardings(graphdef, state, ctx.mesh, ctx.layout).params)
     g_sum, (stats, loads) = jax.lax.scan(body, zeros, mbs)
-    grads = jax.tree.map(lambda g: g / grad_divisor, g_sum)  # a denominator applied last
+    # a denominator applied last, in the parameter dtype: AdamW's first moment takes the
+    # gradient's dtype, so a float32 quotient of bfloat16 gradients turned a bfloat16 model's
+    # moments float32 after step 1, and the step (input and output state unequal) compiled again
+    grads = jax.tree.map(lambda g: (g / grad_divisor).astype(g.dtype), g_sum)
     stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over micro-batches
 
     lr = _schedule_of(tc)(state.step)
