@@ -47,7 +47,7 @@ from flax import nnx
 
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
-                                one_line, orbax_reason, quiet_orbax)
+                                one_line, orbax_context, orbax_reason, quiet_orbax)
 
 FORMAT_VERSION = 1
 DEFAULT_BATCH_BYTES = 1 << 30
@@ -138,7 +138,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         batch: dict[str, jax.Array] = {}
         size = 0
 
-        ctx = ocp.Context()
+        ctx = orbax_context()
         ctx.array.saving.use_compression = compress
 
         def flush():

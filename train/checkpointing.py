@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp
 
-from kdsa.model.folders import orbax_reason, quiet_orbax
+from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
 
 # TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
 STATE_FIELDS = ("optimizer", "indexer_stage")
@@ -103,7 +103,7 @@ def _context(process_local: bool) -> ocp.Context:
     this process the only one Orbax waits for."""
     registry = ocp.handlers.local_registry()
     registry.add(ocp.handlers.JsonHandler, checkpointable_name="meta")
-    ctx = ocp.Context()
+    ctx = orbax_context()
     ctx.checkpointables.registry = registry
     if process_local:
         me = jax.process_index()
