@@ -182,14 +182,15 @@ def optimizer_step(graphdef, state: TrainState, batch: Batch, objective, *, tc: 
         zeros = jax.lax.with_sharding_constraint(
             zeros, train_state_shardings(graphdef, state, ctx.mesh, ctx.layout).params)
     g_sum, (stats, loads) = jax.lax.scan(body, zeros, mbs)
-    # a denominator applied last, in the parameter dtype: AdamW's first moment takes the
-    # gradient's dtype, so a float32 quotient of bfloat16 gradients turned a bfloat16 model's
-    # moments float32 after step 1, and the step (input and output state unequal) compiled again
-    grads = jax.tree.map(lambda g: (g / grad_divisor).astype(g.dtype), g_sum)
+    grads = jax.tree.map(lambda g: g / grad_divisor, g_sum)  # a denominator applied last
     stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)  # over micro-batches
 
     lr = _schedule_of(tc)(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # stored in the dtypes it came in: AdamW's first moment takes the gradient's dtype (optax
+    # casts only the second back), so the float32 quotient above turned a bfloat16 model's
+    # first moments float32 after step 1, and step 2 (its input state changed) compiled again
+    opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state.opt_state)
     updates = jax.tree.map(lambda u: u * jnp.asarray(update_scale, u.dtype), updates)
     params = optax.apply_updates(state.params, updates)
     load = None if loads is None else jnp.sum(loads, axis=0)  # [L_moe, E]
