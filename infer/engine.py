@@ -62,6 +62,7 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         self.failure: str | None = None  # set when the engine is dead (EngineDead)
         self._failures = collections.Counter()  # consecutive failures per kind of call
         self._doomed: str | None = None  # why the engine dies at the end of this step
+        self._dead = False  # ``die`` ran: every request it held is aborted
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
         self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
@@ -203,10 +204,10 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
                 did = True
         except Exception as e:  # noqa: BLE001 -- a fault outside the per-request guards
             log.exception("engine step failed; its running requests are aborted")
+            self._note("step", e)  # first: the engine may be dead before they hear of it
             for i, a in enumerate(self.slots):
                 if a is not None:
                     self._fail(i, a, e)
-            self._note("step", e)
             did = True
         else:
             self._note("step")
@@ -224,13 +225,18 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         if self._failures[kind] >= self.max_failures and self._doomed is None:
             self._doomed = (f"{self._failures[kind]} consecutive {kind} calls failed "
                             f"(last: {_describe(error)})")
+            # dead from now on (``/health``, ``submit``), before the failed requests get their
+            # errors: a client that saw its request fail then reads a dead engine, never a
+            # healthy one; ``die`` at the end of the step aborts the rest
+            self.failure = self._doomed
 
     def die(self, reason: str) -> None:
         """Stop for good: every waiting and running request is aborted with ``reason``."""
         with self._lock:
-            if self.failure is not None:
+            if self._dead:
                 return
-            self.failure = reason
+            self._dead = True
+            self.failure = self.failure or reason
             waiting, self._waiting = list(self._waiting), collections.deque()
         log.error("engine stopped: %s", reason)
         err = f"the engine has stopped: {reason}"

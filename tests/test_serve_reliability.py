@@ -187,6 +187,20 @@ def test_consecutive_failures_kill_the_engine_and_abort_what_it_holds():
         eng.submit(_req(eng))
 
 
+def test_the_engine_is_dead_before_the_request_that_killed_it_hears_of_it():
+    """The failure that dooms the engine marks it dead before the failed requests get their
+    errors, so a client that saw its request fail never reads a healthy engine on ``/health``
+    (that ordering once lost a race in ``test_health_reports_a_dead_engine``)."""
+    eng = _dying_engine()
+    health_at_error = []
+    reqs = [_req(eng) for _ in range(2)]
+    for r in reqs:
+        r.on_event = lambda ev: health_at_error.append(eng.healthy) if ev.completion else None
+    got = eng.generate(reqs, raise_errors=False)
+    assert all(c.finish_reason == "abort" for c in got) and not eng.healthy
+    assert health_at_error == [True, False]  # the first failure is not yet fatal
+
+
 # ---- a dead engine: /health 503, kdsa serve exits non-zero -------------------------------
 
 def _dying_engine():
