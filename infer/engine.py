@@ -61,7 +61,6 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         self.max_failures = max_consecutive_failures
         self.failure: str | None = None  # set when the engine is dead (EngineDead)
         self._failures = collections.Counter()  # consecutive failures per kind of call
-        self._doomed: str | None = None  # why the engine dies at the end of this step
         self._dead = False  # ``die`` ran: every request it held is aborted
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
@@ -211,8 +210,8 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
             did = True
         else:
             self._note("step")
-        if self._doomed is not None:
-            self.die(self._doomed)
+        if self.failure is not None:  # doomed in this step: ``die`` aborts what is left
+            self.die(self.failure)
         return did
 
     def _note(self, kind: str, error: BaseException | None = None) -> None:
@@ -222,13 +221,12 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
             self._failures[kind] = 0
             return
         self._failures[kind] += 1
-        if self._failures[kind] >= self.max_failures and self._doomed is None:
-            self._doomed = (f"{self._failures[kind]} consecutive {kind} calls failed "
-                            f"(last: {_describe(error)})")
+        if self._failures[kind] >= self.max_failures and self.failure is None:
             # dead from now on (``/health``, ``submit``), before the failed requests get their
             # errors: a client that saw its request fail then reads a dead engine, never a
             # healthy one; ``die`` at the end of the step aborts the rest
-            self.failure = self._doomed
+            self.failure = (f"{self._failures[kind]} consecutive {kind} calls failed "
+                            f"(last: {_describe(error)})")
 
     def die(self, reason: str) -> None:
         """Stop for good: every waiting and running request is aborted with ``reason``."""
