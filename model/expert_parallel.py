@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.layers import inverse_permutation
-from kdsa.model.partitioning import ShardingContext, current
+from kdsa.model.partitioning import ShardingContext, current, spec_axes
 from kdsa.model.stacked_experts import ragged_dot, spec_of
 
 
@@ -76,6 +76,41 @@ def token_axes(ctx: ShardingContext, n: int, exclude: tuple[str, ...] = ()) -> t
     while axes and n % ctx.size(tuple(axes)):
         axes.pop()
     return tuple(axes)
+
+
+def token_order(b: int, t: int):
+    """``(flatten, unflatten)`` between token arrays ``[B, T, ...]`` and the MoE's rows
+    ``[N = B*T, ...]``. Without rules: row-major reshapes. Under a layout's rules the rows are
+    ordered so that each device's tokens (its batch block and sequence block of ``[B, T]``)
+    are one contiguous block of ``N``, over the batch then the sequence axes: a permutation
+    that moves no data between devices, where a row-major reshape of a batch and sequence
+    sharded ``[B, T]`` is a reshard that XLA's partitioner did by replicating the tokens
+    ("involuntary full rematerialization", e.g. ``tensor=2,sequence=4``). Tokens are
+    independent in the MoE, so any fixed order that ``unflatten`` undoes gives the same
+    outputs."""
+    ctx = current()
+    if ctx is None:
+        return (lambda a: a.reshape((b * t,) + a.shape[2:]),
+                lambda a: a.reshape((b, t) + a.shape[1:]))
+    spec = ctx.spec(("act_batch", "act_seq"), (b, t))
+    axes = spec_axes(spec[0]) + spec_axes(spec[1])
+    nb, ns = ctx.size(spec_axes(spec[0])), ctx.size(spec_axes(spec[1]))
+
+    def rows(a):  # [N, ...] on the tokens' devices, the rest replicated
+        p = P(_entry(axes), *(None,) * (a.ndim - 1))
+        return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(ctx.mesh, p))
+
+    def flatten(a):  # [B, T, ...] -> [Nb, B/Nb, Ns, T/Ns, ...] -> [Nb, Ns, B/Nb, T/Ns, ...]
+        rest = a.shape[2:]
+        a = a.reshape((nb, b // nb, ns, t // ns) + rest)
+        return rows(jnp.swapaxes(a, 1, 2).reshape((b * t,) + rest))
+
+    def unflatten(a):
+        rest = a.shape[1:]
+        a = rows(a).reshape((nb, ns, b // nb, t // ns) + rest)
+        return jnp.swapaxes(a, 1, 2).reshape((b, t) + rest)
+
+    return flatten, unflatten
 
 
 def capacity(m: int, ep: int, factor: float | None) -> int:

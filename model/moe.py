@@ -47,10 +47,10 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, lecun_init,
                                param)
-from kdsa.model.expert_parallel import expert_parallel_experts
+from kdsa.model.expert_parallel import expert_parallel_experts, token_order
 from kdsa.model.experts_cpu import experts_cpu
-from kdsa.model.partitioning import compile_platform
-from kdsa.model.stacked_experts import own, ragged_dot
+from kdsa.model.partitioning import compile_platform, constrain
+from kdsa.model.stacked_experts import StackedWeight, own, ragged_dot
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
                                   pack_expert_weight, qat_expert_weights, unpack_expert_weight)
 
@@ -311,12 +311,25 @@ class RoutedExperts(nnx.Module):
 
     def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
                  experts_fn: ExpertsFn = experts_routed) -> jax.Array:
+        """The experts on every device (no expert parallelism): under a layout's rules their
+        FSDP shards are gathered first, as for any weight. Left sharded, XLA's partitioner
+        carried the weights' split model dim into the gathered token rows and could then only
+        replicate them ("involuntary full rematerialization", ``fsdp=2,sequence=4``)."""
         if self.packed and experts_fn is experts_routed:
             return experts_ragged_mxfp4(
                 z, topk_idx, topk_weight,
-                *(getattr(self, f"{n}_{part}")[...] for n in ("w1", "w3", "w2")
+                *(_whole(getattr(self, f"{n}_{part}")[...]) for n in ("w1", "w3", "w2")
                   for part in ("packed", "scale")), self.config)
-        return experts_fn(z, topk_idx, topk_weight, *self.float_weights(), self.config)
+        return experts_fn(z, topk_idx, topk_weight, *map(_whole, self.float_weights()),
+                          self.config)
+
+
+def _whole(w):
+    """``w`` (an array or a :class:`StackedWeight`'s stack) replicated on every device under a
+    layout's rules; as it is without rules."""
+    if isinstance(w, StackedWeight):
+        return StackedWeight(_whole(w.stack), w.layer)
+    return constrain(w, (None,) * w.ndim)
 
 
 class MoE(nnx.Module):
@@ -377,12 +390,13 @@ class MoE(nnx.Module):
         if token_mask is not None and token_mask.shape != (b, t):
             raise ValueError(f"token_mask must be [B={b}, T={t}], got {token_mask.shape}")
         cdt = dtype_of(c.compute_dtype)
-        xf = x.reshape(b * t, d).astype(cdt)  # [N, D]
+        flatten, unflatten = token_order(b, t)  # [B, T, ...] <-> [N, ...]
+        xf = flatten(x).astype(cdt)  # [N, D]
         if expert_ids is not None:
             if expert_ids.shape != (b, t, c.num_experts_per_token):
                 raise ValueError(f"expert_ids must be [B={b}, T={t}, k="
                                  f"{c.num_experts_per_token}], got {expert_ids.shape}")
-            expert_ids = expert_ids.reshape(b * t, -1).astype(jnp.int32)
+            expert_ids = flatten(expert_ids).astype(jnp.int32)
         topk_idx, topk_weight, scores = self.gate(xf, expert_ids)  # [N, k], [N, k], [N, E]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
         r, ep_metrics = self._routed(z, topk_idx, topk_weight, experts_fn)  # [N, De]
@@ -392,14 +406,14 @@ class MoE(nnx.Module):
             r = self.routed_expert_up_proj(r)  # [N, D]
         if self.shared_experts is not None:
             r = r + self.shared_experts(xf)
-        mask = None if token_mask is None else token_mask.reshape(b * t)
+        mask = None if token_mask is None else flatten(token_mask)
         load = expert_load(topk_idx, c.num_experts, mask)  # [E]
         metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load), **ep_metrics,
-                   "expert_ids": topk_idx.reshape(b, t, -1)}  # [B, T, k] the experts used
+                   "expert_ids": unflatten(topk_idx)}  # [B, T, k] the experts used
         if expert_ids is not None:  # routing replay: how often the router agrees with the record
             own = router_topk(scores, self.gate.e_score_correction_bias[...], c)
             agree = replay_agreement(topk_idx, own)  # [N]
             w = (jnp.ones_like(agree) if mask is None else mask.astype(jnp.float32)) * (
                 expert_ids[:, 0] >= 0)
             metrics["replay_agreement"] = jnp.stack([jnp.sum(agree * w), jnp.sum(w)])  # [2]
-        return r.astype(cdt).reshape(b, t, d), metrics
+        return unflatten(r.astype(cdt)), metrics

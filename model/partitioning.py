@@ -62,6 +62,16 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
     return P(*spec)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (``None``, a name or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: tuple[str, ...]):
+    """A ``PartitionSpec`` entry for ``axes``: ``None``, one name or the tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
     """The active mesh, the layout's rules, and the sharded-implementation options.

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 from kdsa.kernels_pallas.sparse_mla import sparse_mla_attention as sparse_mla_kernel
 from kdsa.model import dsa as dsa_math
 from kdsa.model import kda as kda_math
-from kdsa.model.partitioning import ShardingContext, compile_platform, current
+from kdsa.model.partitioning import ShardingContext, compile_platform, current, spec_axes
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -58,13 +58,9 @@ def _seq_spec(ctx: ShardingContext | None, logical, shape) -> P | None:
     return spec if spec[1] is not None else None
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _axis_name(entry):
     """A spec entry as a collective's axis name (a name, or a tuple of names)."""
-    axes = _axes(entry)
+    axes = spec_axes(entry)
     return axes[0] if len(axes) == 1 else axes
 
 
@@ -112,7 +108,7 @@ def kda_chunked_sp(q, k, v, g, beta, scale, initial_state, chunk_size, segment_i
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     bt, sq, hd = spec[0], spec[1], spec[2]
-    seq_axes, axis = _axes(sq), _axis_name(sq)
+    seq_axes, axis = spec_axes(sq), _axis_name(sq)
     scale = dk ** -0.5 if scale is None else scale
     s0 = (jnp.zeros((b, h, dk, dv), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32))
@@ -212,7 +208,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, v_dim: int, *, chunk_s
     axis = _axis_name(sq)
 
     def body(q, idx, *parts):
-        parts = tuple(_gather_seq(_vary(p, _axes(hd)), axis) for p in parts)
+        parts = tuple(_gather_seq(_vary(p, spec_axes(hd)), axis) for p in parts)
         return attend(q, parts, idx, sm_scale, v_dim, chunk_size=chunk_size)
 
     r3 = P(bt, sq, None)
@@ -301,7 +297,7 @@ def dense_attention(q, k, v, sm_scale: float, *, q_pos, kv_pos, q_seg, kv_seg, c
     kh = hd if ks[0].shape[2] == q.shape[2] else None
     axis = _axis_name(sq)
 
-    vary = (lambda x: x) if kh is not None else (lambda x: _vary(x, _axes(hd)))  # noqa: E731
+    vary = (lambda x: x) if kh is not None else (lambda x: _vary(x, spec_axes(hd)))  # noqa: E731
 
     def body(q, v, q_pos, kv_pos, q_seg, kv_seg, *ks):
         ks, v = tuple(_gather_seq(vary(x), axis) for x in ks), _gather_seq(vary(v), axis)

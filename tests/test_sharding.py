@@ -305,6 +305,47 @@ def test_model_gradients_under_expert_sequence_tensor_equal_single_device(mini):
 
 
 # ---------------------------------------------------------------------------------------------
+# the train step's partitioning
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh_spec", ["fsdp=2,expert=2,tensor=2", "fsdp=2,sequence=4"])
+def test_train_step_partitions_without_replicating_a_tensor(capfd, mesh_spec):
+    """When XLA's SPMD partitioner finds no collective from one layout to the next it
+    replicates the whole tensor on every device, then slices it ("Involuntary full
+    rematerialization" on stderr): slow, and at K3's sizes a whole activation or weight per
+    device. The train step (compiled here, not run; one Gated DSA + MoE layer) met it three
+    ways: the embedding gather (its table's model dim on the FSDP axes:
+    ``layers.embedding_rows``; the first mesh), FSDP-split experts without expert parallelism (``moe.RoutedExperts``) and
+    the MoE's flattened tokens on a batch- and sequence-split mesh
+    (``expert_parallel.token_order``; both on the second mesh, the last also on
+    ``tensor=2,sequence=4``). Each fix undone makes its mesh warn here."""
+    from kdsa.sharding.train_state import (batch_sharding, sharded_template,
+                                           train_state_shardings)
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.step import train_step_with_options
+    from kdsa.train.trainer import prepare
+
+    batch, seq = 8, 64
+    tc = TrainConfig(batch_size=batch, seq_len=seq)
+    mesh = make_mesh(mesh_spec)
+    one_layer = MINI.replace(num_hidden_layers=1, linear_attn_config=LinearAttnConfig(
+        kda_layers=(), full_attn_layers=(1,), num_heads=2, head_dim=16))
+    abstract, graphdef, tx, build = prepare(one_layer, tc)
+    template = jax.eval_shape(build)
+    state = sharded_template(template, train_state_shardings(graphdef, template, mesh, "train"))
+    data = {k: jax.ShapeDtypeStruct((batch, seq), d, sharding=batch_sharding(
+        mesh, "train", (batch, seq))) for k, d in (("inputs", jnp.int32),
+                                                    ("targets", jnp.int32),
+                                                    ("loss_mask", jnp.float32))}
+    capfd.readouterr()
+    with use_sharding(mesh, "train"):
+        train_step_with_options(tuple(FAST.items())).lower(
+            graphdef, state, data, tc=tc, tx=tx, layout=abstract.segment_layout).compile()
+    err = capfd.readouterr().err
+    assert "Involuntary full rematerialization" not in err, err[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
 # meshes and layouts
 # ---------------------------------------------------------------------------------------------
 
