@@ -70,8 +70,8 @@ def _name(axes: tuple[str, ...]):
 
 def token_axes(ctx: ShardingContext, n: int, exclude: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Mesh axes that shard the flattened ``[B*T]`` token dim: the batch axes then the sequence
-    axes of the rules (the order a row-major flatten of ``[B, T]`` gives), longest prefix whose
-    product divides ``n``."""
+    axes of the rules (the block order of :func:`token_order`), longest prefix whose product
+    divides ``n``."""
     axes = [a for a in ctx.axes("act_batch") + ctx.axes("act_seq") if a not in exclude]
     while axes and n % ctx.size(tuple(axes)):
         axes.pop()

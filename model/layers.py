@@ -139,7 +139,7 @@ def embedding_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     table instead (FSDP's weight all-gather) would move ``V x D`` per step, 2.35 GB at K3's
     163,840 x 7,168 in bfloat16 against 58.7 MB for 4,096 tokens' rows."""
     ctx = current()
-    if ctx is None:
+    if ctx is None or ids.ndim != 2:
         return jnp.take(table, ids, axis=0)
     width = ctx.spec(("vocab", "embed"), table.shape)[1]
     tokens = ctx.spec(("act_batch", "act_seq"), ids.shape)

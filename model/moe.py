@@ -311,9 +311,10 @@ class RoutedExperts(nnx.Module):
 
     def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
                  experts_fn: ExpertsFn = experts_routed) -> jax.Array:
-        """The experts on every device (no expert parallelism): under a layout's rules their
-        FSDP shards are gathered first, as for any weight. Left sharded, XLA's partitioner
-        carried the weights' split model dim into the gathered token rows and could then only
+        """All experts on every device: the path without expert parallelism (and
+        ``MoE.reference``'s one-hot experts under any rules). Under a layout's rules their FSDP
+        shards are gathered first, as for any weight. Left sharded, XLA's partitioner carried
+        the weights' split model dim into the gathered token rows and could then only
         replicate them ("involuntary full rematerialization", ``fsdp=2,sequence=4``)."""
         if self.packed and experts_fn is experts_routed:
             return experts_ragged_mxfp4(
