@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.layers import inverse_permutation
-from kdsa.model.partitioning import ShardingContext, current, spec_axes
+from kdsa.model.partitioning import ShardingContext, current, spec_axes, spec_entry
 from kdsa.model.stacked_experts import ragged_dot, spec_of
 
 
@@ -58,10 +58,6 @@ def expert_parallel_experts():
     if ctx is None or not (ctx.axes("experts") or ctx.axes("expert_mlp")):
         return None
     return functools.partial(experts_sharded, ctx=ctx)
-
-
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _name(axes: tuple[str, ...]):
@@ -92,12 +88,11 @@ def token_order(b: int, t: int):
     if ctx is None:
         return (lambda a: a.reshape((b * t,) + a.shape[2:]),
                 lambda a: a.reshape((b, t) + a.shape[1:]))
-    spec = ctx.spec(("act_batch", "act_seq"), (b, t))
-    axes = spec_axes(spec[0]) + spec_axes(spec[1])
-    nb, ns = ctx.size(spec_axes(spec[0])), ctx.size(spec_axes(spec[1]))
+    batch_axes, seq_axes = map(spec_axes, ctx.spec(("act_batch", "act_seq"), (b, t)))
+    axes, nb, ns = batch_axes + seq_axes, ctx.size(batch_axes), ctx.size(seq_axes)
 
     def rows(a):  # [N, ...] on the tokens' devices, the rest replicated
-        p = P(_entry(axes), *(None,) * (a.ndim - 1))
+        p = P(spec_entry(axes), *(None,) * (a.ndim - 1))
         return jax.lax.with_sharding_constraint(a, jax.sharding.NamedSharding(ctx.mesh, p))
 
     def flatten(a):  # [B, T, ...] -> [Nb, B/Nb, Ns, T/Ns, ...] -> [Nb, Ns, B/Nb, T/Ns, ...]
@@ -152,8 +147,9 @@ def experts_sharded(z, topk_idx, topk_weight, w1, w3, w2, config: ModelConfig, *
     mode = ctx.ep_collectives() if exchange else "replicated"
     body = functools.partial(_BODIES[mode], config=config, ep_axes=ep_axes, tp_axes=tp_axes,
                              tok_axes=tok, factor=ctx.moe_capacity_factor)
-    t = P(_entry(tok), None)
-    up, down = P(_entry(ep_axes), None, _entry(tp_axes)), P(_entry(ep_axes), _entry(tp_axes), None)
+    t = P(spec_entry(tok), None)
+    ep_entry, tp_entry = spec_entry(ep_axes), spec_entry(tp_axes)
+    up, down = P(ep_entry, None, tp_entry), P(ep_entry, tp_entry, None)
     fn = jax.shard_map(body, mesh=ctx.mesh, in_specs=(t, t, t, spec_of(w1, up), spec_of(w3, up),
                                                        spec_of(w2, down)),
                        out_specs=(t, P()))

@@ -58,7 +58,7 @@ def logical_to_spec(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: 
             spec.append(None)
             continue
         used.update(mesh_axes)
-        spec.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        spec.append(spec_entry(mesh_axes))
     return P(*spec)
 
 
