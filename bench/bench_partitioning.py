@@ -32,30 +32,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def compile_one(preset: str, mesh_spec: str, batch: int, seq: int) -> None:
     """(In the child process.) Compile the train step on ``mesh_spec`` over 8 CPU devices."""
-    import jax
-    import jax.numpy as jnp
-
     from kdsa.model.config import get_preset
     from kdsa.sharding.constrain import use_sharding
     from kdsa.sharding.mesh import make_mesh
-    from kdsa.sharding.train_state import (batch_sharding, sharded_template,
-                                           train_state_shardings)
+    from kdsa.train.aot import abstract_train_step_args
     from kdsa.train.config import TrainConfig
     from kdsa.train.step import train_step_with_options
-    from kdsa.train.trainer import prepare
 
-    tc = TrainConfig(batch_size=batch, seq_len=seq)
     mesh = make_mesh(mesh_spec)
-    abstract, graphdef, tx, build = prepare(get_preset(preset), tc)
-    template = jax.eval_shape(build)
-    state = sharded_template(template, train_state_shardings(graphdef, template, mesh, "train"))
-    data = {k: jax.ShapeDtypeStruct((batch, seq), d, sharding=batch_sharding(
-        mesh, "train", (batch, seq))) for k, d in (("inputs", jnp.int32),
-                                                    ("targets", jnp.int32),
-                                                    ("loss_mask", jnp.float32))}
+    args, static = abstract_train_step_args(
+        get_preset(preset), TrainConfig(batch_size=batch, seq_len=seq), mesh)
     with use_sharding(mesh, "train"):
         train_step_with_options((("xla_backend_optimization_level", 0),)).lower(
-            graphdef, state, data, tc=tc, tx=tx, layout=abstract.segment_layout).compile()
+            *args, **static).compile()
 
 
 def run_cpu(preset: str, mesh_spec: str, batch: int, seq: int) -> dict:

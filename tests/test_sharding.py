@@ -322,24 +322,15 @@ def test_train_step_partitions_without_replicating_a_tensor(capfd, mesh_spec):
     ``tensor=2,sequence=4``). Each fix undone makes its mesh warn here. A program loaded
     from the persistent compilation cache was not partitioned in this process, so it would
     say nothing: such a load skips the test instead of passing it."""
-    from kdsa.sharding.train_state import (batch_sharding, sharded_template,
-                                           train_state_shardings)
+    from kdsa.train.aot import abstract_train_step_args
     from kdsa.train.config import TrainConfig
     from kdsa.train.step import train_step_with_options
-    from kdsa.train.trainer import prepare
 
-    batch, seq = 8, 64
-    tc = TrainConfig(batch_size=batch, seq_len=seq)
     mesh = make_mesh(mesh_spec)
     one_layer = MINI.replace(num_hidden_layers=1, linear_attn_config=LinearAttnConfig(
         kda_layers=(), full_attn_layers=(1,), num_heads=2, head_dim=16))
-    abstract, graphdef, tx, build = prepare(one_layer, tc)
-    template = jax.eval_shape(build)
-    state = sharded_template(template, train_state_shardings(graphdef, template, mesh, "train"))
-    data = {k: jax.ShapeDtypeStruct((batch, seq), d, sharding=batch_sharding(
-        mesh, "train", (batch, seq))) for k, d in (("inputs", jnp.int32),
-                                                    ("targets", jnp.int32),
-                                                    ("loss_mask", jnp.float32))}
+    args, static = abstract_train_step_args(one_layer, TrainConfig(batch_size=8, seq_len=64),
+                                            mesh)
     loaded = []
 
     def count(event, **_):
@@ -350,8 +341,7 @@ def test_train_step_partitions_without_replicating_a_tensor(capfd, mesh_spec):
     capfd.readouterr()
     try:
         with use_sharding(mesh, "train"):
-            train_step_with_options(tuple(FAST.items())).lower(
-                graphdef, state, data, tc=tc, tx=tx, layout=abstract.segment_layout).compile()
+            train_step_with_options(tuple(FAST.items())).lower(*args, **static).compile()
     finally:
         jax.monitoring.unregister_event_listener(count)
     err = capfd.readouterr().err

@@ -37,24 +37,31 @@ def compile_train_step(config: ModelConfig, tc: TrainConfig, topology: str,
     from kdsa.kernels_pallas.common import compile_target
     from kdsa.sharding.constrain import use_sharding
     from kdsa.sharding.mesh import make_mesh
-    from kdsa.sharding.train_state import (batch_sharding, sharded_template,
-                                           train_state_shardings)
     from kdsa.train.step import train_step_with_options
-    from kdsa.train.trainer import prepare
 
-    devices = topology_devices(topology)
-    mesh = make_mesh(sizes, devices=devices)
-    tc = tc.replace(batch_size=batch, seq_len=seq)
-    abstract, graphdef, tx, build = prepare(config, tc)
-    template = jax.eval_shape(build)
-    state = sharded_template(template, train_state_shardings(graphdef, template, mesh, "train"))
-    shapes = {"inputs": ((batch, seq), jnp.int32), "targets": ((batch, seq), jnp.int32),
-              "loss_mask": ((batch, seq), jnp.float32)}
-    data = {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(mesh, "train", s))
-            for k, (s, d) in shapes.items()}
+    mesh = make_mesh(sizes, devices=topology_devices(topology))
+    args, static = abstract_train_step_args(config, tc.replace(batch_size=batch, seq_len=seq),
+                                            mesh)
     t0 = time.perf_counter()
     with compile_target("tpu"), use_sharding(mesh, "train",
                                              moe_capacity_factor=moe_capacity_factor):
-        compiled = train_step_with_options(donate=True).lower(
-            graphdef, state, data, tc=tc, tx=tx, layout=abstract.segment_layout).compile()
+        compiled = train_step_with_options(donate=True).lower(*args, **static).compile()
     return compiled_memory(compiled, time.perf_counter() - t0)
+
+
+def abstract_train_step_args(config: ModelConfig, tc: TrainConfig, mesh):
+    """``(args, static)`` of ``train_step(*args, **static)`` for one ``tc.batch_size x
+    tc.seq_len`` batch on ``mesh``'s ``train`` layout: the graph, the train state and the
+    batch as sharded ``ShapeDtypeStruct``s (nothing allocated), and the static arguments."""
+    from kdsa.sharding.train_state import (batch_sharding, sharded_template,
+                                           train_state_shardings)
+    from kdsa.train.trainer import prepare
+
+    abstract, graphdef, tx, build = prepare(config, tc)
+    template = jax.eval_shape(build)
+    state = sharded_template(template, train_state_shardings(graphdef, template, mesh, "train"))
+    shape = (tc.batch_size, tc.seq_len)
+    data = {k: jax.ShapeDtypeStruct(shape, d, sharding=batch_sharding(mesh, "train", shape))
+            for k, d in (("inputs", jnp.int32), ("targets", jnp.int32),
+                         ("loss_mask", jnp.float32))}
+    return (graphdef, state, data), dict(tc=tc, tx=tx, layout=abstract.segment_layout)
