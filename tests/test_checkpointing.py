@@ -150,7 +150,8 @@ def _garble(step_dir: Path) -> None:
 def _tiny_state(x: float) -> dict:
     import jax.numpy as jnp
 
-    return {"w": jnp.arange(4096, dtype=jnp.float32) + x, "b": {"v": jnp.full((64, 33), x)}}
+    return {"w": jnp.arange(4096, dtype=jnp.float32) + x,
+            "b": {"v": jnp.full((64, 33), x, jnp.float32)}}
 
 
 def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path):
@@ -201,7 +202,7 @@ def test_process_local_saves_prunes_and_falls_back(tmp_path):
     ck.close()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4", "6"]
     meta = json.loads((tmp_path / "ck" / "6" / "meta" / "data.json").read_text())
-    assert meta["data_index"] == 6 and meta["step"] == 6 and set(meta["fingerprint"]) == {
+    assert meta["data_index"] == 6 and meta["step"] == 6 and set(meta["checksums"]) == {
         "w", "b.v"}
     _garble(tmp_path / "ck" / "6")
     (tmp_path / "ck" / "8.orbax-checkpoint-tmp").mkdir()

@@ -78,7 +78,7 @@ def test_sharded_training_stopped_and_resumed_equals_one_device(single, tmp_path
     assert len(built) == 1
     assert first.stopped and first.final_step == 2
     rest = run_training(small_config(), TC, tmp_path, progress=False, mesh=mesh, resume=True,
-                        compiler_options=FAST)  # restore checks every array's fingerprint
+                        compiler_options=FAST)  # restore checks every array's checksum
     assert rest.resumed_from == 2 and rest.final_step == 3
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]

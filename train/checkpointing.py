@@ -8,7 +8,8 @@ One checkpoint per saved step under ``run_dir/checkpoints/<step>/`` with two che
   structure and shardings), an Orbax PyTree in ``<step>/state/``;
 * ``meta``: JSON (``<step>/meta/data.json``; Orbax's ``JsonHandler``, bound to the name ``meta``
   in a local handler registry): the data iterator position (batches consumed), the configs,
-  and a fingerprint of the state (per-array float32 sums computed by one jitted function).
+  and per-array checksums of the state (:func:`checksums`: one jitted function, exact and
+  independent of the sharding, so a run resumes on another mesh).
   Steps written before the port to the v1 API (v0 ``CheckpointManager``: ``meta/metadata``)
   read the same.
 
@@ -26,7 +27,7 @@ instead (:class:`_LocalSteps`): the training ``Checkpointer`` always asks its v0
 Saves are asynchronous (Orbax copies the arrays off the device, then writes in a background
 thread; ``wait()`` joins). Orbax writes into a temporary directory and renames it when complete,
 so a partial save is never listed as a step; leftovers are reported. On restore the newest step
-is read and its fingerprint recomputed; if reading fails or the fingerprint differs (corrupted
+is read and its checksums recomputed; if reading fails or a checksum differs (corrupted
 bytes), the reason is printed to stderr (one line; Orbax's own logging is kept quiet) and the
 previous step is tried.
 
@@ -57,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp
 
@@ -88,13 +90,50 @@ def unflatten_state(template, flat: dict[str, Any]):
         treedef, [flat[".".join(_key_name(k) for k in p)] for p, _ in paths])
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """The array's bit patterns as uint32 (a 1- or 2-byte dtype zero-extended)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if width is None:
+        raise ValueError(f"cannot checksum a {x.dtype} array (1-, 2- or 4-byte dtypes only)")
+    return lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+
+
 @jax.jit
-def _fingerprint(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    return {k: jnp.sum(v.astype(jnp.float32)) for k, v in flat.items()}
+def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per array: the sum, modulo 2^32, of each element's bit pattern times an odd weight drawn
+    from its flat index. Integer addition modulo 2^32 is associative, so the value does not
+    depend on the reduction order, that is on the array's sharding: a state saved on one mesh
+    checks exactly when restored onto another (a float sum would differ in its last bits). A
+    changed element changes it (odd weights are invertible modulo 2^32), and so does a moved
+    one, unless two changes cancel exactly."""
+    out = {}
+    for k, v in flat.items():
+        index = jnp.zeros(v.shape, jnp.uint32)
+        for d in range(v.ndim):  # the row-major flat index, modulo 2^32
+            index = index * jnp.uint32(v.shape[d]) + lax.broadcasted_iota(jnp.uint32, v.shape, d)
+        weight = index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)  # Knuth's multiplicative hash
+        out[k] = jnp.sum(_bits(v) * weight, dtype=jnp.uint32)
+    return out
 
 
-def fingerprint(flat: dict[str, jax.Array]) -> dict[str, float]:
-    return {k: float(v) for k, v in jax.device_get(_fingerprint(flat)).items()}
+def checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
+    return {k: int(v) for k, v in jax.device_get(_checksums(flat)).items()}
+
+
+def _mismatched(meta: dict, flat: dict[str, jax.Array]) -> list[str]:
+    """The keys whose arrays do not match the checkpoint's record: exact ``checksums``, or for a
+    step saved before them, its float32 ``fingerprint`` sums within a relative 1e-4 (the sums'
+    rounding depends on the sharding the step was saved from)."""
+    if "checksums" in meta:
+        want, have = meta["checksums"], checksums(flat)
+        return [k for k in have if want.get(k) != have[k]]
+    want = meta.get("fingerprint", {})
+    have = jax.device_get(jax.jit(lambda f: {k: jnp.sum(v.astype(jnp.float32))
+                                             for k, v in f.items()})(flat))
+    return [k for k in have if not np.isclose(float(have[k]), want.get(k, np.nan),
+                                              rtol=1e-4, atol=1e-6)]
 
 
 def _context(process_local: bool) -> ocp.Context:
@@ -151,7 +190,7 @@ class Checkpointer:
         if self.process_local:  # Orbax refuses host-local jax.Arrays in a multi-process job
             flat = {k: np.asarray(v) for k, v in flat.items()}
         # as JSON now: a value JSON cannot hold fails here, not in the background write
-        meta = json.loads(json.dumps(dict(meta, step=int(step), fingerprint=fingerprint(flat))))
+        meta = json.loads(json.dumps(dict(meta, step=int(step), checksums=checksums(flat))))
         # force: save() has decided (the manager would refuse a step at or below its newest)
         saving = self.manager.save_checkpointables_async(step, {"state": flat, "meta": meta},
                                                          force=True)
@@ -249,12 +288,9 @@ class Checkpointer:
                 if set(flat) != set(abstract):
                     raise ValueError(f"state keys differ from the model's: "
                                      f"{sorted(set(flat) ^ set(abstract))[:4]}")
-                want = meta.get("fingerprint", {})
-                have = fingerprint(flat)
-                bad = [k for k in have if not np.float32(want.get(k, np.nan)) == np.float32(
-                    have[k])]
+                bad = _mismatched(meta, flat)
                 if bad:
-                    raise ValueError(f"{len(bad)} arrays do not match their saved fingerprint "
+                    raise ValueError(f"{len(bad)} arrays do not match their saved checksum "
                                      f"(first: {bad[0]})")
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
                 self._skip(step, e, log)
