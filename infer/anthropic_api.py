@@ -354,7 +354,7 @@ def tool_input(call) -> dict | None:
     """A parsed tool call's arguments as the ``input`` object (``None``: not a JSON object)."""
     try:
         value = json.loads(call.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

@@ -299,11 +299,13 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         self.stats["queue_sum"] += m.queue_s
 
     def metrics(self) -> dict:
-        st, elapsed = self.stats, time.perf_counter() - self.started
+        """Read on the HTTP thread while the engine thread updates: every dict iterated here is
+        copied first (a key added during the iteration would raise)."""
+        st, elapsed = collections.Counter(dict(self.stats)), time.perf_counter() - self.started
         n = max(st["ttft_n"], 1)
         return {
             "requests_finished": st["finished"], "queue_length": self.queue_length,
-            "active_slots": sum(a is not None for a in self.slots),
+            "active_slots": sum(a is not None for a in list(self.slots)),
             "num_slots": len(self.slots), "generated_tokens": st["generated_tokens"],
             "prefill_tokens": st["prefill_tokens"],
             "tokens_per_s": st["generated_tokens"] / elapsed if elapsed > 0 else 0.0,

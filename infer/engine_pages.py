@@ -20,11 +20,15 @@ The methods use the engine's ``runner``, ``slots``, ``_waiting``, ``_lock``, ``s
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, key_items, page_keys
 from kdsa.infer.requests import _Active
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
+
+log = logging.getLogger("kdsa.engine")
 
 
 class PageScheduling:
@@ -79,11 +83,19 @@ class PageScheduling:
         self.runner.set_pages(i, a.pages)
         if not a.tokens:
             prefix.queried_tokens += len(a.feed)
-        if partial is not None:  # resuming inside a page: this request's own copy of it
-            self.runner.copy_page(partial, fresh[0], slot=i)
+        try:
+            if partial is not None:  # resuming inside a page: this request's own copy of it
+                self.runner.copy_page(partial, fresh[0], slot=i)
+            if snapshot is not None:  # resume: this slot's own copy of the KDA states
+                self.runner.restore_state(snapshot, i)
+        except BaseException:  # nothing held stays held: the caller fails the request
+            prefix.release(held + fresh)
+            a.pages = []
+            self.runner.set_pages(i, [])
+            raise
+        if partial is not None:
             prefix.release([partial])
-        if snapshot is not None:  # resume: this slot's own copy of the KDA states
-            self.runner.restore_state(snapshot, i)
+        if snapshot is not None:
             a.prefilled = depth
             if not a.tokens:
                 prefix.hit_tokens += depth
@@ -148,9 +160,20 @@ class PageScheduling:
         fed (its prompt and every generated token but the last), for the next turn of its
         session (or its own resumption)."""
         fed, keys = self._fed_keys(a)
-        slot = self.prefixes[a.part].add_end_snapshot(keys, fed, a.pages)
-        if slot is not None:
+        prefix = self.prefixes[a.part]
+        self._save_snapshot(i, prefix, prefix.add_end_snapshot(keys, fed, a.pages))
+
+    def _save_snapshot(self, i: int, prefix, slot: int | None) -> None:
+        """Copy slot ``i``'s KDA states into snapshot ``slot`` (None: nothing to save). A copy
+        that fails gives the snapshot up, so no later request resumes from a stale state; the
+        request itself goes on (its slot's states are untouched)."""
+        if slot is None:
+            return
+        try:
             self.runner.save_state(i, slot)
+        except Exception:  # noqa: BLE001 -- a cache entry lost, not a request
+            log.exception("saving a prefix-cache snapshot from slot %d failed; dropped", i)
+            prefix.drop_slot(slot)
 
     def _fed_keys(self, a: _Active) -> tuple[list, list[bytes]]:
         """What ``a`` feeds as the prefix cache sees it (its prompt's :meth:`_key_items` and
@@ -197,9 +220,8 @@ class PageScheduling:
         if ((branch or a.prefilled % (prefix.every * PAGE_SIZE) == 0)
                 and 0 < j <= len(a.page_keys) and a.prefilled < len(a.feed)
                 and prefix.wants_snapshot(a.page_keys[j - 1])):
-            slot = prefix.add_snapshot(a.page_keys[j - 1], CONFIRMED if branch else SPECULATIVE)
-            if slot is not None:
-                self.runner.save_state(i, slot)
+            self._save_snapshot(i, prefix, prefix.add_snapshot(
+                a.page_keys[j - 1], CONFIRMED if branch else SPECULATIVE))
 
 
 def _available(source) -> int:

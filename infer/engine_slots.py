@@ -53,12 +53,18 @@ class SlotScheduling:
                 self._finish(i, a, "abort")
 
     def _prefill_some(self) -> bool:
-        budget, did = self.prefill_budget, False
+        budget, did, refused = self.prefill_budget, False, []
         with self._lock:
             while self._waiting:
                 head = self._waiting[0]
-                i = next((i for i in self._candidate_slots(head) if self._reserve_pages(i, head)),
-                         None)
+                try:
+                    i = next((i for i in self._candidate_slots(head)
+                              if self._reserve_pages(i, head)), None)
+                except Exception as e:  # noqa: BLE001 -- a failed resume fails this request
+                    log.exception("admitting %s failed; aborted", head.req.request_id)
+                    self._note("admit", e)
+                    refused.append((self._waiting.popleft(), e))
+                    continue
                 if i is None:
                     break  # no free slot, or the pool is full: the queue waits
                 a = self.slots[i] = self._waiting.popleft()
@@ -66,6 +72,8 @@ class SlotScheduling:
                 a.admitted = self._admissions
                 if a.metrics.admitted is None:
                     a.metrics.admitted = time.perf_counter()
+        for a, e in refused:
+            self._fail(None, a, e)
         if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device
             budget, did = self._prefill_together(budget, did)
         for i, a in enumerate(self.slots):
@@ -147,9 +155,9 @@ class SlotScheduling:
         """Encode a request's images once; a failure aborts that request only."""
         try:
             a.features = np.asarray(self.runner.encode_images(a.req.images), np.float32)
-        except Exception:  # noqa: BLE001 -- one bad request must not stop the engine
+        except Exception as e:  # noqa: BLE001 -- one bad request must not stop the engine
             log.exception("encoding the images of %s failed; aborted", a.req.request_id)
-            self._finish(i, a, "abort")
+            self._fail(i, a, e)  # a failed request: its error reaches the client
             return False
         vc = self.runner.config.vision_config
         ph = np.asarray(a.req.prompt) == vc.media_placeholder_token_id

@@ -201,7 +201,7 @@ class K2Parser(OutputParser):
             args = json.loads(raw)
             if not isinstance(args, dict):
                 raise ValueError(f"arguments are a JSON {type(args).__name__}, not an object")
-        except (ValueError, json.JSONDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the stack
             self._error(f"malformed tool call {self.call_id!r}: {e}")
             return []
         call = ToolCall(self.call_id, name, json.dumps(args, ensure_ascii=False))

@@ -93,8 +93,8 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                        image_limits=None) -> ChatJob:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    model = body.get("model", model_name)
-    if model != model_name:
+    model = body.get("model")
+    if model is not None and model != model_name:  # absent or null: the served one
         raise ApiError(f"the model {model!r} does not exist; this server serves "
                        f"{model_name!r}", status=404, param="model", code="model_not_found")
     try:

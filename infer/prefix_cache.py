@@ -279,6 +279,12 @@ class PrefixCache:
         self.ends_under[prev].add(key)
         return slot
 
+    def drop_slot(self, slot: int) -> None:
+        """Give up the snapshot held in ``slot`` (its state could not be saved)."""
+        key = next((k for k, s in self.snap_of.items() if s == slot), None)
+        if key is not None:
+            self._drop(key)
+
     def _forget(self, key: bytes) -> None:
         """A snapshot was given up: an end snapshot's partial page is released."""
         if key in self.partial:
@@ -294,6 +300,6 @@ class PrefixCache:
                 "hit_rate": self.hit_tokens / q if q else 0.0,
                 "cached_pages": len(self.page_of), "idle_pages": len(self.idle),
                 "snapshots": len(self.snap_of), "end_snapshots": len(self.partial),
-                "confirmed_snapshots": sum(r == CONFIRMED for r in self.rank.values()),
+                "confirmed_snapshots": sum(r == CONFIRMED for r in list(self.rank.values())),
                 "snapshot_slots": self.num_snapshots,
                 "snapshot_every_pages": self.every}

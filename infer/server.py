@@ -164,8 +164,12 @@ async def read_json(request: web.Request):
     try:
         request[_BODY] = body = await request.json()
         return body
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise api.ApiError(f"the request body is not valid JSON ({e})") from None
+    except (ValueError, RecursionError, LookupError) as e:
+        # ValueError: JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits;
+        # RecursionError: nesting deeper than the parser's stack; LookupError: an unknown
+        # charset in the Content-Type
+        raise api.ApiError(f"the request body is not valid JSON ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
 
 
 def vision_config(engine):
@@ -262,15 +266,17 @@ async def _next(request, queue, keepalive=None, every: float = 10.0):
     waits, ``await keepalive()`` runs every ``every`` seconds (a stream's ping events)."""
     last = time.monotonic()
     while True:
+        # checked on every event, not only while idle: a client that stops waiting for a
+        # non-streamed answer is otherwise noticed only when the generation ends
+        t = request.transport
+        if t is None or t.is_closing():
+            raise ConnectionResetError("client disconnected")
         try:
             return await asyncio.wait_for(queue.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if keepalive is not None and time.monotonic() - last >= every:
                 await keepalive()
                 last = time.monotonic()
-            t = request.transport
-            if t is None or t.is_closing():
-                raise ConnectionResetError("client disconnected") from None
             why = engine_failure(request.app)
             if why is not None and queue.empty():
                 raise _unavailable(why) from None

@@ -161,7 +161,7 @@ class XtmlFormat(ChatFormat):
         b.open(f'call tool="{_esc(c.name)}" index="{index}"')
         try:
             args = json.loads(c.arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
             args = None
         if isinstance(args, dict):
             for k, v in args.items():
@@ -285,7 +285,7 @@ class XtmlParser(OutputParser):
             return
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             value = _Bad
         want = {"number": (int, float), "boolean": (bool,), "null": (type(None),),
                 "object": (dict,), "array": (list,)}.get(ty)
@@ -304,7 +304,7 @@ class XtmlParser(OutputParser):
         if f.raw is not None:
             try:
                 json.loads(f.raw)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 f.bad = f.bad or f"json element is not valid JSON: {f.raw[:40]!r}"
         if f.bad:
             self._error(f"malformed tool call {name!r}: {f.bad}")

@@ -134,3 +134,24 @@ EOS_LOGIT = 5.0
 
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class SeeingRunner(EosSecond):
+    """The scripted model with a vision tower: image features are zeros; it counts the image
+    positions each prefill was given."""
+
+    def __init__(self, *a, **kw):
+        import types
+
+        from kdsa.model.config import get_preset
+
+        super().__init__(*a, **kw)
+        self.config = types.SimpleNamespace(vision_config=get_preset("tiny-vl").vision_config)
+        self.image_positions = 0
+
+    def encode_images(self, images):
+        return np.zeros((sum(im.num_tokens for im in images), 8), np.float32)
+
+    def prefill(self, slot, tokens, start=0, image_embeds=None, image_mask=None):
+        self.image_positions += 0 if image_mask is None else int(image_mask.sum())
+        return super().prefill(slot, tokens, start)

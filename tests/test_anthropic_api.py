@@ -15,7 +15,7 @@ from kdsa.infer.budget import BudgetConfig  # noqa: E402
 from kdsa.infer.engine import Engine  # noqa: E402
 from kdsa.infer.server_run import start_server  # noqa: E402
 
-from scripted import CALL, CAPS, FMT, GRACE, TOK, EosSecond, _answer  # noqa: E402
+from scripted import CALL, CAPS, FMT, GRACE, TOK, EosSecond, SeeingRunner, _answer  # noqa: E402
 
 MODEL = "kdsa-test"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -340,35 +340,12 @@ def test_no_field_value_is_a_5xx(chat):
                 assert json.loads(text)["type"] == "error", (fix, text)
 
 
-class _SeeingRunner(EosSecond):
-    """The scripted model with a vision tower: image features are zeros; it counts the image
-    positions each prefill was given."""
-
-    def __init__(self, *a, **kw):
-        import types
-
-        from kdsa.model.config import get_preset
-
-        super().__init__(*a, **kw)
-        self.config = types.SimpleNamespace(vision_config=get_preset("tiny-vl").vision_config)
-        self.image_positions = 0
-
-    def encode_images(self, images):
-        import numpy as np
-
-        return np.zeros((sum(im.num_tokens for im in images), 8), np.float32)
-
-    def prefill(self, slot, tokens, start=0, image_embeds=None, image_mask=None):
-        self.image_positions += 0 if image_mask is None else int(image_mask.sum())
-        return super().prefill(slot, tokens, start)
-
-
 def test_base64_image_block():
     import numpy as np
 
     from kdsa.model.vision.inputs import to_data_url
 
-    runner = _SeeingRunner(TOK, FMT, answer_ids=_answer("A square."), num_slots=1, max_len=1024)
+    runner = SeeingRunner(TOK, FMT, answer_ids=_answer("A square."), num_slots=1, max_len=1024)
     eng = Engine(runner, TOK, chat_format=FMT)
     handle = start_server(eng, FMT, model_name=MODEL)
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdsa.infer.engine import Engine, Request
+from kdsa.infer.engine import Engine, GenerationError, Request
 from kdsa.infer.prefix_cache import PrefixCache, page_keys
 from kdsa.infer.page_pool import PagePool
 from kdsa.infer.runner import ModelRunner
@@ -224,3 +224,37 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     assert m["prefix_cache"] == plain.metrics()["prefix_cache"]
     assert plain.metrics()["batched_prefill_steps"] == 0
     assert n_copies > 0 and len(copies) == 2 * n_copies, copies
+
+
+def test_a_failed_state_copy_fails_one_request_and_leaks_nothing(model):
+    """A snapshot whose state copy fails is given up (no later request resumes from a stale
+    state); a resume whose copy fails fails that request only, with its pages released; the
+    requests after both are exact."""
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, 256, 140).tolist()
+    prompts = [system + rng.integers(0, 256, n).tolist() for n in (10, 20, 30)]
+    cached, plain = _engine(model, True), _engine(model, False)
+    runner, calls = cached.runner, []
+
+    def failing(name):
+        real = getattr(runner, name)
+
+        def once(*args, **kw):
+            calls.append(name)
+            if calls.count(name) == 1:
+                raise RuntimeError(f"injected {name} failure")
+            return real(*args, **kw)
+        return once
+
+    runner.save_state = failing("save_state")  # the first snapshot of prompt 0
+    _same(_run(cached, prompts[:1]), _run(plain, prompts[:1]))
+    assert "save_state" in calls
+    pc = cached.prefix
+    assert len(pc.snap_of) + len(pc.free_snaps) == pc.num_snapshots  # no slot lost
+    runner.restore_state = failing("restore_state")  # prompt 1 resumes: its copy fails
+    with pytest.raises(GenerationError, match="injected restore_state failure"):
+        cached.generate([Request(prompts[1], SamplingParams(temperature=0.0, max_tokens=4))])
+    assert not pc.refs.keys() - {page for _, _, page in pc.partial.values()}  # none held
+    assert cached.healthy
+    _same(_run(cached, prompts[1:]), _run(plain, prompts[1:]))  # resumes, exact
+    assert cached.metrics()["prefix_cache"]["hit_tokens"] > 0

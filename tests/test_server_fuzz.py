@@ -115,9 +115,9 @@ def mutated_body(rng: random.Random) -> dict:
     return body
 
 
-def _post(port, data: bytes, timeout=20):
+def _post(port, data: bytes, timeout=20, content_type="application/json"):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    conn.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", data, {"Content-Type": content_type})
     r = conn.getresponse()
     text = r.read().decode()
     conn.close()
@@ -154,3 +154,32 @@ def test_random_values_in_every_field_never_5xx_never_hang(server):
     assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "ok"
     m = eng.metrics()
     assert eng.healthy and m["failed_requests"] == 0 and m["active_slots"] == 0
+
+
+def test_bodies_the_json_parser_refuses_are_400s(server):
+    """Inputs Python's ``json`` refuses with other errors than ``JSONDecodeError``: an integer of
+    over 4,300 digits (ValueError), nesting past the parser's stack (RecursionError), an
+    unknown charset (LookupError); and a tool call's arguments string nested that deep, which
+    the chat format parses to render it. Each gets a 400 naming the problem, not a 500."""
+    handle, eng = server
+    deep_args = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "[" * 100_000}}]}
+    json_400 = (400, "not valid JSON")
+    cases = [
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000
+         + b"}", "application/json", json_400),
+        (b"[" * 100_000 + b"]" * 100_000, "application/json", json_400),
+        (json.dumps({"messages": USER}).encode(), "application/json; charset=bogus", json_400),
+        # rendered as text, then too long for the 1,024-token context
+        (json.dumps({"messages": USER + [deep_args, {"role": "tool", "tool_call_id": "c1",
+                                                     "content": "sunny"}],
+                     "tools": TOOLS, "max_tokens": 4}).encode(), "application/json",
+         (400, "this model's context is 1024 tokens")),
+        (json.dumps({"model": None, "messages": USER, "max_tokens": 4}).encode(),
+         "application/json", (200, "")),  # null: the served model, as when absent
+    ]
+    for k, (data, ctype, (want, says)) in enumerate(cases):
+        status, text = _post(handle.port, data, content_type=ctype)
+        assert status == want and says in text, (k, status, text[:300])
+    assert eng.healthy and eng.metrics()["failed_requests"] == 0
