@@ -86,9 +86,7 @@ def configs_from_args(args):
     rc = apply_rl_overrides(rc, args.rl_overrides)
     if args.steps is not None:
         rc = rc.replace(steps=args.steps)
-    # the schedule spans the whole job (SFT + RL optimizer steps)
-    tc = apply_train_overrides(tc.replace(steps=rc.sft_steps + rc.steps),
-                               args.train_overrides)
+    tc = apply_train_overrides(tc.replace(steps=rc.optimizer_steps), args.train_overrides)
     if args.seed is not None:
         tc = tc.replace(seed=args.seed)
     return name, config, tc, rc

@@ -1,13 +1,15 @@
 """Checkpoint checksums (``train/checkpointing.py : checksums``): exact whatever the sharding, so
 a run saved on one mesh resumes on another (a float32 sum's last bits depend on the reduction
 order, and an exact float check set such a checkpoint aside as corrupt); they catch a changed
-bit and a moved element; steps saved before them still check by their float32 sums."""
+bit and a moved element; steps saved before them still check by their float32 sums. And the
+RL job's KL reference (``train/rl/reference.py``), a checkpoint of its own."""
 
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.train.checkpointing import Checkpointer, checksums
@@ -89,3 +91,29 @@ def test_a_step_with_the_old_float_fingerprint_still_checks(tmp_path):
     ck.close()
     assert got is not None and got[0] == 1 and ck.skipped == [2], messages
     assert any("step 2" in m and "checksum" in m for m in messages), messages
+
+
+def test_the_kl_reference_belongs_to_the_run_beside_it(tmp_path):
+    """``train/rl/reference.py``: a fresh run sets an earlier run's reference aside (renamed,
+    not deleted) and saves its own; a resumed run reads its own back; a resumed run past its SFT
+    steps without one is refused."""
+    from kdsa.train.rl.reference import open_reference
+
+    params = {"w": jax.numpy.arange(8.0)}
+    template = jax.eval_shape(lambda: params)
+    ck, got = open_reference(tmp_path, template, resumed=False, past_sft=False, log=print)
+    assert got is None and ck.save(3, params, {"step": 3}, force=True)
+    ck.close()
+    messages = []
+    ck, got = open_reference(tmp_path, template, resumed=True, past_sft=True,
+                             log=messages.append)
+    ck.close()
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.arange(8.0))
+    ck, got = open_reference(tmp_path, template, resumed=False, past_sft=False,
+                             log=messages.append)  # a new run into the same folder
+    ck.close()
+    assert got is None and (tmp_path / "reference.stale" / "3").is_dir()
+    assert any("moved to reference.stale" in m for m in messages), messages
+    with pytest.raises(ValueError, match="needs the reference policy"):
+        open_reference(tmp_path, template, resumed=True, past_sft=True, log=print)
+    assert open_reference(tmp_path, template, resumed=True, past_sft=False, log=print)[1] is None

@@ -306,21 +306,22 @@ def test_metrics_truncated_to_the_resumed_step(tmp_path):
 
 
 def test_resume_with_another_config_names_the_fields(full_run, tmp_path):
-    """A changed model config and optimizer: one ``ValueError`` line naming each differing
-    field with both values, nothing called corrupt, no checkpoint set aside."""
+    """A changed model config, optimizer and batch size: one ``ValueError`` line naming each
+    differing field with both values, nothing called corrupt, no checkpoint set aside."""
     run_dir, _ = full_run
     _copy_run(run_dir, tmp_path)
     base = small_config()
     changed = base.replace(intermediate_size=base.intermediate_size + 32)
     messages = []
     with pytest.raises(ValueError) as e:
-        run_training(changed, TC.replace(optimizer="muon"), tmp_path, progress=False,
-                     resume=True, log=messages.append)
+        run_training(changed, TC.replace(optimizer="muon", batch_size=8), tmp_path,
+                     progress=False, resume=True, log=messages.append)
     msg = str(e.value)
     assert "\n" not in msg and "corrupt" not in msg, msg
     assert (f"intermediate_size: checkpoint {base.intermediate_size}, now "
             f"{base.intermediate_size + 32}") in msg, msg
     assert "train.optimizer: checkpoint adamw, now muon" in msg, msg
+    assert "train.batch_size: checkpoint 4, now 8" in msg, msg  # the data position's unit
     assert "checkpoints/6 was written with another config" in msg, msg
     assert not any("corrupt" in m for m in messages), messages
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["3", "6"]

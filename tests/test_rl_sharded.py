@@ -55,3 +55,24 @@ def test_two_minibatches_equal_two_updates_by_hand():
     now = policy_logprobs(graphdef, s1, second, tc=tc)
     _, m_ratio1 = step(graphdef, s1, second | {"old_logp": now}, 0.0, state.params, 1.0, **kw)
     assert abs(float(m_ratio1["pg_loss"]) - float(m2["pg_loss"])) > 1e-6
+    # an inactive mini-batch (all padding) takes no optimizer step: Adam's momentum and the
+    # weight decay would move the weights on its zero gradient
+    only, ms = minibatch_updates(graphdef, state, [first, second], state.params, 1.0,
+                                 step_fn=step, **kw, active=[True, False])
+    assert len(ms) == 1
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), only.params, s1.params)
+
+
+def test_split_rows_deals_whole_groups_to_every_minibatch():
+    """A rollout batch holds its kept groups first, padding after: 3 groups of 2 in 12 rows
+    split into 2 mini-batches give groups 0 and 2 to the first, group 1 to the second (both
+    train), where consecutive slices gave all three to the first and padding to the second."""
+    rows = np.arange(12)
+    mask = (rows < 6).astype(np.float32)[:, None]  # 3 kept groups of 2 rows
+    first, second = split_rows({"row": rows, "loss_mask": mask}, 2, group=2)
+    assert first["row"].tolist() == [0, 1, 4, 5, 8, 9]
+    assert second["row"].tolist() == [2, 3, 6, 7, 10, 11]
+    assert first["loss_mask"].any() and second["loss_mask"].any()
+    # groups that do not split evenly into the mini-batches are dealt row by row
+    odd = split_rows({"row": np.arange(6)}, 2, group=2)
+    assert [m["row"].tolist() for m in odd] == [[0, 2, 4], [1, 3, 5]]

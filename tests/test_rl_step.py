@@ -8,6 +8,8 @@
 * ``update_scale`` multiplies the optimizer's update: 0 leaves the parameters, 0.5 moves them
   half as far as 1."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from flax import nnx
 from kdsa.model.overrides import apply_overrides
 from kdsa.model.config import get_preset
 from kdsa.train.config import TrainConfig
-from kdsa.train.rl.config import RLConfig
+from kdsa.train.rl.config import RLConfig, apply_rl_overrides
 from kdsa.train.rl.step import rl_step_with_options
 from kdsa.train.trainer import prepare
 
@@ -86,8 +88,49 @@ def test_update_scale(setup):
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(d(full))) > 1e-3
 
 
+def test_padding_does_not_steer_the_routing_biases(setup):
+    """RL batches mark their right padding with ``segment_ids`` 0, so the MoE's expert load,
+    which updates the routing biases, counts real tokens only: two batches that differ only in
+    their padding's token ids update the biases alike (without the marks they do not)."""
+    graphdef, state0, tx, layout, batch = setup
+    seg = np.ones((B, T), np.int32)
+    seg[B // 2:, 4:] = 0  # the last rows end at 4 tokens
+    mask = batch["loss_mask"] * seg
+    other = np.where(seg == 1, batch["inputs"], 0)  # padded with token 0, as rollouts are
+    rc = RLConfig(envs=("rg:basic_arithmetic",), entropy_coef=0.5)
+    loss_cfg = rc.loss_config()
+
+    def biases(inputs, segment_ids):
+        b = dict(batch, inputs=inputs, loss_mask=mask)
+        if segment_ids is not None:
+            b["segment_ids"] = segment_ids
+        new, _ = STEP(graphdef, state0, b, 0.0, None, 1.0, tc=TC, tx=tx, loss_cfg=loss_cfg,
+                      layout=layout)
+        got = {k: np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(new.rest)
+               if "e_score_correction_bias" in jax.tree_util.keystr(k)}
+        assert got
+        return got
+
+    marked, marked_other = biases(batch["inputs"], seg), biases(other, seg)
+    for k in marked:
+        np.testing.assert_array_equal(marked[k], marked_other[k], err_msg=str(k))
+    plain, plain_other = biases(batch["inputs"], None), biases(other, None)
+    assert any(not np.array_equal(plain[k], plain_other[k]) for k in plain)
+
+
 def test_bad_values():
     with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
         RLConfig(entropy_coef=-0.1)
+    # ``--rl-set`` parses JSON, else a string: each a clear error, not a truthy string or a
+    # TypeError
+    for override, says in (("normalize_std=False", "rl.normalize_std must be true or false"),
+                           ("temperature=hot", "rl.temperature must be a number"),
+                           ("tis_cap=null", "rl.tis_cap must be a number"),
+                           ('length_penalty={"low": "x", "high": 0, "max": 0}',
+                            "rl.length_penalty['low'] must be a number")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            apply_rl_overrides(RLConfig(), [override])
+    rc = RLConfig(sft_steps=3, steps=10, minibatches_per_step=2)
+    assert rc.optimizer_steps == 23  # the schedule's length: every mini-batch a step
     with pytest.raises(ValueError, match="rl.scale_update_by_kept must be true or false"):
         RLConfig(scale_update_by_kept=1)

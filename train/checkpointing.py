@@ -66,6 +66,10 @@ from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
 
 # TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
 STATE_FIELDS = ("optimizer", "indexer_stage")
+# ... and those that change the data stream the saved position counts in (batches of
+# ``batch_size`` rows of ``seq_len`` tokens, shuffled by ``seed``): another value would resume
+# at another row, repeating or skipping data
+STREAM_FIELDS = ("batch_size", "seq_len", "seed")
 
 
 def _key_name(k) -> str:
@@ -380,11 +384,12 @@ def _differences(old, new, prefix: str = "") -> list[str]:
 def config_differences(meta: dict, model_config: dict, train_config: dict) -> list[str]:
     """``["num_hidden_layers: checkpoint 4, now 8", "train.optimizer: ...", ...]``: where a
     checkpoint's ``meta`` differs from this run in its model config (any field, nested ones
-    dotted) or in the train-config fields that shape the state (:data:`STATE_FIELDS`)."""
+    dotted) or in the train-config fields that shape the state or the data stream
+    (:data:`STATE_FIELDS`, :data:`STREAM_FIELDS`)."""
     out = _differences(meta.get("model_config") or {}, model_config)
     old = meta.get("train_config") or {}
     out += [f"train.{f}: checkpoint {_show(old.get(f))}, now {_show(train_config.get(f))}"
-            for f in STATE_FIELDS if f in old and old[f] != train_config.get(f)]
+            for f in STATE_FIELDS + STREAM_FIELDS if f in old and old[f] != train_config.get(f)]
     return out
 
 

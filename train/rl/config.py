@@ -100,6 +100,7 @@ class RLConfig:
     heldout_samples: int = 4  # per task, at the rollout temperature
 
     def __post_init__(self):
+        _check_types(self)
         envs = self.envs if isinstance(self.envs, (list, tuple)) else (self.envs,)
         if not envs:
             raise ValueError("rl.envs must name at least one environment")
@@ -132,6 +133,9 @@ class RLConfig:
                 or sum(self.effort_weights.values()) <= 0:
             raise ValueError(f"rl.effort_weights must be >= 0 with a positive sum, got "
                              f"{self.effort_weights}")
+        for k, v in self.length_penalty.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"rl.length_penalty[{k!r}] must be a number, got {v!r}")
         for name in ("reasoning_caps", "token_budgets"):
             for k, v in getattr(self, name).items():
                 if not isinstance(v, int) or v < (0 if name == "reasoning_caps" else 1):
@@ -157,6 +161,13 @@ class RLConfig:
         if self.chat_format not in ("k2", "xtml"):
             raise ValueError(f"rl.chat_format must be 'k2' or 'xtml', got {self.chat_format!r}")
         self.loss_config()  # validates the loss fields
+
+    @property
+    def optimizer_steps(self) -> int:
+        """The job's optimizer steps, the learning-rate schedule's length (``train.steps``):
+        one per SFT step and ``minibatches_per_step`` per RL step (fewer when a step keeps no
+        varied group, or a mini-batch gets none of them: those take no step)."""
+        return self.sft_steps + self.minibatches_per_step * self.steps
 
     @property
     def rollouts_per_step(self) -> int:
@@ -192,6 +203,23 @@ class RLConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         return d
+
+
+# a field's annotation -> the JSON values it accepts (``--rl-set`` parses JSON, else a string:
+# ``normalize_std=False`` would be the string "False", which is truthy)
+_TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
+          "bool": ((bool,), "true or false"), "str": ((str,), "a string"),
+          "dict": ((dict,), "an object")}
+
+
+def _check_types(rc: RLConfig) -> None:
+    for f in dataclasses.fields(rc):
+        want = _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
+        if want is None:
+            continue
+        v = getattr(rc, f.name)
+        if not isinstance(v, want[0]) or (f.type != "bool" and isinstance(v, bool)):
+            raise ValueError(f"rl.{f.name} must be {want[1]}, got {v!r}")
 
 
 def apply_rl_overrides(rc: RLConfig, overrides: list[str]) -> RLConfig:

@@ -48,7 +48,7 @@ def demo_configs(steps: int | None = None, seed: int | None = None):
                   max_sampling_rounds=2, kl_coef=0.1, scale_update_by_kept=True,
                   minibatches_per_step=2,
                   length_penalty={"low": 0.1, "high": 0.02, "max": 0.0})
-    tc = TrainConfig(steps=rc.sft_steps + rc.steps, learning_rate=3e-3, schedule="constant",
+    tc = TrainConfig(steps=rc.optimizer_steps, learning_rate=3e-3, schedule="constant",
                      warmup_steps=10, weight_decay=0.0, checkpoint_every=50,
                      seed=seed if seed is not None else 0)
     return "tiny", tc, rc

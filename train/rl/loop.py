@@ -67,6 +67,7 @@ from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.multihost import local_copy, play_split
+from kdsa.train.rl.reference import open_reference
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import minibatch_updates, rl_step_with_options, split_rows
 from kdsa.train.run_dir import check_run_dir, state_bytes
@@ -226,14 +227,9 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
 
     ref_params, ref_ckpt = None, None
     if loss_cfg.kl_beta > 0:  # the reference policy: the weights after SFT, saved once
-        ref_ckpt = Checkpointer(run_dir / "reference", every=1, keep=1, async_save=False)
-        if ref_ckpt.all_steps():
-            got = ref_ckpt.restore_latest(place.template(template).params, log=log)
-            if got is None:
-                raise ValueError(f"--resume: the reference policy in {ref_ckpt.directory} is "
-                                 "unreadable")
-            ref_params = got[1] if place.mesh is not None else jax.device_put(got[1],
-                                                                              place.device)
+        ref_ckpt, ref_params = open_reference(
+            run_dir, place.template(template).params, resumed=restored is not None,
+            past_sft=start > rc.sft_steps, device=None if place.mesh else place.device, log=log)
     if sampler is None:
         sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed,
                           tok_path)
@@ -301,12 +297,14 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                         scale = (m["kept_groups"] / rc.prompts_per_step
                                  if rc.scale_update_by_kept else 1.0)
                         t1 = time.perf_counter()
-                        k = rc.minibatches_per_step
+                        mbs = split_rows(batch, rc.minibatches_per_step, rc.group_size)
                         with place.rules():
                             state, ms = minibatch_updates(
-                                graphdef, state, [place.batch(b) for b in split_rows(batch, k)],
-                                ref_params, scale, step_fn=step_fn, **kw)
+                                graphdef, state, [place.batch(b) for b in mbs], ref_params,
+                                scale, step_fn=step_fn, **kw,
+                                active=[bool(b["loss_mask"].any()) for b in mbs])
                         ms = [host(x) for x in ms]
+                        m["minibatch_updates"] = float(len(ms))
                         m.update({key: float(np.mean([x[key] for x in ms])) for key in ms[0]})
                         m["update_s"] = time.perf_counter() - t1
                     step += 1
@@ -328,6 +326,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         close_after_error(ckpt, ref_ckpt, writer, sft_writer, bar)
         raise
     after = None
+    ckpt.wait()  # the last step written before the evaluation (minutes; a SIGTERM may come)
     if not stopped and evaluate_heldout:
         sampler.sync(graphdef, state)
         after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)

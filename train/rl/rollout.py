@@ -278,7 +278,8 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
                    rc: RLConfig, routing_dims: tuple[int, int] | None = None
                    ) -> dict[str, np.ndarray]:
     """Fixed-shape arrays ``[rows, seq_len]`` (next-token layout) from whole groups; rows past
-    the groups are padding (mask 0, advantage 0). Advantages are group-relative (GRPO
+    the groups are padding (mask 0, advantage 0, ``segment_ids`` 0: the MoE's expert load and
+    so the routing-bias update count real tokens only). Advantages are group-relative (GRPO
     ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi).
 
     ``routing_dims = (L_moe, k)`` (routing replay): also ``expert_ids [rows, seq_len, L_moe, k]``, the
@@ -288,7 +289,8 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
          "targets": np.zeros((rows, seq_len), np.int32),
          "loss_mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
-         "advantages": np.zeros((rows,), np.float32)}
+         "advantages": np.zeros((rows,), np.float32),
+         "segment_ids": np.zeros((rows, seq_len), np.int32)}  # 1: a token, 0: padding
     if routing_dims is not None:
         b["expert_ids"] = no_routing(rows, seq_len, routing_dims)
     r, row_images = 0, []
@@ -304,6 +306,7 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
             b["inputs"][r, :n] = e.tokens[:n]
             b["targets"][r, :n] = e.tokens[1:n + 1]
             b["loss_mask"][r, :n] = e.mask[1:n + 1]
+            b["segment_ids"][r, :n] = 1
             b["sampler_logp"][r, :n] = e.sampler_logp[1:n + 1]
             b["advantages"][r] = a
             if routing_dims is not None and e.routing is not None:

@@ -29,7 +29,8 @@ def sft_batch(fmt, envs: dict[str, Environment], tasks, rows: int,
          "targets": np.zeros((rows, seq_len), np.int32),
          "loss_mask": np.zeros((rows, seq_len), np.float32),
          "sampler_logp": np.zeros((rows, seq_len), np.float32),
-         "advantages": np.zeros((rows,), np.float32)}
+         "advantages": np.zeros((rows,), np.float32),
+         "segment_ids": np.zeros((rows, seq_len), np.int32)}  # as RL batches: one compile
     for r, (task, effort) in enumerate(tasks[:rows]):
         demo = envs[task.env].demonstration(task)
         if demo is None:
@@ -41,4 +42,5 @@ def sft_batch(fmt, envs: dict[str, Environment], tasks, rows: int,
         n = len(ids) - 1
         b["inputs"][r, :n], b["targets"][r, :n] = ids[:-1], ids[1:]
         b["loss_mask"][r, :n] = mask[1:]
+        b["segment_ids"][r, :n] = 1
     return b

@@ -55,7 +55,8 @@ from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, op
                              replicated)
 
 # batch: inputs, targets [B, T] int32; loss_mask, sampler_logp [B, T] float32; advantages [B]
-# float32; optional old_logp [B, T] float32 (mini-batches, ``policy_logprobs``);
+# float32; optional segment_ids [B, T] int32 (1: a token, 0: right padding, not counted in the
+# expert load that steers the routing biases); optional old_logp [B, T] float32 (mini-batches, ``policy_logprobs``);
 # image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md);
 # routing replay: expert_ids [B, T, L_moe, k] int32 (-1: the router chooses)
 
@@ -86,7 +87,8 @@ def _policy_forward(model, mb):
     """The policy's forward on one micro-batch: routing replay and image prompts applied."""
     replay = None if "expert_ids" not in mb else RoutingReplay(  # [B, T, L_moe, k] -> [L_moe, ..]
         expert_ids=jnp.transpose(mb["expert_ids"], (2, 0, 1, 3)))
-    return model.forward(mb["inputs"], images=batch_image_inputs(model, mb),
+    return model.forward(mb["inputs"], segment_ids=mb.get("segment_ids"),
+                         images=batch_image_inputs(model, mb),
                          collect=Collect(expert_load=True), replay=replay)
 
 
@@ -113,7 +115,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
             ref = nnx.merge(graphdef, ref_params, state.rest)
             ref_logp = jax.lax.stop_gradient(
-                token_logprobs(ref.forward(mb["inputs"], images=batch_image_inputs(ref, mb)).logits,
+                token_logprobs(ref.forward(mb["inputs"], segment_ids=mb.get("segment_ids"),
+                                           images=batch_image_inputs(ref, mb)).logits,
                                mb["targets"]))
         pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
                                     sampler_logp=mb["sampler_logp"], ref_logp=ref_logp)
@@ -165,25 +168,42 @@ def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig):
 policy_logprobs = jax.jit(_policy_logprobs, static_argnames=("graphdef", "tc"))
 
 
-def split_rows(batch: dict, k: int) -> list[dict]:
-    """A host batch ``{name: [R, ...]}`` -> ``k`` mini-batches of ``R / k`` consecutive rows
-    (whole groups stay together when ``R / k`` is a multiple of the group size)."""
+def split_rows(batch: dict, k: int, group: int = 1) -> list[dict]:
+    """A host batch ``{name: [R, ...]}`` -> ``k`` mini-batches of ``R / k`` rows, dealt out in
+    units of ``group`` rows: mini-batch ``j`` takes units ``j, j + k, j + 2k, ...``. The loop
+    passes the group size: a rollout batch holds its kept groups first and padding rows after
+    them, so consecutive slices would leave the last mini-batches all padding while dealing
+    spreads the groups over all of them, each group whole (a unit of one row when the groups
+    do not split into ``k`` equal parts)."""
     rows = len(next(iter(batch.values())))
     if rows % k:
         raise ValueError(f"{rows} rows do not split into {k} mini-batches")
+    if rows % (group * k):
+        group = 1
+    units = rows // group
+    order = [u * group + r for j in range(k) for u in range(j, units, k) for r in range(group)]
     n = rows // k
-    return [{name: v[i * n:(i + 1) * n] for name, v in batch.items()} for i in range(k)]
+    return [{name: v[order[i * n:(i + 1) * n]] for name, v in batch.items()} for i in range(k)]
 
 
 def minibatch_updates(graphdef, state: TrainState, minibatches: list[dict], ref_params,
                       update_scale, *, step_fn, tc: TrainConfig,
-                      tx: optax.GradientTransformation, loss_cfg: RLLossConfig, layout: tuple):
+                      tx: optax.GradientTransformation, loss_cfg: RLLossConfig, layout: tuple,
+                      active: list[bool] | None = None):
     """One RL update per mini-batch of one rollout batch, in order; ``(state, [metrics])``.
 
     With more than one mini-batch, every mini-batch's ``old_logp`` is taken from the policy
     before the first update (:func:`policy_logprobs`), so the later updates see ratios other
-    than 1 and the clipped objectives act; one mini-batch is the plain step (ratio 1)."""
-    if len(minibatches) > 1:
+    than 1 and the clipped objectives act; one mini-batch is the plain step (ratio 1).
+    ``active[i]`` False skips mini-batch ``i`` (no loss tokens: all padding): an optimizer step
+    on a zero gradient would still move the weights by Adam's momentum and weight decay. The
+    metrics list holds the active mini-batches' only."""
+    active = [True] * len(minibatches) if active is None else list(active)
+    if len(active) != len(minibatches):
+        raise ValueError(f"{len(active)} active flags for {len(minibatches)} mini-batches")
+    many = len(minibatches) > 1  # one compiled program whichever mini-batches are active
+    minibatches = [mb for mb, on in zip(minibatches, active) if on]
+    if many:
         minibatches = [dict(mb, old_logp=policy_logprobs(graphdef, state, mb, tc=tc))
                        for mb in minibatches]
     out = []
