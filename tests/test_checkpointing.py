@@ -291,6 +291,16 @@ def test_resume_after_a_corrupt_newest_saves_it_again_and_metrics_once(full_run,
     assert steps == [1, 2, 3, 4, 5, 6], steps
 
 
+def test_a_fresh_run_replaces_the_metrics_of_one_that_saved_no_checkpoint(tmp_path):
+    """An earlier run into the folder stopped before its first checkpoint, leaving metrics of
+    steps 1-4: a fresh run (no checkpoint to resume) writes each of its steps once."""
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in range(1, 5)))
+    run_training(small_config(), TC, tmp_path, progress=False, stop_at=2)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["loss"] != 9.0
+
+
 def test_metrics_truncated_to_the_resumed_step(tmp_path):
     """``MetricsWriter(resume_step=k)`` keeps steps <= k (and drops a torn last line)."""
     from kdsa.train.metrics import MetricsWriter

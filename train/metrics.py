@@ -3,8 +3,9 @@
 ``metrics.jsonl``: one JSON object per step (``step``, ``loss``, ``grad_norm``,
 ``learning_rate``, ``tokens``, ``tokens_per_s``, ``mfu`` when a peak is given,
 ``expert_load_max_over_mean``, ``indexer_kl``, ``step_time_s``). Written by process 0 only.
-A resumed run passes ``resume_step`` (the step it restored): the lines of later steps, written
-before the interruption and about to be written again, are dropped first (the file is rewritten
+A run passes ``resume_step``, the step it starts from (0 for a fresh one): the lines of later
+steps, written before an interruption (or by an earlier run into the same folder that stopped
+before its first checkpoint) and about to be written again, are dropped first (the file is rewritten
 atomically: temporary file, then rename), as is a torn last line; so every step appears once.
 
 TensorBoard: ``events.out.tfevents.*`` in the run dir holds the same numbers as scalar

@@ -200,7 +200,9 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
 
     from kdsa.model.count import count_params
     active = count_params(config).active_params
-    writer = MetricsWriter(run_dir, resume_step=start if resume else None)  # drops steps > start
+    # drops the lines of steps > start: a fresh run (start 0) those of an earlier run into this
+    # folder that stopped before its first checkpoint
+    writer = MetricsWriter(run_dir, resume_step=start)
     layout = abstract.segment_layout
     losses: dict[int, float] = {}
     stopped = False

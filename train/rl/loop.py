@@ -234,11 +234,11 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed,
                           tok_path)
     rows, T = rc.rollouts_per_step, rc.seq_len
-    again = restored is not None  # drop the lines of steps after the restored one
+    # drop the lines of steps after the one this run starts from (a fresh run: every line,
+    # left by an earlier run into this folder that stopped before its first checkpoint)
     sft_writer = MetricsWriter(run_dir / "sft", tensorboard=False, resume_step=min(
-        start, rc.sft_steps) if again else None) if rc.sft_steps else None
-    writer = MetricsWriter(run_dir, resume_step=max(start - rc.sft_steps, 0) if again
-                           else None)
+        start, rc.sft_steps)) if rc.sft_steps else None
+    writer = MetricsWriter(run_dir, resume_step=max(start - rc.sft_steps, 0))
     rewards, lines = {}, {}
     pending: list = []  # partial rollouts: groups cut by the step cap, continued next step
     stopped, step = False, start
