@@ -67,6 +67,7 @@ class SlotScheduling:
                     continue
                 if i is None:
                     break  # no free slot, or the pool is full: the queue waits
+                self._note("admit")  # failures count only in a row
                 a = self.slots[i] = self._waiting.popleft()
                 self._admissions += 1
                 a.admitted = self._admissions

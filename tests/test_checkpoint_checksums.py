@@ -48,6 +48,12 @@ def test_checksums_do_not_depend_on_the_sharding_and_catch_changes():
     for dtype in (jnp.bfloat16, jnp.int32, jnp.uint8, jnp.bool_):  # every state dtype
         y = jnp.asarray(x > 0.5 if dtype == jnp.bool_ else x * 8).astype(dtype)
         assert checksums({"y": y})["y"] == checksums({"y": _on(y, 8)})["y"]
+    with jax.enable_x64(True):  # 8-byte words (JAX_ENABLE_X64)
+        y = jnp.asarray(x, jnp.float64)
+        flipped64 = np.asarray(x, np.float64)
+        flipped64.view(np.uint64)[0, 0] ^= 1 << 40
+        assert checksums({"y": y})["y"] == checksums({"y": _on(y, 8)})["y"] != checksums(
+            {"y": jnp.asarray(flipped64)})["y"]
 
 
 def test_a_step_saved_on_one_mesh_restores_on_another(tmp_path):
@@ -91,6 +97,34 @@ def test_a_step_with_the_old_float_fingerprint_still_checks(tmp_path):
     ck.close()
     assert got is not None and got[0] == 1 and ck.skipped == [2], messages
     assert any("step 2" in m and "checksum" in m for m in messages), messages
+
+
+def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypatch):
+    """In a job of several processes each reads its own shards; a step one of them cannot read
+    is skipped by every process (else the others would go on into the checksums' collective
+    while it falls back). The vote is ``_all_processes_ok``, faked here: the other process
+    fails step 2."""
+    from kdsa.train import checkpointing
+
+    state = {"w": _on(_values(), 8)}
+    ck = Checkpointer(tmp_path, every=1, keep=3, async_save=False)
+    for step in (1, 2):
+        assert ck.save(step, state, {"data_index": step})
+    ck.close()
+    votes = []
+
+    def vote(ok: bool) -> bool:
+        votes.append(ok)
+        return ok and len(votes) > 1
+
+    monkeypatch.setattr(checkpointing, "_all_processes_ok", vote)
+    template = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=state["w"].sharding)}
+    messages = []
+    ck = Checkpointer(tmp_path, every=1, keep=3)
+    got = ck.restore_latest(template, log=messages.append)
+    ck.close()
+    assert got is not None and got[0] == 1 and ck.skipped == [2] and votes == [True, True]
+    assert any("step 2" in m and "another process" in m for m in messages), messages
 
 
 def test_the_kl_reference_belongs_to_the_run_beside_it(tmp_path):

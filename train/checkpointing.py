@@ -57,12 +57,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp
 
 from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
+from kdsa.train.checksums import checksums, mismatched
 
 # TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
 STATE_FIELDS = ("optimizer", "indexer_stage")
@@ -92,52 +91,6 @@ def unflatten_state(template, flat: dict[str, Any]):
     paths, treedef = jax.tree_util.tree_flatten_with_path(template)
     return jax.tree_util.tree_unflatten(
         treedef, [flat[".".join(_key_name(k) for k in p)] for p, _ in paths])
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    """The array's bit patterns as uint32 (a 1- or 2-byte dtype zero-extended)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
-    if width is None:
-        raise ValueError(f"cannot checksum a {x.dtype} array (1-, 2- or 4-byte dtypes only)")
-    return lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-
-
-@jax.jit
-def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Per array: the sum, modulo 2^32, of each element's bit pattern times an odd weight drawn
-    from its flat index. Integer addition modulo 2^32 is associative, so the value does not
-    depend on the reduction order, that is on the array's sharding: a state saved on one mesh
-    checks exactly when restored onto another (a float sum would differ in its last bits). A
-    changed element changes it (odd weights are invertible modulo 2^32), and so does a moved
-    one, unless two changes cancel exactly."""
-    out = {}
-    for k, v in flat.items():
-        index = jnp.zeros(v.shape, jnp.uint32)
-        for d in range(v.ndim):  # the row-major flat index, modulo 2^32
-            index = index * jnp.uint32(v.shape[d]) + lax.broadcasted_iota(jnp.uint32, v.shape, d)
-        weight = index * jnp.uint32(0x9E3779B1) | jnp.uint32(1)  # Knuth's multiplicative hash
-        out[k] = jnp.sum(_bits(v) * weight, dtype=jnp.uint32)
-    return out
-
-
-def checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
-    return {k: int(v) for k, v in jax.device_get(_checksums(flat)).items()}
-
-
-def _mismatched(meta: dict, flat: dict[str, jax.Array]) -> list[str]:
-    """The keys whose arrays do not match the checkpoint's record: exact ``checksums``, or for a
-    step saved before them, its float32 ``fingerprint`` sums within a relative 1e-4 (the sums'
-    rounding depends on the sharding the step was saved from)."""
-    if "checksums" in meta:
-        want, have = meta["checksums"], checksums(flat)
-        return [k for k in have if want.get(k) != have[k]]
-    want = meta.get("fingerprint", {})
-    have = jax.device_get(jax.jit(lambda f: {k: jnp.sum(v.astype(jnp.float32))
-                                             for k, v in f.items()})(flat))
-    return [k for k in have if not np.isclose(float(have[k]), want.get(k, np.nan),
-                                              rtol=1e-4, atol=1e-6)]
 
 
 def _context(process_local: bool) -> ocp.Context:
@@ -292,12 +245,20 @@ class Checkpointer:
                 if set(flat) != set(abstract):
                     raise ValueError(f"state keys differ from the model's: "
                                      f"{sorted(set(flat) ^ set(abstract))[:4]}")
-                bad = _mismatched(meta, flat)
-                if bad:
-                    raise ValueError(f"{len(bad)} arrays do not match their saved checksum "
-                                     f"(first: {bad[0]})")
+                read = None
             except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back
-                self._skip(step, e, log)
+                read = e
+            # every process reads its own shards: one that failed fails the step for all, so
+            # all fall back together (and meet in the same collectives: the checksums are one)
+            if not self.process_local and not _all_processes_ok(read is None):
+                read = read or RuntimeError("another process of the job could not read it")
+            if read is None:
+                bad = mismatched(meta, flat)  # replicated values: the same verdict everywhere
+                if bad:
+                    read = ValueError(f"{len(bad)} arrays do not match their saved checksum "
+                                      f"(first: {bad[0]})")
+            if read is not None:
+                self._skip(step, read, log)
                 continue
             return step, unflatten_state(template, flat), meta
         return None
@@ -404,6 +365,15 @@ def config_check(model_config: dict, train_config: dict) -> Callable[[Path, dict
                              f"{'; '.join(diff[:6])}{more}; resume with that config, or use "
                              f"another --run-dir")
     return check
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process of the job (a collective when there are several)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _abstract(x):

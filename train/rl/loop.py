@@ -305,7 +305,9 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                 active=[bool(b["loss_mask"].any()) for b in mbs])
                         ms = [host(x) for x in ms]
                         m["minibatch_updates"] = float(len(ms))
-                        m.update({key: float(np.mean([x[key] for x in ms])) for key in ms[0]})
+                        m["updated"] = float(bool(ms))  # (kept groups without a loss token)
+                        m.update({key: float(np.mean([x[key] for x in ms]))
+                                  for key in (ms[0] if ms else ())})
                         m["update_s"] = time.perf_counter() - t1
                     step += 1
                     rl_i = step - rc.sft_steps

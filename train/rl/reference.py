@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from kdsa.train.checkpointing import Checkpointer
 
@@ -23,7 +24,12 @@ def open_reference(run_dir: Path, template_params, *, resumed: bool, past_sft: b
     run has them already (None: the loop saves them at the first RL step). ``device``: where
     one-device parameters go (None: they stay in ``template_params``' shardings)."""
     folder = Path(run_dir) / "reference"
-    if not resumed and folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir()):
+    stale = not resumed and folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+    if jax.process_count() > 1:  # process 0's view, before it renames: every process agrees
+        from jax.experimental import multihost_utils
+
+        stale = bool(multihost_utils.broadcast_one_to_all(np.int32(stale)))
+    if stale:
         _set_aside(folder, log)
     ckpt = Checkpointer(folder, every=1, keep=1, async_save=False)
     if not ckpt.all_steps():
