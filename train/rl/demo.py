@@ -41,7 +41,7 @@ def demo_configs(steps: int | None = None, seed: int | None = None):
     # A short SFT warm-up (15 steps) leaves RL most of the tables to learn; two PPO mini-batch
     # updates per rollout batch learn them, and a KL of 0.1 to the post-SFT policy plus updates
     # in proportion to the groups whose rewards varied keep any family from collapsing onto one
-    # answer: +0.35 to +0.47 on every seed 0-4 (docs/rl.md, bench/results/rl_demo_seeds.json)
+    # answer: +0.27 to +0.43 on seeds 0-4 (docs/rl.md, bench/results/rl_demo_seeds.json)
     rc = RLConfig(envs=DEMO_ENVS, steps=steps if steps is not None else 100, sft_steps=15,
                   prompts_per_step=8, group_size=8, seq_len=80, num_slots=64,
                   temperature=1.0, heldout_tasks=16, heldout_samples=4,
