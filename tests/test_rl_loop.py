@@ -55,6 +55,10 @@ def test_stop_and_resume_takes_the_same_step(full_run, tmp_path):
               sampler=full_run.sampler)
     a = run_rl(CONFIG, tc, rc, tmp_path, stop_at=2, **kw)
     assert a.stopped and a.final_step == 2
+    # another task stream (effort draws) is refused by name before anything is read
+    other = dict(rc.effort_weights, low=rc.effort_weights["low"] + 1.0)
+    with pytest.raises(ValueError, match=r"rl\.effort_weights: checkpoint"):
+        run_rl(CONFIG, tc, rc.replace(effort_weights=other), tmp_path, resume=True, **kw)
     b = run_rl(CONFIG, tc, rc, tmp_path, resume=True, **kw)
     assert b.resumed_from == 2 and b.final_step == 3
     for k in ("reward", "pg_loss", "grad_norm", "kept_groups", "kl"):

@@ -69,6 +69,9 @@ STATE_FIELDS = ("optimizer", "indexer_stage")
 # ``batch_size`` rows of ``seq_len`` tokens, shuffled by ``seed``): another value would resume
 # at another row, repeating or skipping data
 STREAM_FIELDS = ("batch_size", "seq_len", "seed")
+# RLConfig fields that shape an RL run's task stream (its position is a task counter): which
+# environments and efforts the tasks are drawn from, and which steps are SFT
+RL_STREAM_FIELDS = ("envs", "effort_weights", "sft_steps")
 
 
 def _key_name(k) -> str:
@@ -186,7 +189,7 @@ class Checkpointer:
         self.manager.close()
 
     def restore_run(self, template, *, resume: bool, model_config: dict, train_config: dict,
-                    log=None) -> tuple[int, Any, dict] | None:
+                    rl_config: dict | None = None, log=None) -> tuple[int, Any, dict] | None:
         """The start of a run writing here: None for a fresh run (refused with a ValueError
         when checkpoints exist, so two runs' steps never mix in one folder), else with
         ``resume`` the newest readable checkpoint (:meth:`restore_latest`) whose config matches
@@ -199,7 +202,7 @@ class Checkpointer:
         if not steps:
             return None
         return self.restore_latest(template, log=log,
-                                   check=config_check(model_config, train_config))
+                                   check=config_check(model_config, train_config, rl_config))
 
     def restore_latest(self, template, *, log=None,
                        check: Callable[[Path, dict], None] | None = None
@@ -342,23 +345,30 @@ def _differences(old, new, prefix: str = "") -> list[str]:
     return [] if old == new else [f"{prefix[:-1]}: checkpoint {_show(old)}, now {_show(new)}"]
 
 
-def config_differences(meta: dict, model_config: dict, train_config: dict) -> list[str]:
+def config_differences(meta: dict, model_config: dict, train_config: dict,
+                       rl_config: dict | None = None) -> list[str]:
     """``["num_hidden_layers: checkpoint 4, now 8", "train.optimizer: ...", ...]``: where a
     checkpoint's ``meta`` differs from this run in its model config (any field, nested ones
     dotted) or in the train-config fields that shape the state or the data stream
-    (:data:`STATE_FIELDS`, :data:`STREAM_FIELDS`)."""
+    (:data:`STATE_FIELDS`, :data:`STREAM_FIELDS`), and with ``rl_config`` (an RL run's, as
+    JSON) in the RL fields that shape its task stream (:data:`RL_STREAM_FIELDS`)."""
     out = _differences(meta.get("model_config") or {}, model_config)
     old = meta.get("train_config") or {}
     out += [f"train.{f}: checkpoint {_show(old.get(f))}, now {_show(train_config.get(f))}"
             for f in STATE_FIELDS + STREAM_FIELDS if f in old and old[f] != train_config.get(f)]
+    old = meta.get("rl_config") or {}
+    out += [f"rl.{f}: checkpoint {_show(old.get(f))}, now {_show(rl_config.get(f))}"
+            for f in RL_STREAM_FIELDS if rl_config is not None and f in old
+            and old[f] != rl_config.get(f)]
     return out
 
 
-def config_check(model_config: dict, train_config: dict) -> Callable[[Path, dict], None]:
+def config_check(model_config: dict, train_config: dict,
+                 rl_config: dict | None = None) -> Callable[[Path, dict], None]:
     """A ``restore_latest(check=...)`` that refuses a checkpoint written with another config:
     one-line ``ValueError`` naming the differing fields with both values."""
     def check(step_dir: Path, meta: dict) -> None:
-        diff = config_differences(meta, model_config, train_config)
+        diff = config_differences(meta, model_config, train_config, rl_config)
         if diff:
             more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
             raise ValueError(f"--resume: {step_dir} was written with another config: "

@@ -40,6 +40,7 @@ saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -208,7 +209,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
 
     meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None}
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
-                                model_config=config.to_hf_config(), train_config=tc.to_dict())
+                                model_config=config.to_hf_config(), train_config=tc.to_dict(),
+                                rl_config=json.loads(json.dumps(rc.to_dict())))
     if restored is not None:
         start, state, meta = restored
         meta0 = {k: meta.get(k) for k in meta0}
