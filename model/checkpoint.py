@@ -234,18 +234,30 @@ def save_model(path: str | os.PathLike, config: ModelConfig, model: nnx.Module, 
                        overwrite=overwrite, extra_files=extra_files)
 
 
-# the files of a model's tokenizer and chat template that travel with its weights
+# the files of a model's tokenizer, chat template and generation defaults that travel with its
+# weights
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja")
+                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def tokenizer_files(folder: str | os.PathLike | None) -> dict[str, Path]:
     """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder`` (a Hugging Face
-    checkpoint or a kdsa model folder; a training checkpoint has none); ``{}`` for None."""
+    checkpoint or a kdsa model folder; a training checkpoint has none), and when its
+    ``tokenizer_config.json`` names remote code (``auto_map``: e.g. K3's
+    ``tokenization_kimi.TikTokenTokenizer``), the folder's Python files, which that code
+    imports from one another; ``{}`` for None."""
     if folder is None:
         return {}
     folder = Path(folder).absolute()
-    return {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
+    out = {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
+    if "tokenizer_config.json" in out:
+        try:
+            remote = bool(json.loads(out["tokenizer_config.json"].read_text()).get("auto_map"))
+        except (ValueError, AttributeError):  # not JSON, or not an object: no remote code
+            remote = False
+        if remote:
+            out.update({p.name: p for p in sorted(folder.glob("*.py")) if p.is_file()})
+    return out
 
 
 # ------------------------------------------------------------------------------- reading

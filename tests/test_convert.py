@@ -91,6 +91,27 @@ def test_golden_logits_and_round_trip(work, layout):
     assert files(work / f"{layout}_hf2") == files(work / f"{layout}_hf")
 
 
+def test_export_keeps_source_names_with_mxfp4_experts_and_takes_an_explicit_dtype(work):
+    """Exporting in another expert format keeps the other tensors' source names and dtypes
+    (they were renamed to our defaults and, for the layout's float32 tensors, retyped); an
+    explicit ``--dtype`` replaces the recorded float dtypes (it was ignored: the config said
+    float32 over bfloat16 tensors)."""
+    dst = work / "kimi_linear_names"
+    convert.hf_to_orbax(DATA / "kimi_linear", dst, progress=False)
+    src = SafetensorsCheckpoint(DATA / "kimi_linear")
+    others = lambda c: {n: c.info(n).dtype for n in c.names() if ".experts." not in n}  # noqa
+    convert.orbax_to_hf(dst, work / "kimi_linear_mx", experts="mxfp4", progress=False)
+    mx = SafetensorsCheckpoint(work / "kimi_linear_mx")
+    assert others(mx) == others(src)
+    assert any(n.endswith("_packed") for n in mx.names())  # the experts in MXFP4
+    convert.orbax_to_hf(dst, work / "kimi_linear_f32", dtype="float32", progress=False)
+    f32 = SafetensorsCheckpoint(work / "kimi_linear_f32")
+    assert {f32.info(n).dtype for n in f32.names()} == {"F32"}
+    assert set(f32.names()) == set(src.names())
+    assert json.loads((work / "kimi_linear_f32" / "config.json").read_text())[
+        "torch_dtype"] == "float32"
+
+
 # ----------------------------------------------------------------------------- K3 layout
 
 def test_k3_round_trip_and_logits_on_one_device_and_a_mesh(work, micro):

@@ -140,3 +140,69 @@ def test_fewer_layers_than_the_source(tmp_path, capsys):
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "converting only the first 2" in warnings[0], warnings
     assert ckpt.read_info(dst)[0].num_hidden_layers == 2
+
+
+def _deepseek_copy(tmp_path: Path, name: str, **config) -> Path:
+    """The tiny DeepSeek-V3.2 source with ``config`` set in its config.json."""
+    import json
+
+    src = tmp_path / name
+    shutil.copytree(DATA / "deepseek_v32", src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config)
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def test_a_config_that_undercounts_its_tensors_is_refused(tmp_path, capsys):
+    """config.json says 2 layers, the tensors hold 3: refused, naming the third layer's tensors
+    (they were skipped as if they were DeepSeek's multi-token-prediction layers, a truncated
+    model that looked complete). With ``num_nextn_predict_layers: 1`` the third layer is that
+    MTP layer and is skipped."""
+    two = {"num_hidden_layers": 2, "layer_types": ["indexed_attention"] * 2,
+           "mlp_layer_types": ["dense", "sparse"]}
+    src = _deepseek_copy(tmp_path, "under", **two)
+    assert convert_cli("hf-to-orbax", src, tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert "unexpected tensor(s): model.layers.2." in err and err.count("\n") == 1, err
+    assert not (tmp_path / "a").exists()
+    mtp = _deepseek_copy(tmp_path, "mtp", **two, num_nextn_predict_layers=1)
+    assert convert_cli("hf-to-orbax", mtp, tmp_path / "b") == 0
+    assert ckpt.read_info(tmp_path / "b")[0].num_hidden_layers == 2
+
+
+def test_malformed_config_and_index_are_one_line(tmp_path, capsys):
+    import json
+
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "kimi_linear", src)
+    (src / "config.json").write_text("[1, 2]")
+    assert convert_cli("hf-to-orbax", src, tmp_path / "a") == 2
+    err = capsys.readouterr().err
+    assert "not a model config" in err and err.count("\n") == 1, err
+    shutil.copy2(DATA / "kimi_linear" / "config.json", src / "config.json")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    assert convert_cli("hf-to-orbax", src, tmp_path / "b") == 2
+    err = capsys.readouterr().err
+    assert "not a safetensors index" in err and err.count("\n") == 1, err
+
+
+def test_generation_config_and_remote_code_travel_with_the_weights(tmp_path):
+    """``generation_config.json`` and the Python files of a remote-code tokenizer (``auto_map``)
+    are copied into the model folder and from it into an export, so the exported folder loads
+    with ``trust_remote_code`` (vLLM, transformers)."""
+    import json
+
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "kimi_linear", src)
+    (src / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_fake.FakeTokenizer", None]}}))
+    (src / "tokenization_fake.py").write_text("from helper_fake import X\n")
+    (src / "helper_fake.py").write_text("X = 1\n")
+    convert.hf_to_orbax(src, tmp_path / "model", progress=False)
+    convert.orbax_to_hf(tmp_path / "model", tmp_path / "hf", progress=False)
+    for folder in ("model", "hf"):
+        for name in ("generation_config.json", "tokenizer_config.json", "tokenization_fake.py",
+                     "helper_fake.py"):
+            assert (tmp_path / folder / name).read_bytes() == (src / name).read_bytes(), \
+                (folder, name)

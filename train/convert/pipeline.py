@@ -40,7 +40,7 @@ from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
 from kdsa.train.convert.export import NP_OF, Loader, export_specs
-from kdsa.train.convert.plan import (Param, check_source, config_from_hf, plan_params,
+from kdsa.train.convert.plan import (FLOATS, Param, check_source, config_from_hf, plan_params,
                                      read_hf_config)
 from kdsa.train.convert.read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
                                      host_slice)
@@ -133,10 +133,13 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
     elif experts is not None and experts != config.expert_weight_format:
         config = config.replace(expert_weight_format=experts,
                                 moe_impl=config.moe_impl if experts == "mxfp4" else "xla")
-    _check_layers(src, config, mp.normalize_hf_config(hf, lay).get("num_hidden_layers"),
-                  allow_partial)
+    normalized = mp.normalize_hf_config(hf, lay)
+    source_layers = normalized.get("num_hidden_layers")
+    _check_layers(src, config, source_layers, allow_partial)
     params = plan_params(config, lay)
-    used, ignored, dtypes = check_source(params, lay, config, st)
+    used, ignored, dtypes = check_source(
+        params, lay, config, st, source_layers=source_layers if isinstance(source_layers, int)
+        else None, mtp_layers=int(normalized.get("num_nextn_predict_layers") or 0))
     summary = Summary("hf-to-orbax", name, tensors=len(used), ignored=ignored, dry_run=dry_run,
                       bytes_read=sum(st.info(n).nbytes for n in used),
                       fresh=[p.key for p in params if p.fresh])
@@ -206,6 +209,9 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     ``kdsa.model.folders.locate``) as Hugging Face safetensors shards + index + config. ``dst``
     follows ``kdsa.model.folders.check_destination`` (``overwrite`` to replace one)."""
     t0, rss0 = time.perf_counter(), _rss_now()
+    if jax.process_count() > 1:  # each process would write (and rename) the same folder
+        raise ValueError("kdsa convert orbax-to-hf writes one folder from one process: run it "
+                         "once, on one host, not in a job of several processes")
     src = Path(src).absolute()
     dst = check_destination(dst, sources=[src], overwrite=overwrite)
     config, info = ckpt.read_info(src)
@@ -215,15 +221,18 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     experts = experts or config.expert_weight_format
     if experts not in ("bf16", "mxfp4"):
         raise ValueError(f"experts must be bf16 or mxfp4, got {experts!r}")
-    dtype = dtype or config.param_dtype
+    explicit_dtype, dtype = dtype is not None, dtype or config.param_dtype
     if dtype not in NP_OF:
         raise ValueError(f"dtype must be one of {sorted(NP_OF)}, got {dtype!r}")
     same_layout = source.get("layout") == name
-    same = same_layout and source.get("experts") == experts
+    # the source's tensor names and dtypes, whatever the expert format (an expert's recorded
+    # dtype names its float part only); an explicit --dtype replaces the recorded float ones
+    recorded = dict(info.get("hf_dtypes", {})) if same_layout else {}
+    if explicit_dtype:
+        recorded = {k: v for k, v in recorded.items() if k == "__names__" or v not in FLOATS}
     params = plan_params(config, lay)
     loader = Loader(src, config)
-    specs = export_specs(params, lay, config, loader, experts, dtype,
-                         info.get("hf_dtypes", {}) if same else {},
+    specs = export_specs(params, lay, config, loader, experts, dtype, recorded,
                          info.get("hf_tails", {}) if same_layout else {})
     summary = Summary("orbax-to-hf", name, tensors=len(specs), dry_run=dry_run)
     if not dry_run:

@@ -32,9 +32,12 @@ def read_hf_config(src: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"{src}: no config.json")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict) or not isinstance(hf.get("text_config", {}), dict):
+        raise ValueError(f"{path}: not a model config (a JSON object)")
+    return hf
 
 
 def config_from_hf(hf: dict, *, layout: str, experts: str | None = None) -> ModelConfig:
@@ -106,9 +109,16 @@ def hf_names(p: Param, layout: mp.Layout, config: ModelConfig, part: str) -> lis
 
 
 def check_source(params: list[Param], layout: mp.Layout, config: ModelConfig,
-                 src: SafetensorsCheckpoint) -> tuple[set[str], list[str], dict[str, str]]:
+                 src: SafetensorsCheckpoint, *, source_layers: int | None = None,
+                 mtp_layers: int = 0) -> tuple[set[str], list[str], dict[str, str]]:
     """Validate the whole plan against the headers: ``(consumed names, ignored, dtype per
-    rule)``. Raises one ``ValueError`` listing missing / misshaped / mistyped / unexpected."""
+    rule)``. Raises one ``ValueError`` listing missing / misshaped / mistyped / unexpected.
+
+    Layers past ``config``'s are ignored only up to the source config's ``source_layers`` (a
+    partial conversion, ``--allow-partial``) plus its ``mtp_layers`` (DeepSeek's multi-token
+    prediction layers, ``num_nextn_predict_layers``); any further layer is unexpected: a
+    config.json that undercounts its tensors would otherwise drop layers silently."""
+    keep = max(config.num_hidden_layers, source_layers or 0) + mtp_layers
     has_indexer = any(".indexer." in n for n in src.names())
     missing, bad, used, dtypes, names_used = [], [], set(), {}, {}
     for p in params:
@@ -152,7 +162,7 @@ def check_source(params: list[Param], layout: mp.Layout, config: ModelConfig,
         if name in used:
             continue
         m = re.match(re.escape(layout.prefix) + r"model\.layers\.(\d+)\.", name)
-        if layout.ignored(name) or (m and int(m.group(1)) >= config.num_hidden_layers):
+        if layout.ignored(name) or (m and config.num_hidden_layers <= int(m.group(1)) < keep):
             ignored.append(name)
         else:
             unexpected.append(name)

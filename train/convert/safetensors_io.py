@@ -184,6 +184,9 @@ class SafetensorsCheckpoint:
         if index_path.exists():
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
+                if not isinstance(weight_map, dict) or not all(
+                        isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("weight_map is not an object of file names")
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise SafetensorsError(f"{index_path}: not a safetensors index ({e!r})") from None
             shard_names = sorted(set(weight_map.values()))
