@@ -206,3 +206,14 @@ def test_generation_config_and_remote_code_travel_with_the_weights(tmp_path):
                      "helper_fake.py"):
             assert (tmp_path / folder / name).read_bytes() == (src / name).read_bytes(), \
                 (folder, name)
+
+
+def test_orbax_to_hf_refuses_a_job_of_several_processes(tmp_path, monkeypatch):
+    """Every process of a job would write (and rename) the same folder: refused, nothing
+    written (a fake process count: the check comes first)."""
+    import jax
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="run it once, on one host"):
+        convert.orbax_to_hf(tmp_path / "model", tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
