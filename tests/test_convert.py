@@ -110,6 +110,19 @@ def test_export_keeps_source_names_with_mxfp4_experts_and_takes_an_explicit_dtyp
     assert set(f32.names()) == set(src.names())
     assert json.loads((work / "kimi_linear_f32" / "config.json").read_text())[
         "torch_dtype"] == "float32"
+    # a source whose A_log was float32 among bfloat16 tensors (as published ones keep routing
+    # biases and A_log): an explicit --dtype replaces the main dtype and keeps that exception
+    meta_file = dst / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_file.read_text())
+    hf_dtypes = meta["custom_metadata"]["kdsa"]["hf_dtypes"]
+    a_log = next(k for k in hf_dtypes if k.endswith("A_log"))
+    hf_dtypes[a_log] = "F32"
+    meta_file.write_text(json.dumps(meta))
+    convert.orbax_to_hf(dst, work / "kimi_linear_f16", dtype="float16", progress=False)
+    f16 = SafetensorsCheckpoint(work / "kimi_linear_f16")
+    assert {n: f16.info(n).dtype for n in f16.names() if n.endswith("A_log")} == {
+        n: "F32" for n in src.names() if n.endswith("A_log")}
+    assert {f16.info(n).dtype for n in f16.names() if not n.endswith("A_log")} == {"F16"}
 
 
 # ----------------------------------------------------------------------------- K3 layout

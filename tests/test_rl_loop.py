@@ -59,6 +59,9 @@ def test_stop_and_resume_takes_the_same_step(full_run, tmp_path):
     other = dict(rc.effort_weights, low=rc.effort_weights["low"] + 1.0)
     with pytest.raises(ValueError, match=r"rl\.effort_weights: checkpoint"):
         run_rl(CONFIG, tc, rc.replace(effort_weights=other), tmp_path, resume=True, **kw)
+    reordered = dict(reversed(list(rc.effort_weights.items())))  # draws index the levels
+    with pytest.raises(ValueError, match=r"rl\.effort_weights: checkpoint"):
+        run_rl(CONFIG, tc, rc.replace(effort_weights=reordered), tmp_path, resume=True, **kw)
     b = run_rl(CONFIG, tc, rc, tmp_path, resume=True, **kw)
     assert b.resumed_from == 2 and b.final_step == 3
     for k in ("reward", "pg_loss", "grad_norm", "kept_groups", "kl"):

@@ -357,9 +357,11 @@ def config_differences(meta: dict, model_config: dict, train_config: dict,
     out += [f"train.{f}: checkpoint {_show(old.get(f))}, now {_show(train_config.get(f))}"
             for f in STATE_FIELDS + STREAM_FIELDS if f in old and old[f] != train_config.get(f)]
     old = meta.get("rl_config") or {}
+    ordered = lambda v: list(v.items()) if isinstance(v, dict) else v  # noqa: E731 (draws
+    # index the levels in order: the same weights in another order are another stream)
     out += [f"rl.{f}: checkpoint {_show(old.get(f))}, now {_show(rl_config.get(f))}"
             for f in RL_STREAM_FIELDS if rl_config is not None and f in old
-            and old[f] != rl_config.get(f)]
+            and ordered(old[f]) != ordered(rl_config.get(f))]
     return out
 
 

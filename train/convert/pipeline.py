@@ -136,10 +136,14 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
     normalized = mp.normalize_hf_config(hf, lay)
     source_layers = normalized.get("num_hidden_layers")
     _check_layers(src, config, source_layers, allow_partial)
+    mtp = normalized.get("num_nextn_predict_layers") or 0
+    if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+        raise ValueError(f"{src}/config.json: num_nextn_predict_layers must be a non-negative "
+                         f"integer, got {mtp!r}")
     params = plan_params(config, lay)
     used, ignored, dtypes = check_source(
         params, lay, config, st, source_layers=source_layers if isinstance(source_layers, int)
-        else None, mtp_layers=int(normalized.get("num_nextn_predict_layers") or 0))
+        else None, mtp_layers=mtp)
     summary = Summary("hf-to-orbax", name, tensors=len(used), ignored=ignored, dry_run=dry_run,
                       bytes_read=sum(st.info(n).nbytes for n in used),
                       fresh=[p.key for p in params if p.fresh])
@@ -226,10 +230,14 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
         raise ValueError(f"dtype must be one of {sorted(NP_OF)}, got {dtype!r}")
     same_layout = source.get("layout") == name
     # the source's tensor names and dtypes, whatever the expert format (an expert's recorded
-    # dtype names its float part only); an explicit --dtype replaces the recorded float ones
+    # dtype names its float part only); an explicit --dtype replaces the source's main float
+    # dtype, while its exceptions stay (a bfloat16 checkpoint's float32 routing biases, A_log)
     recorded = dict(info.get("hf_dtypes", {})) if same_layout else {}
-    if explicit_dtype:
-        recorded = {k: v for k, v in recorded.items() if k == "__names__" or v not in FLOATS}
+    floats = [v for k, v in recorded.items() if k != "__names__" and v in FLOATS]
+    if explicit_dtype and floats:
+        main = max(set(floats), key=floats.count)
+        new = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}[dtype]
+        recorded = {k: new if v == main else v for k, v in recorded.items()}
     params = plan_params(config, lay)
     loader = Loader(src, config)
     specs = export_specs(params, lay, config, loader, experts, dtype, recorded,

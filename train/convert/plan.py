@@ -35,7 +35,7 @@ def read_hf_config(src: Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict) or not isinstance(hf.get("text_config", {}), dict):
+    if not isinstance(hf, dict) or not isinstance(hf.get("text_config") or {}, dict):
         raise ValueError(f"{path}: not a model config (a JSON object)")
     return hf
 
