@@ -168,10 +168,7 @@ class Checkpointer:
                 src = self.directory / str(step)
                 if not src.is_dir():
                     continue
-                dst, k = self.directory / f"{step}.corrupt", 1
-                while os.path.lexists(dst):
-                    k += 1
-                    dst = self.directory / f"{step}.corrupt-{k}"
+                dst = aside_path(src, "corrupt")
                 os.rename(src, dst)
                 self._log(f"checkpoint: unreadable step {step} moved to {dst} (delete it when "
                           f"you no longer need it); saving anew")
@@ -377,6 +374,15 @@ def config_check(model_config: dict, train_config: dict,
                              f"{'; '.join(diff[:6])}{more}; resume with that config, or use "
                              f"another --run-dir")
     return check
+
+
+def aside_path(path: Path, tag: str) -> Path:
+    """Where ``path`` is set aside: ``path.tag``, or ``path.tag-2``, ``-3``, ... when taken."""
+    dst, k = path.with_name(f"{path.name}.{tag}"), 1
+    while os.path.lexists(dst):
+        k += 1
+        dst = path.with_name(f"{path.name}.{tag}-{k}")
+    return dst
 
 
 def _all_processes_ok(ok: bool) -> bool:

@@ -18,7 +18,8 @@ from jax import lax
 
 
 def _bits(x: jax.Array) -> jax.Array:
-    """The array's bit patterns as uint32 (a 1- or 2-byte dtype zero-extended)."""
+    """The array's bit patterns as uint32 (a 1- or 2-byte dtype zero-extended, an 8-byte one's
+    two words mixed)."""
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
     if x.dtype.itemsize == 8:  # (64-bit types under JAX_ENABLE_X64) two words, mixed
@@ -43,6 +44,12 @@ def _checksums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
+@jax.jit
+def _float_sums(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The float32 sum of each array: what steps saved before the checksums recorded."""
+    return {k: jnp.sum(v.astype(jnp.float32)) for k, v in flat.items()}
+
+
 def checksums(flat: dict[str, jax.Array]) -> dict[str, int]:
     return {k: int(v) for k, v in jax.device_get(_checksums(flat)).items()}
 
@@ -55,8 +62,6 @@ def mismatched(meta: dict, flat: dict[str, jax.Array]) -> list[str]:
     if "checksums" in meta:
         want, have = meta["checksums"], checksums(flat)
         return [k for k in have if want.get(k) != have[k]]
-    want = meta.get("fingerprint", {})
-    have = jax.device_get(jax.jit(lambda f: {k: jnp.sum(v.astype(jnp.float32))
-                                             for k, v in f.items()})(flat))
+    want, have = meta.get("fingerprint", {}), jax.device_get(_float_sums(flat))
     return [k for k in have if not np.isclose(float(have[k]), want.get(k, np.nan),
                                               rtol=1e-4, atol=1e-3)]

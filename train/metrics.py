@@ -5,8 +5,9 @@
 ``expert_load_max_over_mean``, ``indexer_kl``, ``step_time_s``). Written by process 0 only.
 A run passes ``resume_step``, the step it starts from (0 for a fresh one): the lines of later
 steps, written before an interruption (or by an earlier run into the same folder that stopped
-before its first checkpoint) and about to be written again, are dropped first (the file is rewritten
-atomically: temporary file, then rename), as is a torn last line; so every step appears once.
+before its first checkpoint) and about to be written again, are dropped first (the file is
+rewritten atomically: temporary file, then rename), as is a torn last line; so every step
+appears once.
 
 TensorBoard: ``events.out.tfevents.*`` in the run dir holds the same numbers as scalar
 summaries (tags ``train/<name>``), written by ``tensorboardX`` (a maintained writer without

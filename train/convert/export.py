@@ -29,7 +29,8 @@ from kdsa.train.convert.plan import Param, dtype_key, expert_hf_shape, hf_names
 from kdsa.train.convert.read import CycleCollector, dequantize_rows, quantize_rows
 from kdsa.train.convert.safetensors_io import DTYPES, TensorSpec
 
-NP_OF = {"bfloat16": DTYPES["BF16"], "float32": DTYPES["F32"], "float16": DTYPES["F16"]}
+HF_NAME_OF = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}  # --dtype -> safetensors
+NP_OF = {ours: DTYPES[hf] for ours, hf in HF_NAME_OF.items()}
 
 
 def _partner(key: str) -> str | None:

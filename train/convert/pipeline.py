@@ -39,7 +39,7 @@ from kdsa.model.folders import check_destination, locate
 from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
-from kdsa.train.convert.export import NP_OF, Loader, export_specs
+from kdsa.train.convert.export import HF_NAME_OF, NP_OF, Loader, export_specs
 from kdsa.train.convert.plan import (FLOATS, Param, check_source, config_from_hf, plan_params,
                                      read_hf_config)
 from kdsa.train.convert.read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
@@ -236,8 +236,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     floats = [v for k, v in recorded.items() if k != "__names__" and v in FLOATS]
     if explicit_dtype and floats:
         main = max(set(floats), key=floats.count)
-        new = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}[dtype]
-        recorded = {k: new if v == main else v for k, v in recorded.items()}
+        recorded = {k: HF_NAME_OF[dtype] if v == main else v for k, v in recorded.items()}
     params = plan_params(config, lay)
     loader = Loader(src, config)
     specs = export_specs(params, lay, config, loader, experts, dtype, recorded,

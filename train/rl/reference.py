@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kdsa.train.checkpointing import Checkpointer
+from kdsa.train.checkpointing import Checkpointer, aside_path
 
 
 def open_reference(run_dir: Path, template_params, *, resumed: bool, past_sft: bool,
@@ -47,10 +47,7 @@ def open_reference(run_dir: Path, template_params, *, resumed: bool, past_sft: b
 def _set_aside(folder: Path, log) -> None:
     """Rename a stale ``reference`` folder (process 0; the others wait)."""
     if jax.process_index() == 0:
-        dst, k = folder.with_name("reference.stale"), 1
-        while os.path.lexists(dst):
-            k += 1
-            dst = folder.with_name(f"reference.stale-{k}")
+        dst = aside_path(folder, "stale")
         os.rename(folder, dst)
         log(f"rl: {folder} holds the reference policy of an earlier run without checkpoints; "
             f"moved to {dst.name}, this run saves its own")

@@ -56,7 +56,8 @@ from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, op
 
 # batch: inputs, targets [B, T] int32; loss_mask, sampler_logp [B, T] float32; advantages [B]
 # float32; optional segment_ids [B, T] int32 (1: a token, 0: right padding, not counted in the
-# expert load that steers the routing biases); optional old_logp [B, T] float32 (mini-batches, ``policy_logprobs``);
+# expert load that steers the routing biases); optional old_logp [B, T] float32 (mini-batches,
+# ``policy_logprobs``);
 # image prompts: image_patches / image_pos / image_grid / image_segment (docs/vision.md);
 # routing replay: expert_ids [B, T, L_moe, k] int32 (-1: the router chooses)
 
