@@ -5,6 +5,7 @@ text-only config skips the vision tensors and reports them."""
 
 import dataclasses
 import json
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -61,3 +62,37 @@ def test_vision_round_trip_kimi_k3(tmp_path):
                                config=cfg.replace(vision_config=None))
     assert any(n.startswith("vision_tower.") for n in text.ignored)
     assert any(n.startswith("mm_projector.") for n in text.ignored)
+
+
+def test_mxfp4_export_leaves_every_plain_linear_out_of_its_quantization_config(tmp_path):
+    """compressed-tensors quantizes every ``Linear`` its ``ignore`` list does not name: with
+    MXFP4 experts, each module exported as a plain float ``weight`` (attention, shared experts,
+    dense MLPs, the vision tower, the projector, lm_head) is ignored, and each packed expert
+    module is not. (The vision tower and projector were missing, so a loader would have
+    looked for packed weights there.)"""
+    cfg = _config().replace(attn_res_block_size=1)  # with the Block AttnRes projections
+    assert any(k == "moe" for k in cfg.ffn_kinds)
+    params = _params(cfg)
+    src = ckpt.save_params(tmp_path / "orbax", cfg, [(k, lambda a=a: jnp.asarray(a))
+                                                      for k, a in params.items()])
+    convert.orbax_to_hf(src, tmp_path / "hf", layout="kimi_k3", experts="mxfp4",
+                        progress=False)
+    ignore = json.loads((tmp_path / "hf" / "config.json").read_text())[
+        "quantization_config"]["ignore"]
+
+    def ignored(module):
+        return any(re.match(p[3:], module) if p.startswith("re:") else module == p
+                   for p in ignore)
+
+    hf = SafetensorsCheckpoint(tmp_path / "hf")
+    plain, packed = set(), set()
+    for name in hf.names():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            packed.add(module)
+        elif leaf == "weight" and len(hf.info(name).shape) == 2 and not re.search(
+                r"embed_tokens$|\.gate$", module):  # an Embedding; the router (no Linear)
+            plain.add(module)
+    assert packed and any(m.startswith("vision_tower.") for m in plain)
+    assert [m for m in sorted(plain) if not ignored(m)] == []
+    assert [m for m in sorted(packed) if ignored(m)] == []

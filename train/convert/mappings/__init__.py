@@ -234,7 +234,8 @@ def check_ffn_pattern(config: ModelConfig, hf: dict) -> None:
 
 def base_hf_config(config: ModelConfig, experts: str, dtype: str) -> dict:
     """Our config as Kimi ``kimi_linear`` JSON, with dtype and (MXFP4 experts) the
-    compressed-tensors ``quantization_config`` K3 publishes (``kimi_k3.md`` section 1)."""
+    compressed-tensors ``quantization_config`` K3 publishes, whose ``ignore`` names every
+    ``Linear`` we keep in the float dtype (a loader quantizes the Linears it does not name)."""
     d = config.to_hf_config()
     d["kdsa"] = dict(d["kdsa"], expert_weight_format=experts, param_dtype=dtype)
     d["torch_dtype"] = dtype
@@ -247,5 +248,10 @@ def base_hf_config(config: ModelConfig, experts: str, dtype: str) -> dict:
                             "strategy": "group", "symmetric": True, "dynamic": False,
                             "scale_dtype": "torch.uint8"}}},
             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "lm_head"]}
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "lm_head",
+                       "re:.*vision_tower.*", "re:.*mm_projector.*",
+                       # the other Linears we write in the float dtype: lm_head under the VL
+                       # wrapper's prefix, the latent-MoE projections, Block AttnRes scores
+                       "re:.*lm_head$", "re:.*routed_expert_(down|up)_proj$",
+                       "re:.*_res_proj$"]}
     return d
