@@ -10,6 +10,7 @@ with ``save_params`` and restored with ``load_model``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
-from kdsa.model.config import get_preset
+from kdsa.model.config import YarnConfig, get_preset
 from kdsa.model.moe import MoE, experts_one_hot
 from kdsa.model.moe_mxfp4 import experts_ragged_mxfp4, pack_expert_weight, unpack_expert_weight
 from kdsa.model.mxfp4 import fake_quantize_mxfp4
@@ -86,9 +87,48 @@ def test_golden_logits_and_round_trip(work, layout):
     np.testing.assert_allclose(got, golden["logits"], atol=3e-6, rtol=0)
     convert.orbax_to_hf(dst, work / f"{layout}_hf", progress=False)
     assert tensors(work / f"{layout}_hf") == tensors(DATA / layout)
+    # every field of the source's config.json travels along (transformers_version, layer_types,
+    # rope_parameters, ...; a nested dict may gain our keys)
+    source = json.loads((DATA / layout / "config.json").read_text())
+    exported = json.loads((work / f"{layout}_hf" / "config.json").read_text())
+    assert {k: ({j: exported[k].get(j) for j in v} if isinstance(v, dict) else exported.get(k))
+            for k, v in source.items()} == source
     convert.hf_to_orbax(work / f"{layout}_hf", work / f"{layout}_orbax2", progress=False)
     convert.orbax_to_hf(work / f"{layout}_orbax2", work / f"{layout}_hf2", progress=False)
     assert files(work / f"{layout}_hf2") == files(work / f"{layout}_hf")
+
+
+def test_exported_config_rewrites_the_source_fields_our_config_decides():
+    """Over a source config.json, what our config decides is rewritten from it: fewer layers
+    (``--allow-partial``) change ``layer_types`` / ``mlp_layer_types`` in the source's words,
+    YaRN goes into ``rope_parameters``, multi-token-prediction layers (not exported) become 0,
+    and the MXFP4 ``quantization_config`` of a source goes with bfloat16 experts."""
+    from kdsa.train.convert import mappings as mp
+    from kdsa.train.convert.plan import config_from_hf
+
+    for layout, full_word in (("kimi_linear", "full_attention"),
+                              ("deepseek_v32", "indexed_attention")):
+        source = json.loads((DATA / layout / "config.json").read_text())
+        source.update(num_nextn_predict_layers=1, auto_map={"AutoConfig": "x.Config"},
+                      quantization_config={"quant_method": "compressed-tensors"})
+        config = config_from_hf(source, layout=layout)
+        kda = (1,) if layout == "kimi_linear" else ()
+        config = config.replace(
+            num_hidden_layers=2, rope_scaling=YarnConfig(factor=4.0, original_max_position_embeddings=64),
+            linear_attn_config=dataclasses.replace(
+                config.linear_attn_config, kda_layers=kda,
+                full_attn_layers=tuple(i for i in (1, 2) if i not in kda)))
+        ours = mp.get_layout(layout).hf_config(config, "bf16", "float32")
+        got = mp.with_source_fields(source, ours, config)
+        kinds = [full_word] * 2 if layout == "deepseek_v32" else ["linear_attention", full_word]
+        assert got["layer_types"] == kinds, got["layer_types"]
+        assert got["mlp_layer_types"] == ["dense", "sparse"] and got["num_hidden_layers"] == 2
+        assert got["num_nextn_predict_layers"] == 0 and got["auto_map"] == source["auto_map"]
+        assert "quantization_config" not in got and got["dtype"] == "float32"
+        if layout == "deepseek_v32":  # transformers 5's spelling of rope_theta + rope_scaling
+            assert got["rope_parameters"] == dict(dataclasses.asdict(config.rope_scaling),
+                                                  rope_theta=10000.0, rope_type="yarn")
+        assert got["transformers_version"] == source["transformers_version"]
 
 
 def test_export_keeps_source_names_with_mxfp4_experts_and_takes_an_explicit_dtype(work):

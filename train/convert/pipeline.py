@@ -171,7 +171,8 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
         src_experts = next((p.src_part for p in params if isinstance(p.rule, mp.ExpertRule)),
                            None)
         meta = {"source": {"layout": name, "path": str(src),
-                           "experts": {"float": "bf16", "packed": "mxfp4"}.get(src_experts)},
+                           "experts": {"float": "bf16", "packed": "mxfp4"}.get(src_experts),
+                           "hf_config": hf},  # its other fields travel to an export
                 "hf_dtypes": dtypes, "hf_tails": a_log_tails(params, lay, st),
                 "fresh": summary.fresh}
         st.release()
@@ -251,8 +252,10 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
             summary.bytes_written = write_checkpoint(
                 tmp, specs, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"},
                 on_tensor=lambda s: bar.update(s.nbytes))
-            (tmp / "config.json").write_text(
-                json.dumps(lay.hf_config(config, experts, dtype), indent=2) + "\n")
+            hf_json = lay.hf_config(config, experts, dtype)
+            if same_layout and isinstance(source.get("hf_config"), dict):
+                hf_json = mp.with_source_fields(source["hf_config"], hf_json, config)
+            (tmp / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
             for fname, path in ckpt.tokenizer_files(locate(src)[0]).items():  # travel along
                 shutil.copy2(path, tmp / fname)
             ckpt.replace_folder(tmp, dst)

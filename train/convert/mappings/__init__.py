@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kdsa.model.config import ModelConfig
+from kdsa.model.config import ModelConfig, YarnConfig
 
 KINDS = ("id", "T", "conv", "row", "a_log_4d", "a_log_heads", "patch")
 
@@ -255,3 +255,64 @@ def base_hf_config(config: ModelConfig, experts: str, dtype: str) -> dict:
                        "re:.*lm_head$", "re:.*routed_expert_(down|up)_proj$",
                        "re:.*_res_proj$"]}
     return d
+
+
+# What our config.json leaves out on purpose when the source had it: the MXFP4 scheme of
+# bfloat16 experts, the vision config of a text-only model.
+DROPPED_UNLESS_OURS = ("quantization_config", "vision_config")
+YARN_FIELDS = tuple(f.name for f in dataclasses.fields(YarnConfig))
+
+
+def with_source_fields(source: dict, ours: dict, config: ModelConfig) -> dict:
+    """The exported ``config.json`` of a converted checkpoint: ``ours`` over the source's, so
+    what we do not write travels along (``auto_map``, token ids, ``transformers_version``,
+    ``use_cache``, ...). The source's spellings of what ``config`` decides are rewritten from
+    it (``layer_types``, ``mlp_layer_types``, ``linear_*``, ``model_max_length``,
+    ``num_local_experts``, ``rope_parameters``, ``dtype``); multi-token-prediction layers,
+    which export does not write, become 0; :data:`DROPPED_UNLESS_OURS` go unless ours has them.
+    """
+    out = _overlay(source, ours)
+    text = out["text_config"] if isinstance(out.get("text_config"), dict) else out
+    # the source's word for its attention layers: "full_attention" (Kimi Linear),
+    # "indexed_attention" (DeepSeek-V3.2); KDA layers are "linear_attention"
+    full = [t for t in text.get("layer_types") or () if t != "linear_attention"]
+    full_word = max(sorted(set(full)), key=full.count) if full else "full_attention"
+    derived = {
+        "layer_types": ["linear_attention" if k == "kda" else full_word
+                        for k in config.mixer_kinds],
+        "mlp_layer_types": ["sparse" if k == "moe" else "dense" for k in config.ffn_kinds],
+        "linear_num_heads": config.linear_attn_config.num_heads,
+        "linear_head_dim": config.linear_attn_config.head_dim,
+        "linear_conv_kernel_dim": config.linear_attn_config.short_conv_kernel_size,
+        "model_max_length": config.max_position_embeddings,
+        "num_local_experts": config.num_experts,
+        "qk_head_dim": config.qk_head_dim,
+        "num_nextn_predict_layers": 0}
+    for key, value in derived.items():
+        if key in text:
+            text[key] = value
+    if isinstance(text.get("rope_parameters"), dict):
+        rope = {k: v for k, v in text["rope_parameters"].items()
+                if k not in YARN_FIELDS and k != "type"}
+        rope.update(rope_theta=config.rope_theta, rope_type="default")
+        if config.rope_scaling is not None:
+            rope.update(dataclasses.asdict(config.rope_scaling), rope_type="yarn")
+        text["rope_parameters"] = rope
+    for d in {id(out): out, id(text): text}.values():
+        if "dtype" in d:
+            d["dtype"] = ours["torch_dtype"]
+    return out
+
+
+
+def _overlay(source: dict, ours: dict) -> dict:
+    """``source`` with ``ours`` written over it, nested dicts merged key by key; a key of
+    :data:`DROPPED_UNLESS_OURS` that ``ours`` lacks (at that level) is dropped."""
+    out = {k: v for k, v in source.items() if k not in DROPPED_UNLESS_OURS or k in ours}
+    for key, value in ours.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key in (
+                "text_config", "linear_attn_config"):
+            out[key] = _overlay(out[key], value)
+        else:
+            out[key] = value
+    return out
