@@ -243,21 +243,27 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json",
 def tokenizer_files(folder: str | os.PathLike | None) -> dict[str, Path]:
     """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder`` (a Hugging Face
     checkpoint or a kdsa model folder; a training checkpoint has none), and when its
-    ``tokenizer_config.json`` names remote code (``auto_map``: e.g. K3's
-    ``tokenization_kimi.TikTokenTokenizer``), the folder's Python files, which that code
-    imports from one another; ``{}`` for None."""
+    ``tokenizer_config.json`` or ``config.json`` names remote code (``auto_map``: e.g. K3's
+    ``tokenization_kimi.TikTokenTokenizer``, Kimi Linear's ``modeling_kimi``), the folder's
+    Python files, which that code imports from one another (a kdsa model folder holds Python
+    files only when its source named remote code); ``{}`` for None."""
     if folder is None:
         return {}
     folder = Path(folder).absolute()
     out = {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
-    if "tokenizer_config.json" in out:
-        try:
-            remote = bool(json.loads(out["tokenizer_config.json"].read_text()).get("auto_map"))
-        except (ValueError, AttributeError):  # not JSON, or not an object: no remote code
-            remote = False
-        if remote:
-            out.update({p.name: p for p in sorted(folder.glob("*.py")) if p.is_file()})
+    if (folder / "_CHECKPOINT_METADATA").is_file() or any(
+            _names_remote_code(folder / n) for n in ("tokenizer_config.json", "config.json")):
+        out.update({p.name: p for p in sorted(folder.glob("*.py")) if p.is_file()})
     return out
+
+
+def _names_remote_code(path: Path) -> bool:
+    """Whether the JSON object in ``path`` has an ``auto_map`` (False when missing or not
+    a JSON object)."""
+    try:
+        return bool(json.loads(path.read_text()).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 # ------------------------------------------------------------------------------- reading

@@ -187,16 +187,20 @@ def test_malformed_config_and_index_are_one_line(tmp_path, capsys):
     assert "not a safetensors index" in err and err.count("\n") == 1, err
 
 
-def test_generation_config_and_remote_code_travel_with_the_weights(tmp_path):
-    """``generation_config.json`` and the Python files of a remote-code tokenizer (``auto_map``)
-    are copied into the model folder and from it into an export, so the exported folder loads
-    with ``trust_remote_code`` (vLLM, transformers)."""
+@pytest.mark.parametrize("named_in", ["tokenizer_config.json", "config.json"])
+def test_generation_config_and_remote_code_travel_with_the_weights(tmp_path, named_in):
+    """``generation_config.json`` and the Python files of remote code (``auto_map`` in
+    ``tokenizer_config.json``: a tokenizer; in ``config.json``: the model) are copied into the
+    model folder and from it into an export, whose config.json keeps the ``auto_map``, so the
+    exported folder loads with ``trust_remote_code`` (vLLM, transformers)."""
     import json
 
     src = tmp_path / "src"
     shutil.copytree(DATA / "kimi_linear", src)
-    (src / "tokenizer_config.json").write_text(json.dumps(
-        {"auto_map": {"AutoTokenizer": ["tokenization_fake.FakeTokenizer", None]}}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    auto_map = {"AutoTokenizer": ["tokenization_fake.FakeTokenizer", None]}
+    named = json.loads((src / named_in).read_text())
+    (src / named_in).write_text(json.dumps(dict(named, auto_map=auto_map)))
     (src / "tokenization_fake.py").write_text("from helper_fake import X\n")
     (src / "helper_fake.py").write_text("X = 1\n")
     convert.hf_to_orbax(src, tmp_path / "model", progress=False)
@@ -206,6 +210,8 @@ def test_generation_config_and_remote_code_travel_with_the_weights(tmp_path):
                      "helper_fake.py"):
             assert (tmp_path / folder / name).read_bytes() == (src / name).read_bytes(), \
                 (folder, name)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()).get("auto_map") == (
+        auto_map if named_in == "config.json" else None)
 
 
 def test_orbax_to_hf_refuses_a_job_of_several_processes(tmp_path, monkeypatch):
