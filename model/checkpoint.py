@@ -47,7 +47,8 @@ from flax import nnx
 
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
-                                one_line, orbax_context, orbax_reason, quiet_orbax)
+                                one_line, orbax_context, orbax_reason, quiet_orbax,
+                                replace_folder)
 
 FORMAT_VERSION = 1
 DEFAULT_BATCH_BYTES = 1 << 30
@@ -187,32 +188,6 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
                 shutil.rmtree(p, ignore_errors=True)
         raise
     return path
-
-
-def replace_folder(tmp: Path, path: Path) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first (``NAME.kdsa-old``)
-    and removed after, so ``path`` is always either the old or the new folder. The caller has
-    checked ``path`` (``check_destination``); a symbolic link there is replaced, not followed."""
-    old = None
-    if os.path.lexists(path):
-        old = _tmp_sibling(path, "old")
-        _remove(old)
-        os.rename(path, old)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        if old is not None:
-            os.rename(old, path)
-        raise
-    if old is not None:
-        _remove(old)
-
-
-def _remove(p: Path) -> None:
-    if p.is_symlink():
-        p.unlink()
-    else:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 def _sync(name: str) -> None:

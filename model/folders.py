@@ -3,7 +3,7 @@
 **Destinations.** ``kdsa convert`` (both directions) and ``kdsa.model.checkpoint.save_params`` /
 ``save_model`` write a whole folder into a temporary sibling and rename it onto the destination
 ``DST`` when complete, removing what was there. :func:`check_destination` decides, before
-anything is read or written, whether that is allowed:
+anything is read or written, whether that is allowed (:func:`replace_folder` does the rename):
 
 * ``DST`` may not be a source of the command, contain one (a parent folder) or lie inside one,
   whatever ``overwrite`` says: paths are compared after ``Path.resolve()``, so symbolic links
@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -204,3 +205,50 @@ def one_line(text: str) -> str:
     text = re.split(r"\s*\[tensorstore_spec=|\s*See full TensorStore details", text)[0]
     text = re.sub(r"<bound method [^>]*>?", "", text).strip().splitlines()
     return (text[0] if text else "")[:1000]  # one line; long paths must not cut the reason
+
+
+def replace_folder(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``. An existing ``path`` is swapped with ``tmp`` in one atomic
+    step where the system offers it (Linux ``renameat2(RENAME_EXCHANGE)``), then removed, so
+    ``path`` is always either the old or the new folder, a crash included. Elsewhere it is
+    moved aside first (``NAME.kdsa-old``) and removed after: a crash between the two renames
+    leaves the old folder there. The caller has checked ``path`` (``check_destination``); a
+    symbolic link there is replaced, not followed."""
+    if os.path.lexists(path) and _exchange(tmp, path):
+        _remove(tmp)  # now the old folder
+        return
+    old = None
+    if os.path.lexists(path):
+        old = path.parent / f"{path.name}.kdsa-old"
+        _remove(old)
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.rename(old, path)
+        raise
+    if old is not None:
+        _remove(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``, glibc >= 2.28); False where the system or file system has no such
+    call, and nothing changed."""
+    import ctypes
+
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    return call(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0
+
+
+def _remove(p: Path) -> None:
+    if p.is_symlink():
+        p.unlink()
+    else:
+        shutil.rmtree(p, ignore_errors=True)

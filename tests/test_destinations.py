@@ -8,6 +8,7 @@ source is the tiny Kimi Linear model in ``tests/data`` (a conversion takes about
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -223,3 +224,28 @@ def test_orbax_to_hf_refuses_a_job_of_several_processes(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="run it once, on one host"):
         convert.orbax_to_hf(tmp_path / "model", tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+def test_replace_folder_swaps_in_one_step(tmp_path, monkeypatch):
+    """Where the system can swap two names atomically (Linux ``renameat2``), the destination
+    is replaced without the two renames that once left a crash window in which it did not
+    exist: with ``os.rename`` failing, the folder is still replaced and nothing is left over.
+    Where it cannot, the two renames (tested by the other destination tests) remain."""
+    from kdsa.model import folders
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    if not folders._exchange(a, b):
+        pytest.skip("no atomic rename exchange on this system or file system")
+    old, new = tmp_path / "model", tmp_path / "model.kdsa-tmp"
+    old.mkdir(), new.mkdir()
+    (old / "x").write_text("old")
+    (new / "x").write_text("new")
+
+    def no_rename(*args):
+        raise OSError("rename not allowed in this test")
+
+    monkeypatch.setattr(os, "rename", no_rename)
+    folders.replace_folder(new, old)
+    assert (old / "x").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "model"]

@@ -35,7 +35,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import check_destination, locate
+from kdsa.model.folders import check_destination, locate, replace_folder
 from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
@@ -258,7 +258,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
             (tmp / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
             for fname, path in ckpt.tokenizer_files(locate(src)[0]).items():  # travel along
                 shutil.copy2(path, tmp / fname)
-            ckpt.replace_folder(tmp, dst)
+            replace_folder(tmp, dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
