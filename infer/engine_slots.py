@@ -54,25 +54,33 @@ class SlotScheduling:
 
     def _prefill_some(self) -> bool:
         budget, did, refused = self.prefill_budget, False, []
-        with self._lock:
-            while self._waiting:
+        # The lock is held only to read and pop the queue's head: reserving pages hashes the
+        # prompt and may copy pages and states on the device (a compile the first time), and
+        # ``submit`` / ``cancel``, called from the server's event loop, must not wait on that.
+        # Only this thread takes from the queue's front (``submit`` appends at its back).
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    break
                 head = self._waiting[0]
-                try:
-                    i = next((i for i in self._candidate_slots(head)
-                              if self._reserve_pages(i, head)), None)
-                except Exception as e:  # noqa: BLE001 -- a failed resume fails this request
-                    log.exception("admitting %s failed; aborted", head.req.request_id)
-                    self._note("admit", e)
+            try:
+                i = next((i for i in self._candidate_slots(head)
+                          if self._reserve_pages(i, head)), None)
+            except Exception as e:  # noqa: BLE001 -- a failed resume fails this request
+                log.exception("admitting %s failed; aborted", head.req.request_id)
+                self._note("admit", e)
+                with self._lock:
                     refused.append((self._waiting.popleft(), e))
-                    continue
-                if i is None:
-                    break  # no free slot, or the pool is full: the queue waits
-                self._note("admit")  # failures count only in a row
+                continue
+            if i is None:
+                break  # no free slot, or the pool is full: the queue waits
+            self._note("admit")  # failures count only in a row
+            with self._lock:
                 a = self.slots[i] = self._waiting.popleft()
-                self._admissions += 1
-                a.admitted = self._admissions
-                if a.metrics.admitted is None:
-                    a.metrics.admitted = time.perf_counter()
+            self._admissions += 1
+            a.admitted = self._admissions
+            if a.metrics.admitted is None:
+                a.metrics.admitted = time.perf_counter()
         for a, e in refused:
             self._fail(None, a, e)
         if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device

@@ -356,7 +356,9 @@ class ModelRunner(PagedSlots):
         width, and the decode step at every block-table width when paged (on the slots, which
         are then reset by the next prefill into them). Other (bucket, width) pairs, e.g. a short
         suffix after a deep prefix-cache hit, and batched prefills past the narrowest width
-        compile when first used."""
+        compile when first used. With the prefix cache, its copies (a slot's KDA states to a
+        snapshot and back, a page to a page) compile here too: the engine admits a request
+        with them."""
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
             for rows in self.row_buckets if self.batched_prefill else ():
@@ -371,6 +373,10 @@ class ModelRunner(PagedSlots):
             pos = np.full(s, (w - 1) * PAGE_SIZE, np.int32)  # compiles the width of ``w``
             self.decode(np.zeros(s, np.int32), pos, np.ones(s, bool) if w > 1 else
                         np.zeros(s, bool))
+        if self.num_snapshots:  # slot 0 and snapshot 0 hold nothing yet: reset when used
+            self.save_state(0, 0)
+            self.restore_state(0, 0)
+            self.copy_page(0, 0, slot=0)
 
 
 def _host(x) -> np.ndarray:

@@ -4,6 +4,7 @@ whole history (resumed from the last turn's end-of-request snapshot, inside a pa
 concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
 write), and under eviction (no page leaked)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -258,3 +259,21 @@ def test_a_failed_state_copy_fails_one_request_and_leaks_nothing(model):
     assert cached.healthy
     _same(_run(cached, prompts[1:]), _run(plain, prompts[1:]))  # resumes, exact
     assert cached.metrics()["prefix_cache"]["hit_tokens"] > 0
+
+
+def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
+    """``ModelRunner.warmup`` (``kdsa serve`` runs it before listening) compiles the state and
+    page copies the engine makes while admitting a request, so the first prefix-cache hit
+    does not compile them (the steps' own compiles are left out here: tested elsewhere)."""
+    jax.clear_caches()  # the other tests' runners compiled the same copies
+    runner = _engine(model, True).runner
+    for name in ("prefill", "prefill_batch", "decode"):
+        monkeypatch.setattr(runner, name, lambda *a, **k: None)
+    copies = (runner._save, runner._restore, runner._copy_page)
+    assert [f._cache_size() for f in copies] == [0, 0, 0]
+    runner.warmup()
+    assert [f._cache_size() for f in copies] == [1, 1, 1]
+    runner.save_state(1, 3)  # what the engine does next compiles nothing more
+    runner.restore_state(3, 1)
+    runner.copy_page(2, 5, slot=1)
+    assert [f._cache_size() for f in copies] == [1, 1, 1]

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from kdsa.infer.engine import Engine
+from kdsa.infer.engine import Engine, Request
 from kdsa.infer.page_pool import PagePool
 from kdsa.infer.prefix_cache import PrefixCache
 from kdsa.infer.server_run import start_server
@@ -122,3 +122,39 @@ def test_metrics_read_while_the_engine_thread_counts():
         stop.set()
         t.join()
     assert not errors, f"{len(errors)} reads failed: {errors[0]}"
+
+
+def test_submit_does_not_wait_while_the_engine_reserves_pages():
+    """Admitting a request (hashing its prompt, copying pages and KDA states from the prefix
+    cache on the device: a compile the first time) ran under the engine's lock, so a
+    ``submit`` from the server's event loop, and with it every stream, waited until it was
+    done. The engine thread now holds the lock only to read and pop the queue's head."""
+    eng = Engine(EosSecond(TOK, FMT, answer_ids=_answer("ok"), num_slots=1, max_len=1024), TOK,
+                 chat_format=FMT)
+    entered, release = threading.Event(), threading.Event()
+    reserve = eng._reserve_pages
+
+    def slow_reserve(i, a):  # the engine thread inside the admission's device work
+        entered.set()
+        assert release.wait(30)
+        return reserve(i, a)
+
+    eng._reserve_pages = slow_reserve
+    first = eng.submit(_request("first"))
+    stepper = threading.Thread(target=eng.step)
+    stepper.start()
+    try:
+        assert entered.wait(30)
+        submitter = threading.Thread(target=lambda: eng.submit(_request("second")))
+        submitter.start()
+        submitter.join(5)
+        assert not submitter.is_alive(), "submit waited for the engine's admission"
+    finally:
+        release.set()
+        stepper.join(30)
+    assert eng.slots[0] is not None and eng.slots[0].req.request_id == first
+    assert [a.req.request_id for a in eng._waiting] == ["second"]
+
+
+def _request(request_id: str) -> Request:
+    return Request(TOK.encode("hello there"), request_id=request_id)
