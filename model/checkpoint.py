@@ -349,7 +349,8 @@ def _train_info_cached(step_dir: str, stamp: int) -> tuple[ModelConfig, dict, di
                               f"model config it names, e.g. {missing[:3]}")
     params = {k: [list(stored[n].shape), str(stored[n].dtype)] for k, n in names.items()}
     info = {"format": FORMAT_VERSION, "config": hf, "params": params,
-            "training": {"step": meta.get("step"), "path": str(step)}}
+            "training": {"step": meta.get("step"), "path": str(step),
+                         "init_from": meta.get("init_from")}}
     return config, info, names
 
 

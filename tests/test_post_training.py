@@ -113,6 +113,24 @@ def test_convert_sft_export_convert_back_and_generate(work, capsys, caplog):
     assert sorted(out.names()) == sorted(src.names())
     assert all(out.tensor(n).shape == src.tensor(n).shape for n in src.names())
     assert (hf_out / "tokenizer.json").is_file()
+    # the run's last training checkpoint exports like RUN_DIR/model: the source's layout, names
+    # and tokenizer, found through the init folder its metadata records (same weights: same
+    # bytes); before, it came out in the kimi_k3 layout without a tokenizer
+    from_step = work / "hf_from_step"
+    assert main(["convert", "orbax-to-hf", str(run / "checkpoints" / "2"), str(from_step)]) == 0
+    step_out = SafetensorsCheckpoint(from_step)
+    assert sorted(step_out.names()) == sorted(src.names())
+    assert all(step_out.tensor(n).tobytes() == out.tensor(n).tobytes() for n in src.names())
+    assert (from_step / "tokenizer.json").read_bytes() == (hf_out / "tokenizer.json").read_bytes()
+    conv.rename(work / "conv_moved")  # the init folder gone: our layout, and one warning line
+    try:
+        capsys.readouterr()
+        assert main(["convert", "orbax-to-hf", str(run / "checkpoints" / "2"),
+                     str(work / "hf_orphan")]) == 0
+        assert "which cannot be read now" in capsys.readouterr().err
+        assert not (work / "hf_orphan" / "tokenizer.json").exists()
+    finally:
+        (work / "conv_moved").rename(conv)
 
     prompts, answers = work / "prompts.jsonl", work / "answers.jsonl"
     prompts.write_text(json.dumps({"id": "a", "prompt": "the answer is 3"}) + "\n")

@@ -104,6 +104,13 @@ def initial_state(path: str | os.PathLike, config: ModelConfig, tc: TrainConfig,
     return jax.jit(build, out_shardings=shardings)(arrays)
 
 
+def init_from_path(init_from: str | os.PathLike | None) -> str | None:
+    """``init_from`` as the absolute path a training checkpoint's metadata records, so that
+    ``kdsa convert orbax-to-hf RUN_DIR/checkpoints/N`` finds the source's layout, tensor names
+    and tokenizer there; None without one."""
+    return None if init_from is None else str(Path(init_from).absolute())
+
+
 def tokenizer_folder(init_from: str | os.PathLike | None) -> Path | None:
     """The folder holding ``init_from``'s tokenizer (``tiktoken.model`` or
     ``tokenizer.json``), or None: no ``init_from``, or none there (the byte tokenizer)."""

@@ -36,7 +36,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
-from kdsa.train.init_from import export_run, initial_state
+from kdsa.train.init_from import export_run, init_from_path, initial_state
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter, mfu
 from kdsa.train.optim import make_optimizer
@@ -227,7 +227,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                 writer.write(step, m)
                 _show_step(bar, step, m)
                 meta = {"data_index": data_index, "train_config": tc.to_dict(),
-                        "model_config": config.to_hf_config()}
+                        "model_config": config.to_hf_config(),
+                        "init_from": init_from_path(init_from)}
                 why = stop_reason(flag, stop_at, step, tc.steps)
                 if why:
                     ckpt.save(step, state, meta, force=True)

@@ -35,7 +35,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import check_destination, locate, replace_folder
+from kdsa.model.folders import CheckpointError, check_destination, locate, replace_folder
 from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
@@ -220,6 +220,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     src = Path(src).absolute()
     dst = check_destination(dst, sources=[src], overwrite=overwrite)
     config, info = ckpt.read_info(src)
+    origin, info = _origin(src, info)
     source = info.get("source") or {}
     name = layout or source.get("layout") or "kimi_k3"
     lay = mp.get_layout(name)
@@ -256,7 +257,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
             if same_layout and isinstance(source.get("hf_config"), dict):
                 hf_json = mp.with_source_fields(source["hf_config"], hf_json, config)
             (tmp / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
-            for fname, path in ckpt.tokenizer_files(locate(src)[0]).items():  # travel along
+            for fname, path in ckpt.tokenizer_files(origin).items():  # travel along
                 shutil.copy2(path, tmp / fname)
             replace_folder(tmp, dst)
         except BaseException:
@@ -268,3 +269,23 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     summary.seconds = time.perf_counter() - t0
     summary.peak_rss_delta = max(_peak_rss() - rss0, 0)
     return summary
+
+
+def _origin(src: Path, info: dict) -> tuple[Path, dict]:
+    """``(folder, info)`` an export takes its source facts (layout, tensor names and dtypes,
+    config.json fields) and tokenizer files from: ``src`` itself, or for a training checkpoint
+    the folder its run was initialised from (``init_from`` in its metadata), while that is
+    readable; a warning line when it is not."""
+    start = (info.get("training") or {}).get("init_from")
+    if "source" in info or not start:
+        return locate(src)[0], info
+    try:
+        _, first = ckpt.read_info(start)
+    except (CheckpointError, OSError) as e:
+        print(f"warning: {src} was trained from {start}, which cannot be read now ({e}); "
+              f"exporting without its layout, tensor names and tokenizer", file=sys.stderr,
+              flush=True)
+        return locate(src)[0], info
+    return locate(start)[0], dict(info, **{k: first[k] for k in ("source", "hf_dtypes",
+                                                                  "hf_tails") if k in first})
+

@@ -60,7 +60,7 @@ from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
 from kdsa.sharding.reshard import reshard_state
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
-from kdsa.train.init_from import export_run, initial_state, tokenizer_folder
+from kdsa.train.init_from import export_run, init_from_path, initial_state, tokenizer_folder
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter
 from kdsa.train.placement import Placement
@@ -250,7 +250,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     def save(force: bool):
         meta = {"task_counter": counter, "heldout_before": before,
                 "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
-                "rl_config": rc.to_dict(), "model_config": config.to_hf_config()}
+                "rl_config": rc.to_dict(), "model_config": config.to_hf_config(),
+                "init_from": init_from_path(init_from)}
         if on_every:
             ckpt.save(step, state, meta, force=force)
 
