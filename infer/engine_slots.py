@@ -77,6 +77,7 @@ class SlotScheduling:
             self._note("admit")  # failures count only in a row
             with self._lock:
                 a = self.slots[i] = self._waiting.popleft()
+            assert a is head  # (only this thread takes from the front)
             self._admissions += 1
             a.admitted = self._admissions
             if a.metrics.admitted is None:

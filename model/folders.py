@@ -238,6 +238,8 @@ def _exchange(a: Path, b: Path) -> bool:
     call, and nothing changed."""
     import ctypes
 
+    if not sys.platform.startswith("linux"):
+        return False
     try:
         call = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):

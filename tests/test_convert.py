@@ -129,6 +129,10 @@ def test_exported_config_rewrites_the_source_fields_our_config_decides():
             assert got["rope_parameters"] == dict(dataclasses.asdict(config.rope_scaling),
                                                   rope_theta=10000.0, rope_type="yarn")
         assert got["transformers_version"] == source["transformers_version"]
+        # tensors the source lacked (a new indexer): its remote code would skip them
+        assert "auto_map" not in mp.with_source_fields(source, ours, config, new_tensors=True)
+    # a source nested otherwise than ours (a K3 wrapper against a flat config) gives nothing
+    assert mp.with_source_fields({"text_config": source}, ours, config) == ours
 
 
 def test_export_keeps_source_names_with_mxfp4_experts_and_takes_an_explicit_dtype(work):

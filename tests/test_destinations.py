@@ -249,3 +249,30 @@ def test_replace_folder_swaps_in_one_step(tmp_path, monkeypatch):
     folders.replace_folder(new, old)
     assert (old / "x").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "model"]
+
+
+def test_replace_folder_without_the_exchange_restores_the_old_folder(tmp_path, monkeypatch):
+    """Where no atomic exchange exists, the old folder moves aside and the new one takes its
+    name; when that second rename fails, the old folder is put back and the error raised."""
+    from kdsa.model import folders
+
+    monkeypatch.setattr(folders, "_exchange", lambda a, b: False)
+    old, new = tmp_path / "model", tmp_path / "model.kdsa-tmp"
+    old.mkdir(), new.mkdir()
+    (old / "x").write_text("old")
+    (new / "x").write_text("new")
+    rename = os.rename
+
+    def failing_second(src, dst):
+        if Path(src) == new:
+            raise OSError("injected rename failure")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_second)
+    with pytest.raises(OSError, match="injected"):
+        folders.replace_folder(new, old)
+    assert (old / "x").read_text() == "old" and (new / "x").read_text() == "new"
+    monkeypatch.setattr(os, "rename", rename)
+    folders.replace_folder(new, old)  # the two renames
+    assert (old / "x").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -4,7 +4,6 @@ whole history (resumed from the last turn's end-of-request snapshot, inside a pa
 concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
 write), and under eviction (no page leaked)."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -265,11 +264,12 @@ def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
     """``ModelRunner.warmup`` (``kdsa serve`` runs it before listening) compiles the state and
     page copies the engine makes while admitting a request, so the first prefix-cache hit
     does not compile them (the steps' own compiles are left out here: tested elsewhere)."""
-    jax.clear_caches()  # the other tests' runners compiled the same copies
     runner = _engine(model, True).runner
     for name in ("prefill", "prefill_batch", "decode"):
         monkeypatch.setattr(runner, name, lambda *a, **k: None)
     copies = (runner._save, runner._restore, runner._copy_page)
+    for f in copies:  # the other tests' runners compiled the same copies
+        f.clear_cache()
     assert [f._cache_size() for f in copies] == [0, 0, 0]
     runner.warmup()
     assert [f._cache_size() for f in copies] == [1, 1, 1]

@@ -39,6 +39,10 @@ from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
 from kdsa.train.step import init_state
 
+# what a converted folder's metadata says of its Hugging Face source (layout, names, dtypes,
+# config.json), which exports of the runs that start from it carry along
+SOURCE_FACTS = ("source", "hf_dtypes", "hf_tails")
+
 # ModelConfig fields that change how a model is trained or run, not what it computes
 TRAINING_FIELDS = frozenset({"remat_policy", "expert_qat", "compute_dtype", "index_dtype",
                              "attention_impl", "moe_impl", "scan_layers", "kda_chunk_size",
@@ -111,14 +115,52 @@ def init_from_path(init_from: str | os.PathLike | None) -> str | None:
     return None if init_from is None else str(Path(init_from).absolute())
 
 
+def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
+    """Whether ``a`` and ``b`` compute the same model (training fields and the routed experts'
+    storage format aside)."""
+    return training_config(a).replace(**{f: getattr(b, f) for f in TRAINING_FIELDS}) == \
+        training_config(b)
+
+
+def source_folder(path: str | os.PathLike, config: ModelConfig | None = None
+                  ) -> tuple[Path | None, dict, str]:
+    """``(folder, metadata, "")`` of the converted model folder ``path``'s weights descend
+    from: ``path`` itself when its metadata names a Hugging Face source (a converted folder, a
+    ``RUN_DIR/model``), else the folder its run started from (``init_from`` in a training
+    checkpoint's metadata), followed back through earlier runs. ``(None, {}, why)`` when the
+    chain ends without a source (``why`` empty: random initial weights) or at a folder that
+    cannot be read now or holds another model than ``config``."""
+    seen: set[str] = set()
+    while True:
+        try:
+            where = ckpt.locate(path)[0]
+            stored, info = ckpt.read_info(where)
+        except (ckpt.CheckpointError, OSError) as e:
+            return None, {}, f"{path} cannot be read now ({e})"
+        if config is not None and not same_architecture(stored, config):
+            return None, {}, f"{path} now holds another model"
+        if "source" in info:
+            return where, info, ""
+        seen.add(str(where.resolve()))
+        path = (info.get("training") or {}).get("init_from")
+        if not path:
+            return None, {}, ""
+        if str(Path(path).resolve()) in seen:
+            return None, {}, f"{path} leads back to {where} (a loop)"
+
+
 def tokenizer_folder(init_from: str | os.PathLike | None) -> Path | None:
     """The folder holding ``init_from``'s tokenizer (``tiktoken.model`` or
-    ``tokenizer.json``), or None: no ``init_from``, or none there (the byte tokenizer)."""
+    ``tokenizer.json``): ``init_from``'s, else that of the converted folder it descends from
+    (:func:`source_folder`: a training checkpoint of a post-training run); None without
+    ``init_from`` or any tokenizer (the byte tokenizer)."""
     if init_from is None:
         return None
-    folder = ckpt.locate(init_from)[0]
-    return folder if {"tiktoken.model", "tokenizer.json"} & set(ckpt.tokenizer_files(folder)) \
-        else None
+    for folder in (ckpt.locate(init_from)[0], source_folder(init_from)[0]):
+        if folder is not None and {"tiktoken.model", "tokenizer.json"} & set(
+                ckpt.tokenizer_files(folder)):
+            return folder
+    return None
 
 
 def export_format(init_from: str | os.PathLike | None, asked: str | None) -> str:
@@ -149,10 +191,10 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
         out = config.replace(expert_weight_format="mxfp4")
     tok, meta = {}, dict(metadata or {})
     if tokenizer_from is not None:  # what the export keeps of the folder it started from
-        tok = ckpt.tokenizer_files(ckpt.locate(tokenizer_from)[0])
-        _, info = ckpt.read_info(tokenizer_from)
+        tok = ckpt.tokenizer_files(tokenizer_folder(tokenizer_from))
+        _, info, _ = source_folder(tokenizer_from)
         # the source checkpoint's layout and dtypes: orbax-to-hf writes its names back
-        meta.update({k: info[k] for k in ("source", "hf_dtypes", "hf_tails") if k in info})
+        meta.update({k: info[k] for k in SOURCE_FACTS if k in info})
     return ckpt.save_params(Path(run_dir) / "model", out,
                             ((k, (lambda a=a: a)) for k, a in flat.items()),
                             metadata=meta, overwrite=True, extra_files=tok)

@@ -182,9 +182,11 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict())
     if restored is None and resume and ckpt.all_steps():
         raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
+    origin = init_from_path(init_from)  # recorded in every checkpoint (orbax-to-hf reads it)
     if restored is not None:
         start, state, meta = restored
         data_index = int(meta["data_index"])
+        origin = origin or meta.get("init_from")  # a resume without --init-from keeps it
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
         if resume:
@@ -227,8 +229,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                 writer.write(step, m)
                 _show_step(bar, step, m)
                 meta = {"data_index": data_index, "train_config": tc.to_dict(),
-                        "model_config": config.to_hf_config(),
-                        "init_from": init_from_path(init_from)}
+                        "model_config": config.to_hf_config(), "init_from": origin}
                 why = stop_reason(flag, stop_at, step, tc.steps)
                 if why:
                     ckpt.save(step, state, meta, force=True)

@@ -35,7 +35,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import CheckpointError, check_destination, locate, replace_folder
+from kdsa.model.folders import check_destination, locate, replace_folder
 from kdsa.progress import Progress
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.convert import mappings as mp
@@ -45,6 +45,7 @@ from kdsa.train.convert.plan import (FLOATS, Param, check_source, config_from_hf
 from kdsa.train.convert.read import (CycleCollector, ReadStats, a_log_tails, fresh_param,
                                      host_slice)
 from kdsa.train.convert.safetensors_io import SafetensorsCheckpoint, write_checkpoint
+from kdsa.train.init_from import SOURCE_FACTS, source_folder
 
 __all__ = ["Summary", "hf_to_orbax", "orbax_to_hf", "read_hf_config", "config_from_hf"]
 
@@ -172,7 +173,8 @@ def hf_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, *,
                            None)
         meta = {"source": {"layout": name, "path": str(src),
                            "experts": {"float": "bf16", "packed": "mxfp4"}.get(src_experts),
-                           "hf_config": hf},  # its other fields travel to an export
+                           "hf_config": hf,  # its other fields travel to an export
+                           "new_params": summary.fresh},  # what the source did not have
                 "hf_dtypes": dtypes, "hf_tails": a_log_tails(params, lay, st),
                 "fresh": summary.fresh}
         st.release()
@@ -220,7 +222,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     src = Path(src).absolute()
     dst = check_destination(dst, sources=[src], overwrite=overwrite)
     config, info = ckpt.read_info(src)
-    origin, info = _origin(src, info)
+    origin, info = _origin(src, config, info)
     source = info.get("source") or {}
     name = layout or source.get("layout") or "kimi_k3"
     lay = mp.get_layout(name)
@@ -255,7 +257,8 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
                 on_tensor=lambda s: bar.update(s.nbytes))
             hf_json = lay.hf_config(config, experts, dtype)
             if same_layout and isinstance(source.get("hf_config"), dict):
-                hf_json = mp.with_source_fields(source["hf_config"], hf_json, config)
+                hf_json = mp.with_source_fields(source["hf_config"], hf_json, config,
+                                                new_tensors=bool(source.get("new_params")))
             (tmp / "config.json").write_text(json.dumps(hf_json, indent=2) + "\n")
             for fname, path in ckpt.tokenizer_files(origin).items():  # travel along
                 shutil.copy2(path, tmp / fname)
@@ -271,21 +274,18 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
     return summary
 
 
-def _origin(src: Path, info: dict) -> tuple[Path, dict]:
-    """``(folder, info)`` an export takes its source facts (layout, tensor names and dtypes,
-    config.json fields) and tokenizer files from: ``src`` itself, or for a training checkpoint
-    the folder its run was initialised from (``init_from`` in its metadata), while that is
-    readable; a warning line when it is not."""
-    start = (info.get("training") or {}).get("init_from")
-    if "source" in info or not start:
-        return locate(src)[0], info
-    try:
-        _, first = ckpt.read_info(start)
-    except (CheckpointError, OSError) as e:
-        print(f"warning: {src} was trained from {start}, which cannot be read now ({e}); "
-              f"exporting without its layout, tensor names and tokenizer", file=sys.stderr,
-              flush=True)
-        return locate(src)[0], info
-    return locate(start)[0], dict(info, **{k: first[k] for k in ("source", "hf_dtypes",
-                                                                  "hf_tails") if k in first})
-
+def _origin(src: Path, config, info: dict) -> tuple[Path, dict]:
+    """``(folder, info)`` an export takes its tokenizer files and source facts (layout, tensor
+    names and dtypes, config.json fields) from: a model folder's own; for a training checkpoint
+    those of the converted folder its run descends from (``init_from`` in its metadata:
+    ``train/init_from.py : source_folder``), with a warning line when that cannot be used."""
+    folder, training = locate(src)
+    if not training:
+        return folder, info
+    start, first, why = source_folder(src, config)
+    if start is None:
+        if why:
+            print(f"warning: {src}: its start folder {why}; exporting without the source's "
+                  f"layout, tensor names and tokenizer", file=sys.stderr, flush=True)
+        return folder, info
+    return start, dict(info, **{k: first[k] for k in SOURCE_FACTS if k in first})

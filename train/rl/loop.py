@@ -207,13 +207,15 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     loss_cfg = rc.loss_config()
     total = rc.sft_steps + rc.steps
 
-    meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None}
+    meta0 = {"task_counter": 0, "heldout_before": None, "heldout_before_by_domain": None,
+             "init_from": init_from_path(init_from)}  # orbax-to-hf reads it
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict(),
                                 rl_config=json.loads(json.dumps(rc.to_dict())))
     if restored is not None:
         start, state, meta = restored
-        meta0 = {k: meta.get(k) for k in meta0}
+        meta0 = {k: meta.get(k) for k in meta0} | {
+            "init_from": meta0["init_from"] or meta.get("init_from")}  # kept across resumes
         if place.mesh is None:
             state = jax.device_put(state, place.device)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
@@ -251,7 +253,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         meta = {"task_counter": counter, "heldout_before": before,
                 "heldout_before_by_domain": before_d, "train_config": tc.to_dict(),
                 "rl_config": rc.to_dict(), "model_config": config.to_hf_config(),
-                "init_from": init_from_path(init_from)}
+                "init_from": meta0["init_from"]}
         if on_every:
             ckpt.save(step, state, meta, force=force)
 

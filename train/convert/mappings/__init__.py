@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kdsa.model.config import ModelConfig, YarnConfig
+from kdsa.model.config import ModelConfig
 
 KINDS = ("id", "T", "conv", "row", "a_log_4d", "a_log_heads", "patch")
 
@@ -260,18 +260,25 @@ def base_hf_config(config: ModelConfig, experts: str, dtype: str) -> dict:
 # What our config.json leaves out on purpose when the source had it: the MXFP4 scheme of
 # bfloat16 experts, the vision config of a text-only model.
 DROPPED_UNLESS_OURS = ("quantization_config", "vision_config")
-YARN_FIELDS = tuple(f.name for f in dataclasses.fields(YarnConfig))
 
 
-def with_source_fields(source: dict, ours: dict, config: ModelConfig) -> dict:
+def with_source_fields(source: dict, ours: dict, config: ModelConfig, *,
+                       new_tensors: bool = False) -> dict:
     """The exported ``config.json`` of a converted checkpoint: ``ours`` over the source's, so
     what we do not write travels along (``auto_map``, token ids, ``transformers_version``,
     ``use_cache``, ...). The source's spellings of what ``config`` decides are rewritten from
     it (``layer_types``, ``mlp_layer_types``, ``linear_*``, ``model_max_length``,
     ``num_local_experts``, ``rope_parameters``, ``dtype``); multi-token-prediction layers,
     which export does not write, become 0; :data:`DROPPED_UNLESS_OURS` go unless ours has them.
+    ``new_tensors`` (parameters the source did not have, e.g. a DSA indexer added to K3): the
+    source's remote code (``auto_map``) would load without them, so it goes. A source whose
+    nesting (a ``text_config`` or not) differs from ours gives nothing.
     """
+    if ("text_config" in source) != ("text_config" in ours):
+        return ours
     out = _overlay(source, ours)
+    if new_tensors:
+        out.pop("auto_map", None)
     text = out["text_config"] if isinstance(out.get("text_config"), dict) else out
     # the source's word for its attention layers: "full_attention" (Kimi Linear),
     # "indexed_attention" (DeepSeek-V3.2); KDA layers are "linear_attention"
@@ -291,18 +298,15 @@ def with_source_fields(source: dict, ours: dict, config: ModelConfig) -> dict:
     for key, value in derived.items():
         if key in text:
             text[key] = value
-    if isinstance(text.get("rope_parameters"), dict):
-        rope = {k: v for k, v in text["rope_parameters"].items()
-                if k not in YARN_FIELDS and k != "type"}
-        rope.update(rope_theta=config.rope_theta, rope_type="default")
+    if "rope_parameters" in text:  # rewritten whole: the source's may hold another scaling's keys
+        text["rope_parameters"] = {"rope_theta": config.rope_theta, "rope_type": "default"}
         if config.rope_scaling is not None:
-            rope.update(dataclasses.asdict(config.rope_scaling), rope_type="yarn")
-        text["rope_parameters"] = rope
+            text["rope_parameters"].update(dataclasses.asdict(config.rope_scaling),
+                                           rope_type="yarn")
     for d in {id(out): out, id(text): text}.values():
         if "dtype" in d:
             d["dtype"] = ours["torch_dtype"]
     return out
-
 
 
 def _overlay(source: dict, ours: dict) -> dict:
