@@ -191,7 +191,8 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
         out = config.replace(expert_weight_format="mxfp4")
     tok, meta = {}, dict(metadata or {})
     if tokenizer_from is not None:  # what the export keeps of the folder it started from
-        tok = ckpt.tokenizer_files(tokenizer_folder(tokenizer_from))
+        tok = ckpt.tokenizer_files(tokenizer_folder(tokenizer_from)
+                                   or ckpt.locate(tokenizer_from)[0])
         _, info, _ = source_folder(tokenizer_from)
         # the source checkpoint's layout and dtypes: orbax-to-hf writes its names back
         meta.update({k: info[k] for k in SOURCE_FACTS if k in info})
