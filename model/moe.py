@@ -103,7 +103,9 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: Model
     topk_idx = router_topk(scores, bias, config)  # [N, k]
     if expert_ids is not None:
         expert_ids = expert_ids.astype(jnp.int32)
-        topk_idx = jnp.where(expert_ids[:, :1] >= 0, expert_ids, topk_idx)
+        # a row replays only when every id is an expert (-1 anywhere: the router's choice)
+        topk_idx = jnp.where(jnp.all(expert_ids >= 0, axis=-1, keepdims=True), expert_ids,
+                             topk_idx)
     topk_weight = jnp.take_along_axis(scores, topk_idx, axis=-1)  # [N, k]
     if config.moe_renormalize:
         topk_weight = topk_weight / (jnp.sum(topk_weight, axis=-1, keepdims=True) + 1e-20)

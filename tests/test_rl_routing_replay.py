@@ -62,6 +62,22 @@ def test_other_experts_follow_the_reference(layer):
     np.testing.assert_allclose(np.asarray(got), w, rtol=1e-5)
 
 
+def test_a_row_with_any_missing_id_keeps_the_routers_choice(layer):
+    """-1 marks a token without a record: a row replays only when all its ids are experts (a
+    -1 in a later slot once went on into the dispatch as an expert id)."""
+    m, x, ids = layer
+    other = (ids + 1) % CFG.num_experts
+    partial = other.copy()
+    partial[0, 1, 1] = -1  # token (0, 1): its first id recorded, its second not
+    want = other.copy()
+    want[0, 1] = ids[0, 1]
+    _, got, _ = m.gate(x.reshape(B * T, -1), jnp.asarray(partial.reshape(B * T, -1)))
+    _, ref, _ = m.gate(x.reshape(B * T, -1), jnp.asarray(want.reshape(B * T, -1)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    idx, _, _ = m.gate(x.reshape(B * T, -1), jnp.asarray(partial.reshape(B * T, -1)))
+    np.testing.assert_array_equal(np.asarray(idx), want.reshape(B * T, -1))
+
+
 def test_bad_expert_ids_shape(layer):
     m, x, ids = layer
     with pytest.raises(ValueError, match=r"expert_ids must be \[B=2, T=5, k=2\]"):
