@@ -47,11 +47,11 @@ def register(sub) -> None:
 def train_config_from_args(args):
     from kdsa.train.config import TrainConfig, apply_train_overrides
 
-    tc = apply_train_overrides(TrainConfig(), args.train_overrides)
+    # --steps / --seed first: the overrides are validated against them (a warm-up of 100
+    # steps is fine for --steps 1000, not for the default 100); then they win over the overrides
     changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None}
-    if changes:
-        tc = tc.replace(**changes)
-    return tc
+    tc = apply_train_overrides(TrainConfig(**changes), args.train_overrides)
+    return tc.replace(**changes) if changes else tc
 
 
 def run(args) -> int:

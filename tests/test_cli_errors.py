@@ -90,6 +90,21 @@ def test_default_warmup_fits_short_and_long_runs():
         TrainConfig(steps=5, warmup_steps=5)
 
 
+def test_steps_flag_is_in_place_before_the_overrides_are_checked():
+    """``--steps 1000 --train-set warmup_steps=100`` is a valid run: the overrides were checked
+    against the default 100 steps first ("train.steps=100 must exceed warmup_steps=100");
+    ``--steps`` still wins over ``--train-set steps=...``."""
+    from argparse import Namespace
+
+    from kdsa.cli.train_cmd import train_config_from_args
+
+    tc = train_config_from_args(Namespace(steps=1000, seed=None,
+                                          train_overrides=["warmup_steps=100"]))
+    assert (tc.steps, tc.warmup) == (1000, 100)
+    tc = train_config_from_args(Namespace(steps=7, seed=3, train_overrides=["steps=50"]))
+    assert (tc.steps, tc.seed) == (7, 3)
+
+
 @contextlib.contextmanager
 def _tmpfs(path, *options):
     """A small tmpfs at ``path`` (root only; skipped where mounting is not allowed)."""
