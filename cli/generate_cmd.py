@@ -169,11 +169,20 @@ def run(args) -> int:
 
     import jax
 
+    from kdsa.cli.paths import output_file
     from kdsa.infer.generate import read_requests, run_job
+    from kdsa.infer.sampling import SamplingParams
 
-    engine, fmt, name = engine_from_args(args)
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k}
+    try:  # the command's own defaults, checked before the model is built (a line's: later)
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"the sampling flags: {e}") from None
+    if not args.prompts.is_file():
+        raise ValueError(f"--prompts {args.prompts}: no such file")
+    output_file(args.out, "--out")
+    engine, fmt, name = engine_from_args(args)
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
                          seed=args.seed, strict=False)
     writer = jax.process_index() == 0

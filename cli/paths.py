@@ -17,3 +17,20 @@ def abs_path(text: str) -> Path:
     if not text:
         raise ValueError("an empty path")
     return Path(text).expanduser().absolute()
+
+
+def output_file(path: Path, flag: str) -> Path:
+    """Get ``path`` ready to be written at the end of a long job: its folder made, and
+    refused now (a ``ValueError`` naming ``flag``) when it is a folder or cannot be written,
+    rather than after the job."""
+    import os
+
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+    return path

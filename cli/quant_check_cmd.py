@@ -64,6 +64,13 @@ def run(args) -> int:
 
     if args.max_tokens < 1 or args.top_k < 1:
         raise ValueError("--max-tokens and --top-k must be >= 1")
+    from kdsa.cli.paths import output_file
+
+    output_file(Path(args.out), "--out")  # ready before the two models run, not after
+    if args.html is not None:
+        output_file(Path(args.html), "--html")
+    if not Path(args.prompts).is_file():
+        raise ValueError(f"--prompts {args.prompts}: no such file")
     config, _ = read_info(args.reference)  # a clear error for a folder that is no model
     if args.candidate is not None:
         read_info(args.candidate)

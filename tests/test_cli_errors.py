@@ -153,3 +153,38 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_one_interrupts():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop_reason(flag, None, 1, 10) == "SIGTERM"
     assert signal.getsignal(signal.SIGINT) is before  # restored
+
+
+def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_path, capsys,
+                                                                           monkeypatch):
+    """A missing prompts file, sampling flags no request could use, an output under a file:
+    one line and exit 2 before any model is built or loaded (they were found after the model
+    load, or, for the output, after the whole job). Output folders are made up front."""
+    import kdsa.cli.generate_cmd as generate_cmd
+
+    def no_engine(args):
+        raise AssertionError("the engine was built before the flags were checked")
+
+    monkeypatch.setattr(generate_cmd, "engine_from_args", no_engine)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    cases = [(["--prompts", str(tmp_path / "missing.jsonl")], "no such file"),
+             (["--prompts", str(prompts), "--temperature", "-1"], "temperature=-1"),
+             (["--prompts", str(prompts), "--max-tokens", "0"], "max_tokens=0"),
+             (["--prompts", str(prompts), "--out", str(blocker / "out.jsonl")], "--out")]
+    for extra, what in cases:
+        argv = ["generate", "--preset", "tiny", "--out", str(tmp_path / "o.jsonl"), *extra]
+        assert main(argv) == 2, extra
+        assert what in _one_error_line(capsys, "generate"), extra
+    ref = tmp_path / "no_model"
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out",
+                 str(blocker / "r.json")]) == 2
+    assert "--out" in _one_error_line(capsys, "quant-check")
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out",
+                 str(tmp_path / "new" / "dir" / "r.json")]) == 2  # made; then: no model there
+    assert (tmp_path / "new" / "dir").is_dir() and "no_model" in _one_error_line(
+        capsys, "quant-check")
