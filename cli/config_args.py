@@ -12,9 +12,10 @@ from kdsa.model.overrides import apply_overrides
 
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "tiny") -> None:
     g = p.add_argument_group("model config")
+    from kdsa.model.presets import PRESETS
+
     g.add_argument("--preset", default=None,
-                   help=f"named preset: tiny, small, kimi-linear-48b, k3-2.8t "
-                        f"(default {default_preset})")
+                   help=f"named preset: {', '.join(sorted(PRESETS))} (default {default_preset})")
     g.add_argument("--config", type=abs_path, default=None,
                    help="a JSON config: Hugging Face config.json or one written by kdsa")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

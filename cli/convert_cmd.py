@@ -48,7 +48,9 @@ def register(sub) -> None:
     b.add_argument("--layout", choices=("kimi_k3", "kimi_linear", "deepseek_v32"),
                    default=None, help="tensor names to write (default: the source layout)")
     b.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None,
-                   help="dtype of float tensors (default: the config's param_dtype)")
+                   help="dtype of float tensors (default: the dtypes recorded from the source "
+                        "when exporting in its layout, else the config's param_dtype; "
+                        "docs/conversion.md)")
     b.add_argument("--max-shard-size", default="5GB", help="cap per safetensors file (5GB)")
     _common(b)
     p.set_defaults(run=run)

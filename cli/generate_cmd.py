@@ -51,7 +51,8 @@ def add_engine_args(p) -> None:
                    help="prefill a chunk of every slot with prompt left in one step (one "
                         "device, text models; off by default until its speed is measured; "
                         "every (row count, bucket) compiles in the warm-up)")
-    g.add_argument("--layout", default="generate", help="sharding layout (kdsa.sharding.rules)")
+    g.add_argument("--layout", default="generate", choices=("generate", "train"),
+                   help="sharding layout (kdsa.sharding.rules; default generate)")
     g.add_argument("--mesh", default=None,
                    help="mesh axes of the layout over every process's devices, e.g. "
                         "data=2,expert=2,tensor=2 (--slots must be a multiple of "
@@ -83,6 +84,14 @@ def engine_from_args(args):
 
     from kdsa.cli.config_args import layout_override
 
+    for flag, value in (("--slots", args.slots), ("--max-len", args.max_len),
+                        ("--prefill-chunk", args.prefill_chunk),
+                        ("--prefix-snapshot-every", args.prefix_snapshot_every),
+                        ("--prefix-snapshots", args.prefix_snapshots),
+                        ("--num-pages", args.num_pages)):
+        if value is not None and value < 1:  # (before the model is built)
+            hint = " (--no-prefix-cache turns it off)" if "prefix" in flag else ""
+            raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
     sizes = layout_override(args, args.layout)  # --mesh, --layouts or --config's mesh section
 
     def mesh_for(config, preset):
@@ -136,7 +145,8 @@ def engine_from_args(args):
                                chat_format=args.chat_format, budgets=budgets, mesh=mesh,
                                layout=args.layout, seed=args.seed, num_pages=num_pages,
                                prefix_snapshots=0 if num_pages is None or args.no_prefix_cache
-                               else (args.prefix_snapshots or 2 * args.slots),
+                               else (2 * args.slots if args.prefix_snapshots is None
+                                     else args.prefix_snapshots),
                                prefix_snapshot_every=args.prefix_snapshot_every,
                                batched_prefill=args.batched_prefill)
     return engine, fmt, name

@@ -63,6 +63,9 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
 def run(args) -> int:
     if args.processes < 1 or args.devices_per_process < 1:
         raise ValueError("--processes and --devices-per-process must be >= 1")
+    for flag, value in (("--timeout", args.timeout), ("--stop-timeout", args.stop_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} must be > 0 seconds, got {value}")
     cmd = [c for c in args.cmd if c != "--"]
     if cmd and args.module == "kdsa.cli.main" and Path(cmd[0]).name in _PROGRAM_NAMES:
         cmd = cmd[1:]  # `-- kdsa train ...`: the program name, as torchrun users type it

@@ -188,3 +188,22 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
                  str(tmp_path / "new" / "dir" / "r.json")]) == 2  # made; then: no model there
     assert (tmp_path / "new" / "dir").is_dir() and "no_model" in _one_error_line(
         capsys, "quant-check")
+
+
+def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):
+    """Engine sizes below 1 name their flag before the model is built (``--prefill-chunk 0``
+    was "need 1 <= min_bucket <= prefill_chunk", ``--prefix-snapshots 0`` silently became 2 x
+    ``--slots``); ``launch-local --timeout 0`` meant no timeout, a negative one killed the job."""
+    import argparse
+
+    from kdsa.cli.generate_cmd import add_engine_args, engine_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for flag in ("--slots", "--max-len", "--prefill-chunk", "--prefix-snapshots",
+                 "--prefix-snapshot-every", "--num-pages"):
+        with pytest.raises(ValueError, match=f"{flag} must be >= 1, got 0"):
+            engine_from_args(p.parse_args(["--preset", "tiny", flag, "0"]))
+    for flag in ("--timeout", "--stop-timeout"):
+        assert main(["launch-local", "--processes", "1", flag, "0", "--", "train"]) == 2
+        assert f"{flag} must be > 0" in _one_error_line(capsys, "launch-local")
