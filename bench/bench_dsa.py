@@ -219,7 +219,8 @@ def main() -> None:
     p.add_argument("--f32-index", action="store_true",
                    help="also time Gated DSA with float32 index queries and keys")
     p.add_argument("--out", default=None, help="results file (default: bench/results/dsa.json, "
-                                               "dsa_PRESET.json for another preset)")
+                                               "dsa_PRESET.json for another preset, with "
+                                               "_prefill before .json for --prefill-only)")
     args = p.parse_args()
     if args.prefill_reps is not None and args.prefill_reps < 1:
         p.error(f"--prefill-reps must be >= 1, got {args.prefill_reps}")

@@ -19,7 +19,7 @@ Measured side by side in one run (each a median of ``reps`` timed calls after a 
   ``sharding/reshard.py``, array by array), and the bytes it moves per second.
 
     python bench/bench_train.py [--quick] [--preset tiny]
-    python bench/bench_train.py --preset k3-slice --train-only --batch 4 --seq 512 \
+    python bench/bench_train.py --preset k3-slice --train-only --batch 2 --seq 512 \
         --out bench/results/train_k3-slice.json   # K3's widths: roofline and training only
 
 The default is the ``tiny`` preset (4 layers: KDA, Gated DSA, latent MoE; 8 x 256 tokens per
