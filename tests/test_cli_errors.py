@@ -207,3 +207,31 @@ def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):
     for flag in ("--timeout", "--stop-timeout"):
         assert main(["launch-local", "--processes", "1", flag, "0", "--", "train"]) == 2
         assert f"{flag} must be > 0" in _one_error_line(capsys, "launch-local")
+
+
+def test_moe_capacity_factor_reaches_the_update_rules(monkeypatch):
+    """``--train-set moe_capacity_factor=1.25`` (the K3 pod recipe, docs/post_training.md) is
+    a train-config field the update's sharding rules get (it was a ``use_sharding`` option no
+    command could set, so the recipe's planned layout could not run); 0 or a string is refused."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from kdsa.sharding import constrain
+    from kdsa.train.config import apply_train_overrides
+    from kdsa.train.placement import Placement
+
+    tc = apply_train_overrides(TrainConfig(), ["moe_capacity_factor=1.25"])
+    assert tc.moe_capacity_factor == 1.25 and TrainConfig().moe_capacity_factor is None
+    for bad in (0, -1.0, "1.25", True):
+        with pytest.raises(ValueError, match="moe_capacity_factor must be a number > 0"):
+            TrainConfig(moe_capacity_factor=bad)
+    seen = {}
+    monkeypatch.setattr(constrain, "use_sharding", lambda mesh, layout, **kw: seen.update(
+        kw, layout=layout) or contextlib.nullcontext())
+    place = Placement.__new__(Placement)  # (its state shardings are not what is tested here)
+    place.mesh = Mesh(np.asarray(jax.devices()[:2]), ("expert",))
+    place.moe_capacity_factor = tc.moe_capacity_factor
+    with place.rules():
+        pass
+    assert seen == {"layout": "train", "moe_capacity_factor": 1.25}

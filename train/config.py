@@ -58,6 +58,9 @@ class TrainConfig:
     clip_norm: float = 1.0  # global-norm clipping; 0 = off
     # ---- MoE, DSA ----
     bias_update_rate: float = 1e-3  # DeepSeek-V3 gamma for e_score_correction_bias
+    # expert-parallel dispatch buffers on a mesh: rows per device = this x the mean (tokens past
+    # it dropped and counted); None = dropless, sized for the worst case (docs/sharding.md)
+    moe_capacity_factor: float | None = None
     indexer_stage: str = "none"
     indexer_loss_weight: float = 1.0
     # ---- checkpoints, logging ----
@@ -106,6 +109,11 @@ class TrainConfig:
         for name in ("b1", "b2", "muon_beta"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        cf = self.moe_capacity_factor
+        if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool)
+                               or not cf > 0):
+            raise ValueError(f"train.moe_capacity_factor must be a number > 0 or null "
+                             f"(dropless), got {cf!r}")
         for name in ("eps", "weight_decay", "clip_norm", "bias_update_rate",
                      "indexer_loss_weight", "peak_flops"):
             if getattr(self, name) < 0:

@@ -14,8 +14,9 @@ class Placement:
     step-0 state computed in its layout, batches split over the batch axes with each process
     handing over its own rows, the step traced under ``use_sharding``."""
 
-    def __init__(self, mesh, graphdef, template):
+    def __init__(self, mesh, graphdef, template, *, moe_capacity_factor: float | None = None):
         self.mesh, self.graphdef = mesh, graphdef
+        self.moe_capacity_factor = moe_capacity_factor
         if mesh is None:
             self.device, self.shardings = jax.local_devices()[0], None
             return
@@ -60,4 +61,4 @@ class Placement:
         if self.mesh is None:
             return contextlib.nullcontext()
         from kdsa.sharding.constrain import use_sharding
-        return use_sharding(self.mesh, "train")
+        return use_sharding(self.mesh, "train", moe_capacity_factor=self.moe_capacity_factor)

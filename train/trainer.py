@@ -177,7 +177,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                   tc.keep_checkpoints)  # writable, room for the checkpoints: before compiling
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
-    place = Placement(mesh, graphdef, template)
+    place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict())
     if restored is None and resume and ckpt.all_steps():

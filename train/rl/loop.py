@@ -198,7 +198,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     writes = jax.process_index() == 0
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)
-    place = Placement(mesh, graphdef, template)
+    place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
     if writes:  # writable, room for the checkpoints (and the reference): before compiling
         check_run_dir(run_dir, state_bytes(template), tc.keep_checkpoints + 1)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
