@@ -175,12 +175,16 @@ def _ffn_blocks_bwd(config, residuals, d_out):
             h, act_vjp = jax.vjp(lambda g, u: gated_activation(g, u, config), gate[j], up[j])
             dg, du = act_vjp(dy @ w2e.T)  # [B, I]
             dx = dg @ w1e.T + du @ w3e.T  # [B, De]
-            return (d_rows.at[j].set(dx), g1 + x.T @ dg, g3 + x.T @ du, g2 + h.T @ dy)
+            f32 = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+            return (d_rows.at[j].set(dx), g1 + f32(x.T, dg), g3 + f32(x.T, du), g2 + f32(h.T, dy))
         lo = block_first[e]
+        # an expert's weight gradients summed over its blocks in float32 (a bf16 running sum
+        # rounds once per block), cast once
+        zeros = lambda w: jnp.zeros(w.shape, jnp.float32)  # noqa: E731
         d_rows, g1, g3, g2 = jax.lax.fori_loop(
-            lo, lo + block_count[e], block,
-            (d_rows, jnp.zeros_like(w1e), jnp.zeros_like(w3e), jnp.zeros_like(w2e)))
-        return d_rows, d1.at[e].set(g1), d3.at[e].set(g3), d2.at[e].set(g2)
+            lo, lo + block_count[e], block, (d_rows, zeros(w1e), zeros(w3e), zeros(w2e)))
+        return (d_rows, d1.at[e].set(g1.astype(d1.dtype)), d3.at[e].set(g3.astype(d3.dtype)),
+                d2.at[e].set(g2.astype(d2.dtype)))
 
     init = (jnp.zeros_like(rows), jnp.zeros_like(w1), jnp.zeros_like(w3), jnp.zeros_like(w2))
     d_rows, d1, d3, d2 = jax.lax.fori_loop(0, w1.shape[0], expert, init)

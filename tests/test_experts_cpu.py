@@ -118,3 +118,17 @@ def test_routed_follows_the_compile_target():
     with compile_target("tpu"):
         assert moe_lib.compile_platform() == "tpu"
         assert "ragged_dot_general" in _primitives(moe_lib.experts_routed, c, args)
+
+
+def test_bf16_weight_gradients_are_summed_in_float32():
+    """Every one of 16,384 tokens on one expert: 64 blocks of rows, whose weight gradients
+    were summed in the compute dtype. In bfloat16 that running sum cost a relative 1.9-2.2e-2
+    against the float32 reference; summed in float32 it is 5.1-5.4e-3, bf16's own rounding
+    (measured 2026-12-06)."""
+    c, (z, idx, wt, w1, w3, w2) = _case(16384, "one_expert")
+    bf16 = c.replace(compute_dtype="bfloat16")
+    _, grads = _loss(experts_cpu.experts_cpu, bf16)(z.astype(jnp.bfloat16), wt, w1, w3, w2, idx)
+    _, ref = _loss(moe_lib.experts_one_hot, c)(z, wt, w1, w3, w2, idx)
+    for name, g, r in list(zip(("w1", "w3", "w2"), grads[2:], ref[2:])):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert np.abs(g - r).max() / np.abs(r).max() < 1e-2, name
