@@ -104,7 +104,10 @@ def attend_pool(q_abs: jax.Array, index: tuple | None, written: dict, positions:
         q_abs, indexer, keys=lambda w: (lat_pool[ctx_rows[:, :w]], rope_pool[ctx_rows[:, :w]]),
         sparse=sparse, topk=topk, scale=scale, num_keys=s, q_pos=positions,
         kv_pos=jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), q_seg=q_seg,
-        kv_seg=backed.astype(jnp.int32), chunk_size=chunk_size, decode_scores=decode_scores)
+        # a position without a page is in no segment: -1, not padding's 0, which padding
+        # queries (q_seg 0) would see, reading pool row 0 (another request's)
+        kv_seg=jnp.where(backed, 1, -1).astype(jnp.int32), chunk_size=chunk_size,
+        decode_scores=decode_scores)
     return o_lat, cache
 
 

@@ -49,8 +49,9 @@ def _step(model, ids, pos, seg, cache):
     return out.logits, out.cache
 
 
-def _run(model, cache, prompts, steps=3):
-    """Prefill both rows (right-padded), then greedy-free decode of fixed tokens."""
+def _run(model, cache, prompts, steps=3, whole_prefill=False):
+    """Prefill both rows (right-padded), then greedy-free decode of fixed tokens; with
+    ``whole_prefill`` the prefill's logits at every position, padding included."""
     b, t = len(prompts), max(len(p) for p in prompts)
     ids = np.zeros((b, t), np.int32)
     seg = np.zeros((b, t), np.int32)
@@ -58,6 +59,8 @@ def _run(model, cache, prompts, steps=3):
         ids[r, :len(p)], seg[r, :len(p)] = p, 1
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     logits, cache = _step(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), cache)
+    if whole_prefill:
+        return np.asarray(logits)
     outs = [np.asarray(logits)[r, len(p) - 1] for r, p in enumerate(prompts)]
     cur = np.asarray([len(p) for p in prompts], np.int32)
     for s in range(steps):
@@ -86,6 +89,23 @@ def test_paged_prefill_and_decode_equal_the_dense_slot_cache(model, index_dtype)
     assert pools and all(p.index_keys.dtype == (index_dtype or "float32") for p in pools)
     got = _run(model, paged, prompts)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+def test_padding_queries_see_nothing_in_the_pool():
+    """Dense MLA (no indexer) over the pool: a padding query sees nothing, as with dense slots;
+    it once saw the positions without a page, read from pool row 0 (here noise, in a server
+    another request's), so the padding rows' outputs differed between the two caches."""
+    model = Transformer(CFG.replace(index_topk=None, index_n_heads=None, index_head_dim=None),
+                        rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),
+               rng.integers(0, CFG.vocab_size, 5).tolist()]  # row 1: one page, 70 positions
+    paged = model.init_paged_cache(2, num_pages=9, max_pages=3).replace(
+        block_table=jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32))
+    noisy = paged.replace(layers=jax.tree.map(lambda a: a + 3.0 if a.ndim == 3 else a,
+                                              paged.layers))
+    np.testing.assert_allclose(_run(model, noisy, prompts, whole_prefill=True),
+                               _run(model, model.init_cache(2, 3 * P), prompts,
+                                    whole_prefill=True), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("index_backend", ["triton", "mosaic"])
