@@ -74,9 +74,11 @@ def read_json_file(path, flag: str):
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{flag} {path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path}: not UTF-8 text (a binary file?)") from None
 
 
 def add_init_from_args(p: argparse.ArgumentParser) -> None:

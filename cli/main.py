@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kdsa.cli import forward_cmd, launch_local, params_cmd, plan_cmd
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             initialize()  # joins a multi-process job when one is configured; else nothing
         return int(args.run(args) or 0)
     except (ValueError, JoinError) as e:  # config and input errors: one clear line, non-zero exit
+        if os.environ.get("KDSA_DEBUG") == "1":  # the traceback, for a bug behind the line
+            raise
         print(f"kdsa {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # disk full, read-only folder, port in use, ...: the OS's own words

@@ -235,3 +235,17 @@ def test_moe_capacity_factor_reaches_the_update_rules(monkeypatch):
     with place.rules():
         pass
     assert seen == {"layout": "train", "moe_capacity_factor": 1.25}
+
+
+def test_a_binary_config_is_one_line_and_kdsa_debug_shows_the_traceback(tmp_path, capsys,
+                                                                        monkeypatch):
+    """A ``--config`` that is not UTF-8 names the file (a decode error's line did not); with
+    ``KDSA_DEBUG=1`` the error is raised with its traceback instead."""
+    binary = tmp_path / "c.json"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["params", "--config", str(binary)]) == 2
+    line = _one_error_line(capsys, "params")
+    assert str(binary) in line and "not UTF-8" in line
+    monkeypatch.setenv("KDSA_DEBUG", "1")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        main(["params", "--config", str(binary)])
