@@ -91,8 +91,12 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--prompts {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {path}: not UTF-8 text (a binary file?)") from None
     reqs = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         row = None

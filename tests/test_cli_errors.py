@@ -246,6 +246,10 @@ def test_a_binary_config_is_one_line_and_kdsa_debug_shows_the_traceback(tmp_path
     assert main(["params", "--config", str(binary)]) == 2
     line = _one_error_line(capsys, "params")
     assert str(binary) in line and "not UTF-8" in line
+    from kdsa.infer.generate import read_requests
+
+    with pytest.raises(ValueError, match=f"--prompts {binary}: not UTF-8"):
+        read_requests(binary, None, None)
     monkeypatch.setenv("KDSA_DEBUG", "1")
     with pytest.raises(ValueError, match="not UTF-8"):
         main(["params", "--config", str(binary)])
