@@ -249,7 +249,7 @@ def test_a_binary_config_is_one_line_and_kdsa_debug_shows_the_traceback(tmp_path
     from kdsa.infer.generate import read_requests
 
     with pytest.raises(ValueError, match=f"--prompts {binary}: not UTF-8"):
-        read_requests(binary, None, None)
+        read_requests(binary, None, None, effort=None, defaults={}, seed=0)
     monkeypatch.setenv("KDSA_DEBUG", "1")
     with pytest.raises(ValueError, match="not UTF-8"):
         main(["params", "--config", str(binary)])
