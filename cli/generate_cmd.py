@@ -84,11 +84,12 @@ def engine_from_args(args):
 
     from kdsa.cli.config_args import layout_override
 
-    for flag, value in (("--slots", args.slots), ("--max-len", args.max_len),
-                        ("--prefill-chunk", args.prefill_chunk),
-                        ("--prefix-snapshot-every", args.prefix_snapshot_every),
-                        ("--prefix-snapshots", args.prefix_snapshots),
-                        ("--num-pages", args.num_pages)):
+    sizes = [("--slots", args.slots), ("--max-len", args.max_len),
+             ("--prefill-chunk", args.prefill_chunk), ("--num-pages", args.num_pages)]
+    if not (args.dense_cache or args.no_prefix_cache):  # (unused otherwise)
+        sizes += [("--prefix-snapshot-every", args.prefix_snapshot_every),
+                  ("--prefix-snapshots", args.prefix_snapshots)]
+    for flag, value in sizes:
         if value is not None and value < 1:  # (before the model is built)
             hint = " (--no-prefix-cache turns it off)" if "prefix" in flag else ""
             raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
@@ -191,7 +192,8 @@ def run(args) -> int:
         raise ValueError(f"the sampling flags: {e}") from None
     if not args.prompts.is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
-    output_file(args.out, "--out")
+    if jax.process_index() == 0:  # (the one process that writes it)
+        output_file(args.out, "--out")
     engine, fmt, name = engine_from_args(args)
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
                          seed=args.seed, strict=False)

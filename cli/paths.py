@@ -31,6 +31,7 @@ def output_file(path: Path, flag: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{flag} {path}: cannot make its folder ({e.strerror})") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    # an existing file is opened for writing ("w"): its own permission is what counts
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise ValueError(f"{flag} {path}: not writable")
     return path

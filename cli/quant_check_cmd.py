@@ -64,16 +64,19 @@ def run(args) -> int:
 
     if args.max_tokens < 1 or args.top_k < 1:
         raise ValueError("--max-tokens and --top-k must be >= 1")
+    import jax
+
     from kdsa.cli.paths import output_file
 
-    output_file(Path(args.out), "--out")  # ready before the two models run, not after
-    if args.html is not None:
-        output_file(Path(args.html), "--html")
     if not Path(args.prompts).is_file():
         raise ValueError(f"--prompts {args.prompts}: no such file")
     config, _ = read_info(args.reference)  # a clear error for a folder that is no model
     if args.candidate is not None:
         read_info(args.candidate)
+    if jax.process_index() == 0:  # the outputs ready before the two models run, not after
+        output_file(Path(args.out), "--out")
+        if args.html is not None:
+            output_file(Path(args.html), "--html")
     sizes = layout_override(args, "generate")
     mesh = None
     if sizes:
@@ -97,7 +100,6 @@ def run(args) -> int:
                              mesh=mesh, log=lambda m: print(m, file=sys.stderr, flush=True))
     report["reference"] = str(args.reference)
     report["candidate"] = str(args.candidate) if args.candidate else "reference, MXFP4 experts"
-    import jax
 
     if jax.process_index() == 0:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

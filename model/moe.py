@@ -84,7 +84,7 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: Model
     ``expert_ids [N, k]`` (MoE routing replay in RL: the experts the rollout engine chose)
     replace the top-k choice; the weights are still gathered from the current ``scores`` at
     those ids (renormalised and scaled the same way), so gradients reach the router. A row
-    whose first id is negative (no record for that token) keeps the router's own choice.
+    with a negative id (no record for that token) keeps the router's own choice.
     """
     n, d = x.shape
     e = config.num_experts
@@ -417,6 +417,6 @@ class MoE(nnx.Module):
             own = router_topk(scores, self.gate.e_score_correction_bias[...], c)
             agree = replay_agreement(topk_idx, own)  # [N]
             w = (jnp.ones_like(agree) if mask is None else mask.astype(jnp.float32)) * (
-                expert_ids[:, 0] >= 0)
+                jnp.all(expert_ids >= 0, axis=-1))  # the rows that replayed (``route``)
             metrics["replay_agreement"] = jnp.stack([jnp.sum(agree * w), jnp.sum(w)])  # [2]
         return unflatten(r.astype(cdt)), metrics

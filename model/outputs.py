@@ -60,7 +60,7 @@ class RoutingReplay:
     """The experts every MoE layer uses instead of its router's top-k.
 
     ``expert_ids`` ``[L_moe, B, T, k]`` int32, MoE layers in layer order. A token whose row
-    starts with -1 keeps its router's choice (a prompt token the rollout did not record). The
+    holds a -1 keeps its router's choice (a prompt token the rollout did not record). The
     gate weights still come from the current router, so gradients reach it.
     """
     expert_ids: jax.Array

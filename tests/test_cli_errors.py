@@ -178,16 +178,18 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
         argv = ["generate", "--preset", "tiny", "--out", str(tmp_path / "o.jsonl"), *extra]
         assert main(argv) == 2, extra
         assert what in _one_error_line(capsys, "generate"), extra
+    import kdsa.model.checkpoint as ckpt
+
     ref = tmp_path / "no_model"
     assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
                  "--prompts", str(prompts), "--out",
-                 str(blocker / "r.json")]) == 2
-    assert "--out" in _one_error_line(capsys, "quant-check")
-    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
-                 "--prompts", str(prompts), "--out",
-                 str(tmp_path / "new" / "dir" / "r.json")]) == 2  # made; then: no model there
-    assert (tmp_path / "new" / "dir").is_dir() and "no_model" in _one_error_line(
+                 str(tmp_path / "new" / "dir" / "r.json")]) == 2  # no model there: nothing made
+    assert not (tmp_path / "new").exists() and "no_model" in _one_error_line(
         capsys, "quant-check")
+    monkeypatch.setattr(ckpt, "read_info", lambda path: (None, {}))  # (a model there)
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out", str(blocker / "r.json")]) == 2
+    assert "--out" in _one_error_line(capsys, "quant-check")
 
 
 def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):

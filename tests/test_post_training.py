@@ -246,7 +246,9 @@ def test_source_folder_follows_runs_back_to_the_converted_folder(tmp_path, monke
              "loop_a": {"training": {"init_from": str(tmp_path / "loop_b")}},
              "loop_b": {"training": {"init_from": str(tmp_path / "loop_a")}},
              "orphan": {"training": {"init_from": str(tmp_path / "gone")}},
-             "random": {"training": {"init_from": None}}}
+             "random": {"training": {"init_from": None}},
+             # a run started from its own RUN_DIR, which locates to its step folder
+             "own_step": {"training": {"init_from": str(tmp_path / "own_run")}}}
     configs = {"conv": tiny.replace(expert_weight_format="mxfp4", moe_impl="pallas")}
 
     def read_info(path):
@@ -255,11 +257,13 @@ def test_source_folder_follows_runs_back_to_the_converted_folder(tmp_path, monke
             raise ckpt.CheckpointError(f"{path}: no such folder")
         return configs.get(name, tiny), infos[name]
 
-    monkeypatch.setattr(ckpt, "locate", lambda p: (Path(p), "conv" not in str(p)))
+    monkeypatch.setattr(ckpt, "locate", lambda p: (
+        Path(str(p).replace("own_run", "own_step")), "conv" not in str(p)))
     monkeypatch.setattr(ckpt, "read_info", read_info)
     folder, info, why = init_from.source_folder(tmp_path / "run2", tiny)
     assert folder == tmp_path / "conv" and info["source"]["layout"] == "kimi_linear" and not why
     assert "a loop" in init_from.source_folder(tmp_path / "loop_a", tiny)[2]
+    assert "a loop" in init_from.source_folder(tmp_path / "own_run", tiny)[2]
     assert "cannot be read now" in init_from.source_folder(tmp_path / "orphan", tiny)[2]
     assert init_from.source_folder(tmp_path / "random", tiny) == (None, {}, "")
     other = tiny.replace(hidden_size=2 * tiny.hidden_size)

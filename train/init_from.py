@@ -118,8 +118,8 @@ def init_from_path(init_from: str | os.PathLike | None) -> str | None:
 def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
     """Whether ``a`` and ``b`` compute the same model (training fields and the routed experts'
     storage format aside)."""
-    return training_config(a).replace(**{f: getattr(b, f) for f in TRAINING_FIELDS}) == \
-        training_config(b)
+    ta, tb = training_config(a), training_config(b)
+    return ta.replace(**{f: getattr(tb, f) for f in TRAINING_FIELDS}) == tb
 
 
 def source_folder(path: str | os.PathLike, config: ModelConfig | None = None
@@ -134,6 +134,9 @@ def source_folder(path: str | os.PathLike, config: ModelConfig | None = None
     while True:
         try:
             where = ckpt.locate(path)[0]
+            if str(where.resolve()) in seen:
+                return None, {}, f"{path} leads back to {where} (a loop)"
+            seen.add(str(where.resolve()))
             stored, info = ckpt.read_info(where)
         except (ckpt.CheckpointError, OSError) as e:
             return None, {}, f"{path} cannot be read now ({e})"
@@ -141,12 +144,9 @@ def source_folder(path: str | os.PathLike, config: ModelConfig | None = None
             return None, {}, f"{path} now holds another model"
         if "source" in info:
             return where, info, ""
-        seen.add(str(where.resolve()))
         path = (info.get("training") or {}).get("init_from")
         if not path:
             return None, {}, ""
-        if str(Path(path).resolve()) in seen:
-            return None, {}, f"{path} leads back to {where} (a loop)"
 
 
 def tokenizer_folder(init_from: str | os.PathLike | None) -> Path | None:
@@ -193,7 +193,7 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
     if tokenizer_from is not None:  # what the export keeps of the folder it started from
         tok = ckpt.tokenizer_files(tokenizer_folder(tokenizer_from)
                                    or ckpt.locate(tokenizer_from)[0])
-        _, info, _ = source_folder(tokenizer_from)
+        _, info, _ = source_folder(tokenizer_from, config)
         # the source checkpoint's layout and dtypes: orbax-to-hf writes its names back
         meta.update({k: info[k] for k in SOURCE_FACTS if k in info})
     return ckpt.save_params(Path(run_dir) / "model", out,

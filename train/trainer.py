@@ -186,7 +186,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     if restored is not None:
         start, state, meta = restored
         data_index = int(meta["data_index"])
-        origin = origin or meta.get("init_from")  # a resume without --init-from keeps it
+        origin = meta.get("init_from") or origin  # the weights descend from the first start
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
         if resume:
@@ -246,7 +246,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     writer.close()
     bar.close()
     if not stopped:
-        export_run(run_dir, config, graphdef, state, step=step, init_from=init_from,
+        export_run(run_dir, config, graphdef, state, step=step, init_from=origin,
                    export_experts=export_experts, log=log)
     return RunResult(losses=losses, final_step=step, stopped=stopped,
                      resumed_from=None if restored is None else start)

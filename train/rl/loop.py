@@ -214,8 +214,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                 rl_config=json.loads(json.dumps(rc.to_dict())))
     if restored is not None:
         start, state, meta = restored
-        meta0 = {k: meta.get(k) for k in meta0} | {
-            "init_from": meta0["init_from"] or meta.get("init_from")}  # kept across resumes
+        meta0 = {k: meta.get(k) for k in meta0} | {  # the weights descend from the first start
+            "init_from": meta.get("init_from") or meta0["init_from"]}
         if place.mesh is None:
             state = jax.device_put(state, place.device)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
@@ -339,7 +339,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
     ckpt.close()
     if not stopped and (writes or place.collective):  # RUN_DIR/model: every shard's owner
-        export_run(run_dir, config, graphdef, state, step=step, init_from=init_from,
+        export_run(run_dir, config, graphdef, state, step=step, init_from=meta0["init_from"],
                    export_experts=export_experts, log=log)
     if ref_ckpt is not None:
         ref_ckpt.close()
