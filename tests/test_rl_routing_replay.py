@@ -76,6 +76,8 @@ def test_a_row_with_any_missing_id_keeps_the_routers_choice(layer):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     idx, _, _ = m.gate(x.reshape(B * T, -1), jnp.asarray(partial.reshape(B * T, -1)))
     np.testing.assert_array_equal(np.asarray(idx), want.reshape(B * T, -1))
+    _, stats = m(x, expert_ids=jnp.asarray(partial))  # agreement over the rows that replayed
+    assert float(stats["replay_agreement"][1]) == B * T - 1
 
 
 def test_bad_expert_ids_shape(layer):
