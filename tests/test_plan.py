@@ -248,6 +248,7 @@ def test_train_generate_serve_take_the_layouts(command, tmp_path, capsys, monkey
              "generate": ["--prompts", str(tmp_path / "in.jsonl"), "--out",
                           str(tmp_path / "out.jsonl")],
              "serve": []}[command]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')  # (checked before the mesh)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(get_preset("tiny").to_hf_config() | {
         "mesh": {"train": {"expert": 2, "sequence": 2}, "generate": {"data": 2, "tensor": 2}}}))
