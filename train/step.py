@@ -235,7 +235,11 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
         # the indexer's KL summed over DSA layers; no term when the stage trains no indexer
         kl = jnp.zeros((), jnp.float32) if out.stats.indexer_kl is None else jnp.sum(
             out.stats.indexer_kl)
-        return ce_sum + kl_scale * kl, ({"ce_sum": ce_sum, "kl": kl}, out.stats.expert_load)
+        # expert parallel: assignments past the dispatch capacity (moe_capacity_factor)
+        dropped = {} if out.stats.moe_dropped is None else {
+            "moe_dropped": jnp.sum(out.stats.moe_dropped).astype(jnp.float32)}
+        return ce_sum + kl_scale * kl, ({"ce_sum": ce_sum, "kl": kl, **dropped},
+                                        out.stats.expert_load)
 
     new_state, grads, stats, load, lr = optimizer_step(
         graphdef, state, batch, objective, tc=tc, tx=tx, layout=layout,
@@ -247,6 +251,7 @@ def _train_step(graphdef, state: TrainState, batch: Batch, *, tc: TrainConfig,
         "learning_rate": lr,
         "tokens": n_tok,
         "expert_load_max_over_mean": load_balance_metric(load),
+        **{k: stats[k] for k in ("moe_dropped",) if k in stats},
     }
     return new_state, replicated(metrics)
 
