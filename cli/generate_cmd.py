@@ -84,12 +84,12 @@ def engine_from_args(args):
 
     from kdsa.cli.config_args import layout_override
 
-    sizes = [("--slots", args.slots), ("--max-len", args.max_len),
-             ("--prefill-chunk", args.prefill_chunk), ("--num-pages", args.num_pages)]
+    counts = [("--slots", args.slots), ("--max-len", args.max_len),
+              ("--prefill-chunk", args.prefill_chunk), ("--num-pages", args.num_pages)]
     if not (args.dense_cache or args.no_prefix_cache):  # (unused otherwise)
-        sizes += [("--prefix-snapshot-every", args.prefix_snapshot_every),
-                  ("--prefix-snapshots", args.prefix_snapshots)]
-    for flag, value in sizes:
+        counts += [("--prefix-snapshot-every", args.prefix_snapshot_every),
+                   ("--prefix-snapshots", args.prefix_snapshots)]
+    for flag, value in counts:
         if value is not None and value < 1:  # (before the model is built)
             hint = " (--no-prefix-cache turns it off)" if "prefix" in flag else ""
             raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
@@ -181,7 +181,7 @@ def run(args) -> int:
     import jax
 
     from kdsa.cli.paths import output_file
-    from kdsa.infer.generate import read_requests, run_job
+    from kdsa.infer.generate import prompts_file, read_requests, run_job
     from kdsa.infer.sampling import SamplingParams
 
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature,
@@ -190,8 +190,7 @@ def run(args) -> int:
         SamplingParams(**defaults)
     except ValueError as e:
         raise ValueError(f"the sampling flags: {e}") from None
-    if not args.prompts.is_file():
-        raise ValueError(f"--prompts {args.prompts}: no such file")
+    prompts_file(args.prompts)
     if jax.process_index() == 0:  # (the one process that writes it)
         output_file(args.out, "--out")
     engine, fmt, name = engine_from_args(args)

@@ -56,7 +56,7 @@ def run(args) -> int:
 
     from kdsa.cli.config_args import layout_override
     from kdsa.train.init_from import tokenizer_folder
-    from kdsa.infer.generate import load_checkpoint
+    from kdsa.infer.generate import load_checkpoint, prompts_file
     from kdsa.infer.quant_check import run_quant_check, with_mxfp4_experts
     from kdsa.model.checkpoint import read_info
     from kdsa.sharding.mesh import fit_layout
@@ -68,8 +68,7 @@ def run(args) -> int:
 
     from kdsa.cli.paths import output_file
 
-    if not Path(args.prompts).is_file():
-        raise ValueError(f"--prompts {args.prompts}: no such file")
+    prompts_file(args.prompts)
     config, _ = read_info(args.reference)  # a clear error for a folder that is no model
     if args.candidate is not None:
         read_info(args.candidate)

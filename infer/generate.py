@@ -83,14 +83,21 @@ def build_engine(model, *, num_slots: int, max_len: int, prefill_chunk: int = 25
                   prefix_snapshot_every=prefix_snapshot_every), fmt
 
 
+def prompts_file(path: str | Path) -> Path:
+    """``path`` as a prompts file that exists (a ``ValueError`` naming ``--prompts``
+    otherwise): the commands check it before they build a model, :func:`read_requests` again."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompts {path}: no such file")
+    return p
+
+
 def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
                   defaults: dict, seed: int, strict: bool = True) -> list[Request | BadLine]:
     """One request per non-blank line. ``strict``: a bad line raises ``ValueError`` naming
     ``path:line``; otherwise it becomes a :class:`BadLine` in its place. Request seeds default
     to ``seed + line - 1`` (folded to 32 bits)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--prompts {path}: no such file")
+    p = prompts_file(path)
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -48,7 +48,7 @@ from flax import nnx
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
                                 one_line, orbax_context, orbax_reason, quiet_orbax,
-                                replace_folder)
+                                replace_folder, tmp_sibling)
 
 FORMAT_VERSION = 1
 DEFAULT_BATCH_BYTES = 1 << 30
@@ -93,12 +93,6 @@ def target_shardings(state: nnx.State,
 
 # ------------------------------------------------------------------------------- saving
 
-def _tmp_sibling(path: Path, tag: str) -> Path:
-    """``NAME.kdsa-TAG``: deterministic, so every process of a multi-host job agrees on it;
-    not hidden, as Orbax's partial-save finalize mishandles names starting with "."."""
-    return path.parent / f"{path.name}.kdsa-{tag}"
-
-
 def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[ParamItem], *,
                 metadata: dict | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
                 on_saved: Callable[[str, jax.Array], None] | None = None,
@@ -128,7 +122,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     want = {k: [list(v.shape), str(v.dtype)] for k, v in abstract.items()}
     custom = {"kdsa": {"format": FORMAT_VERSION, "config": config.to_hf_config(),
                        "params": want, **(metadata or {})}}
-    tmp = _tmp_sibling(path, "tmp")
+    tmp = tmp_sibling(path, "tmp")
     primary = jax.process_index() == 0
     if primary:  # leftovers of an interrupted run
         for p in tmp.parent.glob(f"{tmp.name}*"):

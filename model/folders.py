@@ -207,6 +207,12 @@ def one_line(text: str) -> str:
     return (text[0] if text else "")[:1000]  # one line; long paths must not cut the reason
 
 
+def tmp_sibling(path: Path, tag: str) -> Path:
+    """``NAME.kdsa-TAG``: deterministic, so every process of a multi-host job agrees on it;
+    not hidden, as Orbax's partial-save finalize mishandles names starting with "."."""
+    return path.parent / f"{path.name}.kdsa-{tag}"
+
+
 def replace_folder(tmp: Path, path: Path) -> None:
     """Rename ``tmp`` to ``path``. An existing ``path`` is swapped with ``tmp`` in one atomic
     step where the system offers it (Linux ``renameat2(RENAME_EXCHANGE)``), then removed, so
@@ -219,7 +225,7 @@ def replace_folder(tmp: Path, path: Path) -> None:
         return
     old = None
     if os.path.lexists(path):
-        old = path.parent / f"{path.name}.kdsa-old"
+        old = tmp_sibling(path, "old")
         _remove(old)
         os.rename(path, old)
     try:

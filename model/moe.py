@@ -103,14 +103,18 @@ def route(x: jax.Array, router_weight: jax.Array, bias: jax.Array, config: Model
     topk_idx = router_topk(scores, bias, config)  # [N, k]
     if expert_ids is not None:
         expert_ids = expert_ids.astype(jnp.int32)
-        # a row replays only when every id is an expert (-1 anywhere: the router's choice)
-        topk_idx = jnp.where(jnp.all(expert_ids >= 0, axis=-1, keepdims=True), expert_ids,
-                             topk_idx)
+        topk_idx = jnp.where(replayed_rows(expert_ids)[:, None], expert_ids, topk_idx)
     topk_weight = jnp.take_along_axis(scores, topk_idx, axis=-1)  # [N, k]
     if config.moe_renormalize:
         topk_weight = topk_weight / (jnp.sum(topk_weight, axis=-1, keepdims=True) + 1e-20)
     topk_weight = topk_weight * config.routed_scaling_factor
     return topk_idx.astype(jnp.int32), topk_weight, scores
+
+
+def replayed_rows(expert_ids: jax.Array) -> jax.Array:
+    """``[N]`` bool: the rows of ``expert_ids [N, k]`` that replay, those whose every id is an
+    expert (a -1 anywhere: no record, the router's own choice)."""
+    return jnp.all(expert_ids >= 0, axis=-1)
 
 
 def router_topk(scores: jax.Array, bias: jax.Array, config: ModelConfig) -> jax.Array:
@@ -417,6 +421,6 @@ class MoE(nnx.Module):
             own = router_topk(scores, self.gate.e_score_correction_bias[...], c)
             agree = replay_agreement(topk_idx, own)  # [N]
             w = (jnp.ones_like(agree) if mask is None else mask.astype(jnp.float32)) * (
-                jnp.all(expert_ids >= 0, axis=-1))  # the rows that replayed (``route``)
+                replayed_rows(expert_ids))
             metrics["replay_agreement"] = jnp.stack([jnp.sum(agree * w), jnp.sum(w)])  # [2]
         return unflatten(r.astype(cdt)), metrics

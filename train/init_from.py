@@ -156,11 +156,13 @@ def tokenizer_folder(init_from: str | os.PathLike | None) -> Path | None:
     ``init_from`` or any tokenizer (the byte tokenizer)."""
     if init_from is None:
         return None
-    for folder in (ckpt.locate(init_from)[0], source_folder(init_from)[0]):
-        if folder is not None and {"tiktoken.model", "tokenizer.json"} & set(
-                ckpt.tokenizer_files(folder)):
-            return folder
-    return None
+    has_model = lambda f: bool({"tiktoken.model", "tokenizer.json"}  # noqa: E731
+                               & set(ckpt.tokenizer_files(f)))
+    folder = ckpt.locate(init_from)[0]
+    if has_model(folder):
+        return folder
+    folder = source_folder(init_from)[0]  # (walked only when the start folder has none)
+    return folder if folder is not None and has_model(folder) else None
 
 
 def export_format(init_from: str | os.PathLike | None, asked: str | None) -> str:
