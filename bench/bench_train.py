@@ -12,7 +12,7 @@ Measured side by side in one run (each a median of ``reps`` timed calls after a 
   ``train/metrics.py``'s MFU: attention scores not counted) and *executed* FLOPs (XLA's cost
   analysis of the compiled step: attention, routing, optimizer, recompute included);
 * **rollouts**: tokens/s of ``Engine.generate`` on the same model through the RL loop's own
-  ``Sampler`` (``train/rl/loop.py``: runner + engine on the ``generate`` mesh of
+  ``Sampler`` (``train/rl/sampler.py``: runner + engine on the ``generate`` mesh of
   ``--generate-devices`` devices), ``--slots`` sequences of ``--new`` sampled tokens;
 * **weight sync**: seconds per ``Sampler.sync`` (the RL loop's per-step reshard: the train
   state on the ``train`` layout over ``--train-devices`` devices -> the ``generate`` layout,
@@ -62,7 +62,7 @@ from kdsa.sharding.train_state import train_state_shardings  # noqa: E402
 from kdsa.train.config import TrainConfig  # noqa: E402
 from kdsa.progress import Progress  # noqa: E402
 from kdsa.train.rl.config import RLConfig  # noqa: E402
-from kdsa.train.rl.loop import Sampler  # noqa: E402
+from kdsa.train.rl.sampler import Sampler  # noqa: E402
 from kdsa.train.step import train_step, train_step_with_options  # noqa: E402
 from kdsa.train.trainer import prepare  # noqa: E402
 

@@ -125,3 +125,38 @@ def test_sft_and_rl_steps_run_one_compiled_step(full_run, tmp_path):
                  evaluate_heldout=False, compiler_options=FAST, sampler=full_run.sampler)
     assert run.final_step == 2 and (tmp_path / "sft" / "metrics.jsonl").is_file()
     assert step_fn._cache_size() == compiled
+
+
+def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, tmp_path,
+                                                                     monkeypatch):
+    """A SIGTERM during the held-out evaluation after the last step stops it at once (no
+    export; the last checkpoint is complete) and ``--resume`` evaluates and exports without
+    taking a step again."""
+    import os
+    import signal
+    import threading
+
+    from kdsa.train.rl import loop
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed in the main thread only")
+    real, calls, handler = loop.evaluate, [], signal.getsignal(signal.SIGTERM)
+
+    def terminated_second(*a, **kw):  # the first call is the evaluation before RL
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", terminated_second)
+    rc = RC.replace(steps=1, heldout_tasks=1, heldout_samples=2)
+    kw = dict(progress=False, compiler_options=FAST, sampler=full_run.sampler)
+    a = run_rl(CONFIG, TC, rc, tmp_path, **kw)
+    assert a.stopped and a.final_step == 1 and len(calls) == 2
+    assert a.heldout_before is not None and a.heldout_after is None
+    assert (tmp_path / "checkpoints" / "1").is_dir() and not (tmp_path / "model").exists()
+    b = run_rl(CONFIG, TC, rc, tmp_path, resume=True, **kw)
+    assert not b.stopped and b.resumed_from == 1 and b.final_step == 1 and len(calls) == 3
+    assert b.heldout_before == a.heldout_before and b.heldout_after is not None
+    assert (tmp_path / "model").is_dir()  # RUN_DIR/model: the export
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's handler again

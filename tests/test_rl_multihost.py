@@ -78,6 +78,8 @@ def test_two_process_rl_splits_rollouts_and_equals_one_process(tmp_path):
         assert rb["sync_seconds"] > 0
         if ra.get("updated") == 1.0:
             assert ra["routing_replay_agreement"] >= 0.99, ra
+            # expert parallel, dropless: every assignment fits (one device: no such metric)
+            assert rb["moe_dropped"] == 0 and "moe_dropped" not in ra, (ra, rb)
             for k in ("loss", "pg_loss", "kl"):
                 np.testing.assert_allclose(rb[k], ra[k], rtol=0, atol=1e-4, err_msg=k)
         for k in ("grad_norm", "entropy", "routing_replay_agreement"):
@@ -86,6 +88,7 @@ def test_two_process_rl_splits_rollouts_and_equals_one_process(tmp_path):
     assert sum(r.get("updated") == 1.0 for r in a) >= 1, a
     sa, sb = _lines(one / "sft" / "metrics.jsonl"), _lines(two / "sft" / "metrics.jsonl")
     np.testing.assert_allclose(sb[0]["ce"], sa[0]["ce"], rtol=1e-5)
+    assert sb[0]["moe_dropped"] == 0 and "moe_dropped" not in sa[0]
     np.testing.assert_allclose(sb[0]["grad_norm"], sa[0]["grad_norm"], rtol=1e-4)
     held = [x for x in double.stdout.splitlines() if "held-out reward:" in x]
     assert held and held[-1].split("] ", 1)[-1] in single.stdout, (held, single.stdout[-500:])

@@ -72,15 +72,23 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class Interrupted(Exception):
+    """A SIGTERM or Ctrl-C during work after the last checkpoint (``_StopFlag(interrupt=True)``):
+    the work stops at once, since a resume redoes it."""
+
+
 class _StopFlag:
     """Set by SIGTERM or a first Ctrl-C (SIGINT); the handlers are installed only in the main
-    thread. A second Ctrl-C raises ``KeyboardInterrupt`` (quit without waiting for the save)."""
+    thread. A second Ctrl-C raises ``KeyboardInterrupt`` (quit without waiting for the save).
+    ``interrupt=True`` (work after the last checkpoint) also raises :class:`Interrupted` at the
+    first signal."""
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, interrupt: bool = False):
         self.set = False
         self.signal_name: str | None = None
+        self.interrupt = interrupt
         self._old: dict = {}
 
     def __enter__(self):
@@ -93,6 +101,8 @@ class _StopFlag:
             raise KeyboardInterrupt
         self.set = True
         self.signal_name = signal.Signals(signum).name
+        if self.interrupt:
+            raise Interrupted(self.signal_name)
         if signum == signal.SIGINT:
             _log("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again quits without it)")
 

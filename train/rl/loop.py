@@ -49,15 +49,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kdsa.infer.budget import BudgetConfig
 from kdsa.infer.chat import get_format
-from kdsa.infer.engine import Engine
-from kdsa.infer.runner import ModelRunner
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.config import ModelConfig
 from kdsa.model.outputs import layers_of
-from kdsa.sharding.mesh import check_layout, fit_layout, make_mesh
-from kdsa.sharding.reshard import reshard_state
+from kdsa.sharding.mesh import check_layout, fit_layout
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.init_from import export_run, init_from_path, initial_state, tokenizer_folder
@@ -69,10 +65,11 @@ from kdsa.train.rl.config import RLConfig
 from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.multihost import local_copy, play_split
 from kdsa.train.rl.reference import open_reference
+from kdsa.train.rl.sampler import Sampler, evaluate
 from kdsa.train.rl.sft import sft_batch
 from kdsa.train.rl.step import minibatch_updates, rl_step_with_options, split_rows
 from kdsa.train.run_dir import check_run_dir, state_bytes
-from kdsa.train.trainer import _StopFlag, close_after_error, prepare, stop_reason
+from kdsa.train.trainer import Interrupted, _StopFlag, close_after_error, prepare, stop_reason
 
 
 @dataclasses.dataclass
@@ -125,48 +122,6 @@ def build_envs(rc: RLConfig, seed: int = 0):
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class Sampler:
-    """The generation side: runner + engine on the generate mesh; ``sync`` reshards weights."""
-
-    def __init__(self, model, config: ModelConfig, rc: RLConfig, seed: int,
-                 tokenizer_path: str | Path | None = None):
-        self.mesh = make_mesh({"data": -1}, devices=jax.local_devices()[:rc.generate_devices])
-        self.tok = load_tokenizer(tokenizer_path, vocab_size=config.vocab_size,
-                                  flavor="k2" if rc.chat_format == "k2" else "k3")
-        self.fmt = get_format(rc.chat_format, self.tok)
-        self.runner = ModelRunner(model, num_slots=rc.num_slots, max_len=rc.seq_len + 1,
-                                  prefill_chunk=rc.seq_len + 1, min_bucket=rc.seq_len + 1,
-                                  mesh=self.mesh, layout="generate",
-                                  record_routing=rc.routing_replay)
-        self.engine = Engine(self.runner, self.tok, chat_format=self.fmt,
-                             budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=0),
-                             max_top_logprobs=0, seed=seed)
-
-    def sync(self, graphdef, state) -> float:
-        """Train state -> generate layout -> runner; returns the reshard seconds."""
-        model_state = nnx.state(nnx.merge(graphdef, state.params, state.rest))
-        moved, report = reshard_state(model_state, self.mesh, "generate")
-        self.runner.state = moved
-        return report.seconds
-
-
-def evaluate(sampler: Sampler, envs, rc: RLConfig, seed: int) -> tuple[float, dict, list]:
-    """Held-out reward: ``heldout_tasks`` fixed held-out tasks per domain, effort levels in
-    turn, ``heldout_samples`` samples each at the rollout temperature; the mean environment
-    reward (a truncated episode counts 0), the same per domain, and the episodes."""
-    levels = [k for k, w in rc.effort_weights.items() if w > 0]
-    tasks = [(env.task(i, "heldout"), levels[i % len(levels)])
-             for env in envs.values() for i in range(rc.heldout_tasks)]
-    g = rc.heldout_samples
-    eps = ro.start_episodes(sampler.fmt, tasks, g)
-    groups, _ = play_split(lambda e, **kw: ro.play(sampler.engine, sampler.fmt, envs, e, **kw),
-                           [eps[i:i + g] for i in range(0, len(eps), g)], rc=rc, seed=seed)
-    eps = [e for grp in groups for e in grp]  # multi-host: every process's share
-    score = {id(e): 0.0 if e.truncated else e.score for e in eps}
-    by_domain = {d: float(np.mean([score[id(e)] for e in eps if e.task.env == d])) for d in envs}
-    return float(np.mean(list(score.values()))), by_domain, eps
 
 
 def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
@@ -311,8 +266,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                         ms = [host(x) for x in ms]
                         m["minibatch_updates"] = float(len(ms))
                         m["updated"] = float(bool(ms))  # (kept groups without a loss token)
-                        m.update({key: float(np.mean([x[key] for x in ms]))
-                                  for key in (ms[0] if ms else ())})
+                        m.update({key: float((np.sum if key == "moe_dropped" else np.mean)(
+                            [x[key] for x in ms])) for key in (ms[0] if ms else ())})
                         m["update_s"] = time.perf_counter() - t1
                     step += 1
                     rl_i = step - rc.sft_steps
@@ -335,8 +290,19 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     after = None
     ckpt.wait()  # the last step written before the evaluation (minutes; a SIGTERM may come)
     if not stopped and evaluate_heldout:
-        sampler.sync(graphdef, state)
-        after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+        # a SIGTERM or Ctrl-C stops the evaluation at once and skips the export: the last
+        # step's checkpoint is complete, and ``--resume`` evaluates and exports
+        with _StopFlag(interrupt=True) as flag:
+            try:
+                sampler.sync(graphdef, state)
+                after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+            except Interrupted:
+                after, after_d = None, None
+        why = stop_reason(flag, None, step, total)  # every process, whichever got the signal
+        if why:
+            after, after_d, stopped = None, None, True
+            log(f"\nstopped by {why} during the final held-out evaluation; checkpoint {step} "
+                f"in {ckpt.directory / str(step)} is complete: --resume evaluates and exports")
     ckpt.close()
     if not stopped and (writes or place.collective):  # RUN_DIR/model: every shard's owner
         export_run(run_dir, config, graphdef, state, step=step, init_from=meta0["init_from"],

@@ -129,6 +129,9 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
                  "kl_num": pm.get("kl_numerator", jnp.float32(0.0)),
                  **({} if out.stats.replay_agreement is None else  # [2] sum, count
                     {"agree": out.stats.replay_agreement}),
+                 # expert parallel: assignments past the dispatch capacity (moe_capacity_factor)
+                 **({} if out.stats.moe_dropped is None else
+                    {"moe_dropped": jnp.sum(out.stats.moe_dropped).astype(jnp.float32)}),
                  "ent_num": jax.lax.stop_gradient(ent_num)}
         loss = w * ce_num / ce_den + (1.0 - w) * (pg_num / pg_den
                                                   - loss_cfg.entropy_coef * ent_num / ce_den)
@@ -148,6 +151,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
     if "expert_ids" in batch:  # share of replayed experts the training router also picks
         metrics["routing_replay_agreement"] = stats["agree"][0] / jnp.maximum(stats["agree"][1],
                                                                             1.0)
+    if "moe_dropped" in stats:
+        metrics["moe_dropped"] = stats["moe_dropped"]
     metrics["loss"] = w * metrics["ce"] + (1.0 - w) * metrics["pg_loss"]
     return new_state, replicated(metrics)
 
