@@ -47,6 +47,7 @@ class TokenStep:
         top_k, seeds, counters = (np.zeros(n, np.int32), np.zeros(n, np.uint32),
                                   np.zeros(n, np.int32))
         forced = np.full(n, -1, np.int32)
+        tempered = np.zeros(n, bool)
         banned = np.full((n, self.max_banned), -1, np.int32)
         ok = []
         for r, i in pairs:
@@ -55,6 +56,7 @@ class TokenStep:
                 temp[r], top_k[r], top_p[r], min_p[r] = (sp.temperature, min(sp.top_k, vocab),
                                                          sp.top_p, sp.min_p)
                 seeds[r], counters[r] = a.seed, len(a.tokens)
+                tempered[r] = sp.tempered_logprobs
                 ban = a.req.banned_token_ids
                 banned[r, :len(ban)] = ban
             except Exception as e:  # noqa: BLE001 -- e.g. a value the arrays cannot hold
@@ -68,7 +70,7 @@ class TokenStep:
             return
         try:
             out = self._sample(logits, temp, top_k, top_p, min_p, seeds, counters, forced,
-                               banned, num_top=self.num_top)
+                               banned, tempered, num_top=self.num_top)
             tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
             self._note("sample")
         except Exception as e:  # noqa: BLE001 -- shared by the rows: they all fail

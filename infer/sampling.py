@@ -13,9 +13,11 @@ order temperature -> top-k -> top-p -> min-p, on float32 logits:
   unchanged by renormalisation, so its place in the order does not matter.
 
 Log-probs returned with a token are those of the *model* distribution (``log_softmax`` of the raw
-logits, before temperature and filters): what a trainer recomputes for RL importance ratios.
-Forced tokens (thinking-budget close, ``forced >= 0``) replace the sample and get their model
-log-prob too.
+logits, before temperature and filters), or with ``tempered_logprobs`` those of the tempered one
+(``log_softmax(logits / temperature)``, before the filters; greedy rows: the model's): the
+policy an RL trainer recomputes for importance ratios when it samples at a temperature other
+than 1 (``train/rl/step.py``). Forced tokens (thinking-budget close, ``forced >= 0``) replace the
+sample and get their log-prob from the same distribution.
 
 Banned tokens (``banned [B, K]`` ids per row, ``-1`` padding; ``tool_choice: "none"`` bans the
 chat format's tool-call opener, ``docs/serving.md``) get logit ``-inf`` before everything else
@@ -58,6 +60,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
     ignore_eos: bool = False
+    tempered_logprobs: bool = False  # log-probs of softmax(logits / temperature) (RL rollouts)
 
     def __post_init__(self):
         bad = []
@@ -78,6 +81,8 @@ class SamplingParams:
             bad.append(f"top_logprobs={self.top_logprobs!r} (0..20)")
         if not isinstance(self.ignore_eos, bool):
             bad.append(f"ignore_eos={self.ignore_eos!r} (true or false)")
+        if not isinstance(self.tempered_logprobs, bool):
+            bad.append(f"tempered_logprobs={self.tempered_logprobs!r} (true or false)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad.append(f"stop={self.stop!r} (non-empty strings)")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -133,14 +138,16 @@ def ban_tokens(logits: jax.Array, banned: jax.Array, forced: jax.Array) -> jax.A
 
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seeds: jax.Array, counters: jax.Array, forced: jax.Array,
-           banned: jax.Array | None = None, *, num_top: int = 0):
+           banned: jax.Array | None = None, tempered: jax.Array | None = None, *,
+           num_top: int = 0):
     """Choose one token per row and report model log-probs.
 
     logits [B, V]; per-row parameters [B]; ``seeds`` uint32 [B], ``counters`` int32 [B] (tokens
     sampled so far: the stream position); ``forced`` int32 [B] (>= 0 replaces the sample);
-    ``banned`` int32 [B, K] (optional; ids never sampled, -1 padding).
+    ``banned`` int32 [B, K] (optional; ids never sampled, -1 padding); ``tempered`` bool [B]
+    (optional; True: log-probs of the tempered distribution on rows with temperature > 0).
     Returns tokens [B] int32, logprobs [B] float32, top ids [B, num_top] int32 and top
-    log-probs [B, num_top] float32 (model distribution, without the banned ids).
+    log-probs [B, num_top] float32 (model or tempered distribution, without the banned ids).
     """
     logits = logits.astype(jnp.float32)
     if banned is not None:
@@ -151,6 +158,9 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     greedy = jnp.argmax(logits, axis=-1)
     tokens = jnp.where(temperature > 0, drawn, greedy)
     tokens = jnp.where(forced >= 0, forced, tokens).astype(jnp.int32)
+    if tempered is not None:  # softmax(logits / T): the distribution sampled before filters
+        t = jnp.where(tempered & (temperature > 0), temperature, 1.0)
+        logits = logits / t[:, None]
     logp = jax.nn.log_softmax(logits, axis=-1)                            # [B, V]
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
     if num_top:

@@ -24,7 +24,8 @@ ZERO = {"low": 0, "high": 0, "max": 0}
 RC = RLConfig(envs=("test_first_letter",), steps=10, prompts_per_step=4, group_size=8,
               seq_len=64, num_slots=32, reasoning_caps=ZERO,  # think closed at once (forced)
               token_budgets={"low": 2, "high": 2, "max": 2},  # forced close + one answer token
-              truncation_penalty=0.0, max_sampling_rounds=1, tis="token", kl_coef=0.01)
+              truncation_penalty=0.0, max_sampling_rounds=1, tis="token", kl_coef=0.01,
+              temperature=0.7)  # the trained policy is the tempered one the engine samples
 TC = TrainConfig(steps=10, learning_rate=1e-2, schedule="constant", warmup_steps=0,
                  weight_decay=0.0, checkpoint_every=100, seed=0)
 
@@ -44,7 +45,8 @@ def test_reward_rises_on_a_trivial_environment(full_run):
     for k in ("reward/test_first_letter", "pg_loss", "mismatch_abs", "sync_seconds",
               "rollout_tokens_per_s", "kept_groups", "gen_tokens/low"):
         assert k in m
-    assert m["mismatch_abs"] < 1e-2  # sampler and trainer agree on the same weights
+    print(f"mismatch_abs per step: {[full_run.metrics[s].get('mismatch_abs') for s in range(1, 11)]}")
+    assert m["mismatch_abs"] < 1e-3  # sampler and trainer: the same (tempered) policy
     # KL to the reference (the weights before RL: no SFT here): 0 before the first update
     assert abs(m["kl"]) < 1e-6 and full_run.metrics[3]["kl"] > 1e-6
 

@@ -22,7 +22,7 @@ CONFIG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
                                               "linear_attn_config.kda_layers=[1]",
                                               "linear_attn_config.full_attn_layers=[2]"])
 RC = RLConfig(envs=("rg:basic_arithmetic",), loss="dapo", tis="none",  # TIS x ratio: old cancels
-              minibatches_per_step=2)
+              minibatches_per_step=2, temperature=0.7)  # old_logp: the tempered policy's
 TC = TrainConfig(steps=2, learning_rate=1e-3, schedule="constant", warmup_steps=0,
                  weight_decay=0.0, checkpoint_every=100, seed=0, eps=1e-4)
 
@@ -44,15 +44,15 @@ def test_two_minibatches_equal_two_updates_by_hand():
     got, metrics = minibatch_updates(graphdef, state, [first, second], state.params, 1.0,
                                      step_fn=step, **kw)
     assert len(metrics) == 2
-    old1 = policy_logprobs(graphdef, state, first, tc=tc)  # both from the policy before
-    old2 = policy_logprobs(graphdef, state, second, tc=tc)
+    old1 = policy_logprobs(graphdef, state, first, tc=tc, temperature=0.7)  # both from the
+    old2 = policy_logprobs(graphdef, state, second, tc=tc, temperature=0.7)  # policy before
     s1, _ = step(graphdef, state, first | {"old_logp": old1}, 0.0, state.params, 1.0, **kw)
     s2, m2 = step(graphdef, s1, second | {"old_logp": old2}, 0.0, state.params, 1.0, **kw)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
                  got.params, s2.params)
     np.testing.assert_allclose(float(metrics[1]["pg_loss"]), float(m2["pg_loss"]), rtol=1e-6)
     # the second update's ratio is not 1: with the current policy's log-probs it differs
-    now = policy_logprobs(graphdef, s1, second, tc=tc)
+    now = policy_logprobs(graphdef, s1, second, tc=tc, temperature=0.7)
     _, m_ratio1 = step(graphdef, s1, second | {"old_logp": now}, 0.0, state.params, 1.0, **kw)
     assert abs(float(m_ratio1["pg_loss"]) - float(m2["pg_loss"])) > 1e-6
     # an inactive mini-batch (all padding) takes no optimizer step: Adam's momentum and the

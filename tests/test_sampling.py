@@ -79,6 +79,28 @@ def test_greedy_forced_and_model_logprobs(logits):
     np.testing.assert_allclose(np.asarray(top_lp), -np.sort(-ls, -1)[:, :3], atol=1e-5)
 
 
+def test_tempered_logprobs_are_those_of_the_sampled_distribution(logits):
+    """``tempered``: the log-probs (chosen and top) of ``softmax(logits / T)`` on rows with
+    T > 0, the model's on greedy rows and rows without the flag; the tokens are unchanged."""
+    n = len(CASES)
+    temp = np.asarray([0.5, 2.0, 0.0, 0.5] + [0.7] * (n - 4), np.float32)
+    tempered = np.asarray([True, True, True, False] + [True] * (n - 4))
+    args = (temp, np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.float32),
+            np.arange(n, dtype=np.uint32), np.zeros(n, np.int32), np.full(n, -1, np.int32))
+    tok, lp, top_ids, top_lp = sample_jit(logits, *args, None, tempered, num_top=3)
+    plain = sample_jit(logits, *args, None, np.zeros(n, bool), num_top=3)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(plain[0]))
+    t = np.where(tempered & (temp > 0), temp, 1.0).astype(np.float64)[:, None]
+    x = logits.astype(np.float64) / t
+    ls = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lp), ls[np.arange(n), np.asarray(tok)], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(top_lp), -np.sort(-ls, -1)[:, :3], atol=1e-5)
+    assert not np.allclose(np.asarray(lp)[:2], np.asarray(plain[1])[:2], atol=1e-3)
+    np.testing.assert_array_equal(np.asarray(lp)[2:4], np.asarray(plain[1])[2:4])
+    with pytest.raises(ValueError, match="tempered_logprobs=1"):
+        SamplingParams(tempered_logprobs=1)
+
+
 def test_seeded_rows_are_batch_independent(logits):
     n = len(CASES)
     args = _arrays([(1.0, 0, 1.0, 0.0)] * n)

@@ -193,7 +193,7 @@ class RLConfig:
                                 aggregation=agg, tau=self.tau, tis=self.tis,
                                 tis_cap=self.tis_cap, kl_beta=float(self.kl_coef),
                                 kl_kind=self.kl_estimator,
-                                entropy_coef=self.entropy_coef)
+                                entropy_coef=self.entropy_coef, temperature=self.temperature)
         except ValueError as e:
             raise ValueError(f"rl: {e}") from None
 

@@ -51,6 +51,7 @@ class RLLossConfig:
     tis: str = "none"  # "none" | "token" | "sequence"
     tis_cap: float = 2.0
     entropy_coef: float = 0.0  # RL steps: loss -= coef * mean token entropy (train/rl/step.py)
+    temperature: float = 1.0  # the rollouts': the policy trained is softmax(logits / T)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -65,6 +66,8 @@ class RLLossConfig:
             raise ValueError("eps_low, eps_high must be >= 0 and tau, tis_cap > 0")
         if not isinstance(self.entropy_coef, (int, float)) or self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
 

@@ -143,7 +143,7 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
             if n < 1:
                 e.paused = True
                 continue
-            sp = SamplingParams(temperature=temp, max_tokens=n,
+            sp = SamplingParams(temperature=temp, max_tokens=n, tempered_logprobs=True,
                                 seed=(seed * 7919 + (order[id(e)] if e.index is None else
                                                      e.index) * 131 + e.turns) % (2**31 - 1))
             reqs.append((e, n < room, pre, Request(

@@ -6,8 +6,14 @@ and the RL steps (``sft_weight`` is an array, not a static argument)::
 
     loss = sft_weight * CE + (1 - sft_weight) * (PG - entropy_coef * H)
     CE   = sum(mask * -logp) / sum(mask)                       (assistant tokens only)
-    PG   = rl_losses.policy_loss(cfg, logp, old_logp, mask, advantages, sampler_logp)
-    H    = sum(mask * entropy) / sum(mask)     (entropy of each next-token distribution)
+    PG   = rl_losses.policy_loss(cfg, logp_T, old_logp, mask, advantages, sampler_logp)
+    H    = sum(mask * entropy_T) / sum(mask)   (entropy of each next-token distribution)
+
+The policy the rollouts sample is the tempered one, ``pi_T = softmax(logits / T)`` with ``T =
+cfg.temperature`` (``rl.temperature``), and the engine reports its log-probs
+(``SamplingParams.tempered_logprobs``); so PG, its ratios, TIS, the KL to the reference, the
+entropy and the mismatch metrics all read ``logp_T`` (as verl and slime divide the trainer's
+logits by the rollout temperature). The SFT cross-entropy reads the model's own ``logp``.
 
 The entropy bonus (``cfg.entropy_coef``, default 0) keeps the policy from collapsing onto one
 answer per prompt, where a group's rewards stop varying and GRPO has no gradient left; the mean
@@ -84,6 +90,11 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
     return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
 
 
+def tempered(logits: jax.Array, temperature: float) -> jax.Array:
+    """``logits / T`` (float32), the logits of the policy the rollouts sample at ``T``."""
+    return logits if temperature == 1.0 else logits.astype(jnp.float32) / temperature
+
+
 def _policy_forward(model, mb):
     """The policy's forward on one micro-batch: routing replay and image prompts applied."""
     replay = None if "expert_ids" not in mb else RoutingReplay(  # [B, T, L_moe, k] -> [L_moe, ..]
@@ -105,9 +116,13 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
 
     def objective(model, mb):
         out = _policy_forward(model, mb)
-        logp, ent = token_logprobs_and_entropy(out.logits, mb["targets"])  # [b, T] each
+        # [b, T] each: the sampled (tempered) policy's log-probs and entropy
+        logp, ent = token_logprobs_and_entropy(tempered(out.logits, loss_cfg.temperature),
+                                               mb["targets"])
+        ce_logp = logp if loss_cfg.temperature == 1.0 else token_logprobs(out.logits,
+                                                                           mb["targets"])
         mk = mb["loss_mask"].astype(jnp.float32)
-        ce_num = jnp.sum(-logp * mk)
+        ce_num = jnp.sum(-ce_logp * mk)
         ent_num = jnp.sum(ent * mk)
         # the policy before this update: given (mini-batches: computed once per rollout
         # batch, ``policy_logprobs``) or the current one (one update per batch: ratio 1)
@@ -116,9 +131,10 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
             ref = nnx.merge(graphdef, ref_params, state.rest)
             ref_logp = jax.lax.stop_gradient(
-                token_logprobs(ref.forward(mb["inputs"], segment_ids=mb.get("segment_ids"),
-                                           images=batch_image_inputs(ref, mb)).logits,
-                               mb["targets"]))
+                token_logprobs(tempered(ref.forward(
+                    mb["inputs"], segment_ids=mb.get("segment_ids"),
+                    images=batch_image_inputs(ref, mb)).logits, loss_cfg.temperature),
+                    mb["targets"]))
         pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
                                     sampler_logp=mb["sampler_logp"], ref_logp=ref_logp)
         d = (old - mb["sampler_logp"]) * mk
@@ -157,21 +173,23 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
     return new_state, replicated(metrics)
 
 
-def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig):
-    """``[B, T]`` log-probs of the batch's targets under the state's policy, micro-batch by
-    micro-batch (no gradient): the ``old_logp`` of mini-batch updates, taken once before the
-    first one so the later ones see a ratio other than 1."""
+def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig,
+                     temperature: float = 1.0):
+    """``[B, T]`` log-probs of the batch's targets under the state's policy at ``temperature``,
+    micro-batch by micro-batch (no gradient): the ``old_logp`` of mini-batch updates, taken once
+    before the first one so the later ones see a ratio other than 1."""
     mbs = _micro_batches({k: v for k, v in batch.items() if k != "old_logp"}, tc.accum_steps)
     model = nnx.merge(graphdef, state.params, state.rest)
 
     def one(_, mb):
-        return None, token_logprobs(_policy_forward(model, mb).logits, mb["targets"])
+        return None, token_logprobs(tempered(_policy_forward(model, mb).logits, temperature),
+                                    mb["targets"])
 
     _, logp = jax.lax.scan(one, None, mbs)  # [M, B/M, T]
     return logp.reshape(batch["targets"].shape)
 
 
-policy_logprobs = jax.jit(_policy_logprobs, static_argnames=("graphdef", "tc"))
+policy_logprobs = jax.jit(_policy_logprobs, static_argnames=("graphdef", "tc", "temperature"))
 
 
 def split_rows(batch: dict, k: int, group: int = 1) -> list[dict]:
@@ -210,7 +228,8 @@ def minibatch_updates(graphdef, state: TrainState, minibatches: list[dict], ref_
     many = len(minibatches) > 1  # one compiled program whichever mini-batches are active
     minibatches = [mb for mb, on in zip(minibatches, active) if on]
     if many:
-        minibatches = [dict(mb, old_logp=policy_logprobs(graphdef, state, mb, tc=tc))
+        minibatches = [dict(mb, old_logp=policy_logprobs(graphdef, state, mb, tc=tc,
+                                                         temperature=loss_cfg.temperature))
                        for mb in minibatches]
     out = []
     for mb in minibatches:
