@@ -267,8 +267,14 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
                 while self.has_work():
                     self.step()
                 raise
-        while self.has_work() and self.failure is None:
-            self.step()
+        try:
+            while self.has_work() and self.failure is None:
+                self.step()
+        except BaseException:  # an interrupt (Ctrl-C, a stop signal) in a step: the batch's
+            for r in requests:  # requests are aborted, so the engine can run the next batch
+                self.cancel(r.request_id)
+            self._apply_cancellations()
+            raise
         out = [done[r.request_id] for r in requests]
         bad = [c for c in out if c.error is not None]
         if bad and raise_errors:

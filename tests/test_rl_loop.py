@@ -131,9 +131,11 @@ def test_sft_and_rl_steps_run_one_compiled_step(full_run, tmp_path):
 
 def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, tmp_path,
                                                                      monkeypatch):
-    """A SIGTERM during the held-out evaluation after the last step stops it at once (no
-    export; the last checkpoint is complete) and ``--resume`` evaluates and exports without
-    taking a step again."""
+    """A SIGTERM that reaches the engine's decode step in the held-out evaluation after the last
+    step stops the evaluation at once (through the engine's per-step error guards, which would
+    otherwise abort the requests and go on), skips the export (the last checkpoint is
+    complete) and leaves the engine idle; ``--resume`` evaluates and exports without taking a
+    step again."""
     import os
     import signal
     import threading
@@ -142,23 +144,31 @@ def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, 
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are installed in the main thread only")
-    real, calls, handler = loop.evaluate, [], signal.getsignal(signal.SIGTERM)
+    runner, engine = full_run.sampler.runner, full_run.sampler.engine
+    real_eval, real_decode = loop.evaluate, runner.decode
+    calls, fired, handler = [], [], signal.getsignal(signal.SIGTERM)
 
-    def terminated_second(*a, **kw):  # the first call is the evaluation before RL
+    def evaluate(*a, **kw):  # the first call is the evaluation before RL
         calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **kw)
+        return real_eval(*a, **kw)
 
-    monkeypatch.setattr(loop, "evaluate", terminated_second)
+    def decode(*a, **kw):
+        if len(calls) == 2 and not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_decode(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    monkeypatch.setattr(runner, "decode", decode)
     rc = RC.replace(steps=1, heldout_tasks=1, heldout_samples=2)
     kw = dict(progress=False, compiler_options=FAST, sampler=full_run.sampler)
     a = run_rl(CONFIG, TC, rc, tmp_path, **kw)
-    assert a.stopped and a.final_step == 1 and len(calls) == 2
+    assert fired and a.stopped and a.final_step == 1 and len(calls) == 2
     assert a.heldout_before is not None and a.heldout_after is None
     assert (tmp_path / "checkpoints" / "1").is_dir() and not (tmp_path / "model").exists()
+    assert not engine.has_work() and engine.healthy  # the interrupted batch was aborted
+    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's handler again
     b = run_rl(CONFIG, TC, rc, tmp_path, resume=True, **kw)
     assert not b.stopped and b.resumed_from == 1 and b.final_step == 1 and len(calls) == 3
     assert b.heldout_before == a.heldout_before and b.heldout_after is not None
     assert (tmp_path / "model").is_dir()  # RUN_DIR/model: the export
-    assert signal.getsignal(signal.SIGTERM) is handler  # the caller's handler again

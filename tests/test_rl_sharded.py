@@ -51,6 +51,11 @@ def test_two_minibatches_equal_two_updates_by_hand():
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
                  got.params, s2.params)
     np.testing.assert_allclose(float(metrics[1]["pg_loss"]), float(m2["pg_loss"]), rtol=1e-6)
+    # the cross-entropy reads the untempered policy (the tempered one: the policy loss)
+    raw = np.asarray(policy_logprobs(graphdef, state, first, tc=tc, temperature=1.0))
+    mask = first["loss_mask"]
+    np.testing.assert_allclose(float(metrics[0]["ce"]), -(raw * mask).sum() / mask.sum(),
+                               rtol=1e-5)
     # the second update's ratio is not 1: with the current policy's log-probs it differs
     now = policy_logprobs(graphdef, s1, second, tc=tc, temperature=0.7)
     _, m_ratio1 = step(graphdef, s1, second | {"old_logp": now}, 0.0, state.params, 1.0, **kw)

@@ -72,16 +72,18 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class Interrupted(Exception):
+class Interrupted(BaseException):
     """A SIGTERM or Ctrl-C during work after the last checkpoint (``_StopFlag(interrupt=True)``):
-    the work stops at once, since a resume redoes it."""
+    the work stops at once, since a resume redoes it. A ``BaseException``, as
+    ``KeyboardInterrupt`` is, so the ``except Exception`` guards of the code it interrupts (the
+    engine's steps, which abort their requests and go on) let it through."""
 
 
 class _StopFlag:
     """Set by SIGTERM or a first Ctrl-C (SIGINT); the handlers are installed only in the main
     thread. A second Ctrl-C raises ``KeyboardInterrupt`` (quit without waiting for the save).
     ``interrupt=True`` (work after the last checkpoint) also raises :class:`Interrupted` at the
-    first signal."""
+    first signal (once; not while the handlers are being restored)."""
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -99,14 +101,16 @@ class _StopFlag:
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.set:
             raise KeyboardInterrupt
+        first = not self.set
         self.set = True
         self.signal_name = signal.Signals(signum).name
-        if self.interrupt:
+        if self.interrupt and first:
             raise Interrupted(self.signal_name)
         if signum == signal.SIGINT:
             _log("\nCtrl-C: saving a checkpoint after this step (Ctrl-C again quits without it)")
 
     def __exit__(self, *exc):
+        self.interrupt = False
         for s, old in self._old.items():
             signal.signal(s, old)
 

@@ -288,21 +288,26 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         close_after_error(ckpt, ref_ckpt, writer, sft_writer, bar)
         raise
     after = None
-    ckpt.wait()  # the last step written before the evaluation (minutes; a SIGTERM may come)
-    if not stopped and evaluate_heldout:
-        # a SIGTERM or Ctrl-C stops the evaluation at once and skips the export: the last
-        # step's checkpoint is complete, and ``--resume`` evaluates and exports
-        with _StopFlag(interrupt=True) as flag:
-            try:
-                sampler.sync(graphdef, state)
-                after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
-            except Interrupted:
-                after, after_d = None, None
+    if not stopped:
+        # the last step's checkpoint being written, then the held-out evaluation (minutes): a
+        # SIGTERM or Ctrl-C skips the export, and ``--resume`` evaluates and exports. One
+        # process stops at once (``Interrupted``); a multi-host job finishes the evaluation
+        # first, since every process takes part in its collectives, and then stops on all of
+        # them (``stop_reason``)
+        flag = _StopFlag(interrupt=jax.process_count() == 1)
+        try:
+            with flag:
+                ckpt.wait()
+                if evaluate_heldout:
+                    sampler.sync(graphdef, state)
+                    after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+        except Interrupted:
+            pass
         why = stop_reason(flag, None, step, total)  # every process, whichever got the signal
         if why:
             after, after_d, stopped = None, None, True
-            log(f"\nstopped by {why} during the final held-out evaluation; checkpoint {step} "
-                f"in {ckpt.directory / str(step)} is complete: --resume evaluates and exports")
+            log(f"\nstopped by {why} after the last step; checkpoint {step} in "
+                f"{ckpt.directory / str(step)} is complete: --resume evaluates and exports")
     ckpt.close()
     if not stopped and (writes or place.collective):  # RUN_DIR/model: every shard's owner
         export_run(run_dir, config, graphdef, state, step=step, init_from=meta0["init_from"],

@@ -90,6 +90,13 @@ def pg_denominator(cfg: RLLossConfig, mask: jax.Array) -> jax.Array:
     return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
 
 
+def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``[B, T]`` log-probs of the targets as ``logit - logsumexp``: no ``[B, T, V]``
+    log-softmax kept for the backward pass beside the tempered one."""
+    x = logits.astype(jnp.float32)
+    return jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, -1)
+
+
 def tempered(logits: jax.Array, temperature: float) -> jax.Array:
     """``logits / T`` (float32), the logits of the policy the rollouts sample at ``T``."""
     return logits if temperature == 1.0 else logits.astype(jnp.float32) / temperature
@@ -119,8 +126,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         # [b, T] each: the sampled (tempered) policy's log-probs and entropy
         logp, ent = token_logprobs_and_entropy(tempered(out.logits, loss_cfg.temperature),
                                                mb["targets"])
-        ce_logp = logp if loss_cfg.temperature == 1.0 else token_logprobs(out.logits,
-                                                                           mb["targets"])
+        ce_logp = logp if loss_cfg.temperature == 1.0 else _target_logprobs(out.logits,
+                                                                             mb["targets"])
         mk = mb["loss_mask"].astype(jnp.float32)
         ce_num = jnp.sum(-ce_logp * mk)
         ent_num = jnp.sum(ent * mk)
@@ -174,7 +181,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
 
 
 def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig,
-                     temperature: float = 1.0):
+                     temperature: float):
     """``[B, T]`` log-probs of the batch's targets under the state's policy at ``temperature``,
     micro-batch by micro-batch (no gradient): the ``old_logp`` of mini-batch updates, taken once
     before the first one so the later ones see a ratio other than 1."""
