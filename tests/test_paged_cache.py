@@ -265,7 +265,9 @@ def _engine(model, **kw):
     from kdsa.infer.runner import ModelRunner
     from kdsa.infer.tokenizer import ByteTokenizer
 
-    runner = ModelRunner(model, num_slots=3, max_len=3 * P, prefill_chunk=32, min_bucket=32,
+    # 4 slots and chunk 32, as tests/test_batched_prefill.py: the same model shapes compile the
+    # same prefill and decode programs, which the suite's persistent compile cache shares
+    runner = ModelRunner(model, num_slots=4, max_len=3 * P, prefill_chunk=32, min_bucket=32,
                          **kw)
     return Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0)
 
