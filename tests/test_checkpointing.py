@@ -184,7 +184,10 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
     ck.close()
     from orbax.checkpoint.experimental import v1 as ocp
 
-    got = ocp.load_checkpointables(tmp_path / "2", {"state": flatten_state(template)})
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # (no Orbax sharding warning)
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                          flatten_state(template))
+    got = ocp.load_checkpointables(tmp_path / "2", {"state": placed})
     assert float(got["state"]["w"][0]) == 20.0                # the re-done step 2, readable
 
 
