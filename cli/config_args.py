@@ -10,6 +10,17 @@ from kdsa.model.config import ModelConfig, get_preset
 from kdsa.model.overrides import apply_overrides
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a size, a count), refused by name before any work."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "tiny") -> None:
     g = p.add_argument_group("model config")
     from kdsa.model.presets import PRESETS

@@ -6,15 +6,15 @@ import time
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_config_args
+    from kdsa.cli.config_args import add_config_args, positive_int
 
     p = sub.add_parser("forward", help="run a forward pass of a preset with random weights",
                        description="Build the model with random weights on the local devices, "
                                    "run a jitted forward pass on random tokens and report the "
                                    "parameter table, compile and step time, and loss.")
     add_config_args(p, default_preset="small")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=positive_int, default=2)
+    p.add_argument("--seq", type=positive_int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kdsa.cli.config_args import add_config_args, config_from_args
+from kdsa.cli.config_args import add_config_args, config_from_args, positive_int
 
 
 def register(sub) -> None:
@@ -13,8 +13,9 @@ def register(sub) -> None:
                                    "(nnx.eval_shape), so k3-2.8t is counted without memory.")
     add_config_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--context", type=int, default=None,
-                   help="also print the decode cache for one sequence of this many tokens")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="also print the decode cache for one sequence of this many tokens "
+                        "(with --json: decode_cache_bytes_at_context)")
     p.set_defaults(run=run)
 
 
@@ -24,7 +25,12 @@ def run(args) -> int:
     name, config = config_from_args(args)
     report = count_params(config, preset=name)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        out = report.to_json()
+        if args.context:
+            out["context"] = args.context
+            out["decode_cache_bytes_at_context"] = (report.cache_bytes_per_token * args.context
+                                                    + report.cache_bytes_per_sequence)
+        print(json.dumps(out, indent=2))
     else:
         print(f"preset: {name}")
         print(format_report(report, context_len=args.context))

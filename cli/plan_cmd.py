@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from kdsa.cli.config_args import (add_config_args, add_layout_args, config_from_args,
-                                  layout_override)
+                                  layout_override, positive_int)
 
 
 def register(sub) -> None:
@@ -33,17 +33,17 @@ def register(sub) -> None:
                    help="axis sizes, e.g. data=2,fsdp=16,expert=64 (default: the preset's "
                         "layout); -1 takes the rest of --devices")
     add_layout_args(p)
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=positive_int, default=None,
                    help="device count, to resolve a -1 in --mesh or the preset default")
     p.add_argument("--device-memory", default=None,
                    help="memory per device (default: the --topology chip's HBM with --compile, "
                         "else 141GiB)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="global batch (train: sequences per step; generate: concurrent "
                         "sequences); default: the data-parallel degree")
-    p.add_argument("--seq", type=int, default=8192,
+    p.add_argument("--seq", type=positive_int, default=8192,
                    help="tokens per sequence (generate: the context the caches hold)")
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=positive_int, default=4096)
     p.add_argument("--moe-capacity-factor", type=float, default=None)
     p.add_argument("--paged", action="store_true",
                    help="with --layout generate --compile: compile the steps on the paged "

@@ -255,3 +255,24 @@ def test_a_binary_config_is_one_line_and_kdsa_debug_shows_the_traceback(tmp_path
     monkeypatch.setenv("KDSA_DEBUG", "1")
     with pytest.raises(ValueError, match="not UTF-8"):
         main(["params", "--config", str(binary)])
+
+
+@pytest.mark.parametrize("argv", [["forward", "--seq", "0"], ["forward", "--batch", "-2"],
+                                  ["plan", "--preset", "tiny", "--batch", "0"],
+                                  ["plan", "--preset", "tiny", "--seq", "x"],
+                                  ["params", "--context", "0"]])
+def test_sizes_below_one_are_refused_by_name_before_building(argv, capsys):
+    """``forward --seq 0`` built the model and then failed inside JAX ("x has no tokens"; -3: a
+    TypeError); ``plan --batch 0`` blamed the mesh; ``params --context 0`` printed no cache."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"kdsa {argv[0]}: error: argument {argv[-2]}: "), err
+
+
+def test_params_json_reports_the_cache_at_context(capsys):
+    assert main(["params", "--preset", "tiny", "--context", "100", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["decode_cache_bytes_at_context"] == (100 * d["cache_bytes_per_token"]
+                                                  + d["cache_bytes_per_sequence"]) > 0
