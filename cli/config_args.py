@@ -21,6 +21,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a factor)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "tiny") -> None:
     g = p.add_argument_group("model config")
     from kdsa.model.presets import PRESETS

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from kdsa.cli.config_args import (add_config_args, add_layout_args, config_from_args,
-                                  layout_override, positive_int)
+                                  layout_override, positive_float, positive_int)
 
 
 def register(sub) -> None:
@@ -44,7 +44,7 @@ def register(sub) -> None:
     p.add_argument("--seq", type=positive_int, default=8192,
                    help="tokens per sequence (generate: the context the caches hold)")
     p.add_argument("--prefill-chunk", type=positive_int, default=4096)
-    p.add_argument("--moe-capacity-factor", type=float, default=None)
+    p.add_argument("--moe-capacity-factor", type=positive_float, default=None)
     p.add_argument("--paged", action="store_true",
                    help="with --layout generate --compile: compile the steps on the paged "
                         "cache (the server's default: --batch x the pages of --seq, one "

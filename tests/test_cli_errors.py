@@ -260,10 +260,13 @@ def test_a_binary_config_is_one_line_and_kdsa_debug_shows_the_traceback(tmp_path
 @pytest.mark.parametrize("argv", [["forward", "--seq", "0"], ["forward", "--batch", "-2"],
                                   ["plan", "--preset", "tiny", "--batch", "0"],
                                   ["plan", "--preset", "tiny", "--seq", "x"],
+                                  ["plan", "--devices", "8", "--moe-capacity-factor", "0"],
+                                  ["plan", "--devices", "8", "--moe-capacity-factor", "nan"],
                                   ["params", "--context", "0"]])
 def test_sizes_below_one_are_refused_by_name_before_building(argv, capsys):
     """``forward --seq 0`` built the model and then failed inside JAX ("x has no tokens"; -3: a
-    TypeError); ``plan --batch 0`` blamed the mesh; ``params --context 0`` printed no cache."""
+    TypeError); ``plan --batch 0`` blamed the mesh, ``--moe-capacity-factor 0`` planned a buffer
+    of nothing; ``params --context 0`` printed no cache."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
