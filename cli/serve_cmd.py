@@ -16,11 +16,13 @@ def register(sub) -> None:
                                    "reasoning_effort), GET /v1/models and GET /health; all "
                                    "connections share one continuous-batching engine.")
     add_engine_args(p)
+    from kdsa.cli.config_args import positive_int
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", default=None, help="the id clients send (default: the "
                                                       "preset or checkpoint name)")
-    p.add_argument("--default-max-tokens", type=int, default=None,
+    p.add_argument("--default-max-tokens", type=positive_int, default=None,
                    help="max_tokens when a request gives none (default: the rest of the context)")
     p.add_argument("--no-warmup", action="store_true", help="compile on the first request")
     g = p.add_argument_group("image limits (vision models; a request past one is a 400)")

@@ -47,9 +47,9 @@ def _error(e: api.ApiError) -> web.Response:
 async def _parse(request: web.Request, count_only: bool) -> anth.MessagesJob:
     app, cfg = request.app, request.app[srv.CONFIG]
     engine = app[srv.ENGINE]
-    return anth.parse_messages_request(
-        await srv.read_json(request), model_name=cfg["model"], chat_format=app[srv.FORMAT],
-        max_len=engine.runner.max_len, budgets=engine.budgets,
+    return await srv.off_loop(
+        anth.parse_messages_request, await srv.read_json(request), model_name=cfg["model"],
+        chat_format=app[srv.FORMAT], max_len=engine.runner.max_len, budgets=engine.budgets,
         vision=srv.vision_config(engine), image_limits=cfg.get("image_limits"),
         count_only=count_only)
 
@@ -81,7 +81,13 @@ def _checked(mj, c):
         raise srv._failed(c)
     if c.output is not None and c.output.errors:
         log.warning("unparsed model output in %s: %s", c.request_id, c.output.errors)
-    api.check_tool_output(mj.job, c)
+    usable = lambda call: anth.tool_input(call) is not None  # noqa: E731  a tool_use input
+    dropped = [tc.name for tc in (c.output.tool_calls if c.output is not None else ())
+               if not usable(tc)]
+    if dropped:  # (the OpenAI API returns them: its arguments are a string)
+        log.warning("%s: tool calls %s have arguments that are not a JSON object; a tool_use "
+                    "block cannot hold them", c.request_id, dropped)
+    api.check_tool_output(mj.job, c, usable)
     return c
 
 

@@ -131,7 +131,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     seed = _get(body, "seed", int, None, lambda v: 0 <= v <= SEED_LIMIT - n, seed_range)
     stream = _get(body, "stream", bool, False, why="a boolean")
     opts = _get(body, "stream_options", dict, {}, why="an object")
-    if not isinstance(opts.get("include_usage", False), bool):
+    if not isinstance(opts.get("include_usage") or False, bool):
         raise ApiError(f"stream_options.include_usage must be a boolean, got "
                        f"{opts['include_usage']!r}", param="stream_options")
     logprobs = _get(body, "logprobs", bool, False, why="a boolean")
@@ -140,7 +140,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     top_logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20,
                         "an integer in [0, 20]")
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
+    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s
                                                                 for s in stop):
         raise ApiError("stop must be a string or a list of at most 4 non-empty strings",
@@ -251,15 +251,18 @@ def tool_call_prefix(chat_format, choice, first_call_index: int = 0) -> tuple[in
     return tuple(rows[0][:n])
 
 
-def check_tool_output(job: ChatJob, completion) -> None:
+def check_tool_output(job: ChatJob, completion, usable=None) -> None:
     """``tool_choice`` "required" / a named function: a finished answer must hold a valid call
     (of that function). The engine forces the call's opening; when the model still does not
     complete a valid call, this is an error (500, code ``tool_choice_unsatisfied``) rather
-    than an answer that breaks the contract. A ``length`` cut is reported as such."""
+    than an answer that breaks the contract. A ``length`` cut is reported as such.
+    ``usable(call)``: the calls the API can return (Anthropic: arguments that are a JSON
+    object, its ``tool_use`` input); the others do not count."""
     if not job.answer_prefix or completion.finish_reason != "stop":
         return
     out = completion.output
-    calls = list(out.tool_calls) if out is not None else []
+    calls = [c for c in (out.tool_calls if out is not None else ())
+             if usable is None or usable(c)]
     want = job.tool_choice["function"]["name"] if isinstance(job.tool_choice, dict) else None
     if calls and (want is None or all(c.name == want for c in calls)):
         return

@@ -159,17 +159,48 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": request.app[ENGINE].runner.max_len}]})
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a request body
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether JSON ``value`` nests arrays / objects more than ``limit`` levels (iterative: the
+    checks and renderings after it recurse, and Python's stack is shallower than the parser's)."""
+    stack = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
+
+
 async def read_json(request: web.Request):
-    """The request body as JSON; a 400 ``ApiError`` when it is not JSON."""
+    """The request body as JSON, decoded off the event loop (a 16 MiB body takes a while); a
+    400 ``ApiError`` when it is not JSON or nests deeper than :data:`MAX_JSON_DEPTH`."""
     try:
-        request[_BODY] = body = await request.json()
-        return body
+        text = await request.text()
+        body = await asyncio.get_running_loop().run_in_executor(None, json.loads, text)
     except (ValueError, RecursionError, LookupError) as e:
         # ValueError: JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits;
         # RecursionError: nesting deeper than the parser's stack; LookupError: an unknown
         # charset in the Content-Type
         raise api.ApiError(f"the request body is not valid JSON ({type(e).__name__}: "
                            f"{str(e)[:200]})") from None
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        raise api.ApiError(f"the request body nests arrays and objects deeper than "
+                           f"{MAX_JSON_DEPTH} levels")
+    request[_BODY] = body
+    return body
+
+
+async def off_loop(fn, *args, **kw):
+    """``fn(*args, **kw)`` in the default thread pool: the request checks tokenize the prompt
+    and decode images (seconds for a large body), which must not stall the other requests'
+    streams, ``/health`` or ``/metrics``."""
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
 
 def vision_config(engine):
@@ -181,11 +212,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     app, cfg = request.app, request.app[CONFIG]
     engine = app[ENGINE]
     try:
-        job = api.parse_chat_request(await read_json(request), model_name=cfg["model"],
-                                     chat_format=app[FORMAT], max_len=engine.runner.max_len,
-                                     default_max_tokens=cfg["default_max_tokens"],
-                                     vision=vision_config(engine),
-                                     image_limits=cfg.get("image_limits"))
+        job = await off_loop(api.parse_chat_request, await read_json(request),
+                             model_name=cfg["model"], chat_format=app[FORMAT],
+                             max_len=engine.runner.max_len,
+                             default_max_tokens=cfg["default_max_tokens"],
+                             vision=vision_config(engine), image_limits=cfg.get("image_limits"))
     except api.ApiError as e:
         return _error(e)
 

@@ -373,3 +373,25 @@ def test_base64_image_block():
         assert info.value.body["error"]["message"].startswith("messages[0].content[0].source: ")
     finally:
         handle.stop()
+
+
+def test_a_call_whose_arguments_are_not_an_object_does_not_satisfy_tool_choice():
+    """The XTML format parses a call whose ``json`` element holds any JSON; a ``tool_use`` block
+    needs an object, so the Anthropic API cannot return ``[1, 2]``: with ``tool_choice``
+    ``any`` such an answer is ``tool_choice_unsatisfied`` (it was an ``end_turn`` without the
+    call), while the OpenAI API, whose arguments are a string, returns it."""
+    from types import SimpleNamespace
+
+    from kdsa.infer import anthropic_server
+    from kdsa.infer import openai_api as api
+    from kdsa.infer.chat import ToolCall
+
+    out = SimpleNamespace(tool_calls=(ToolCall("functions.f:0", "f", "[1, 2]"),), errors=())
+    c = SimpleNamespace(finish_reason="stop", output=out, error=None, request_id="r")
+    job = SimpleNamespace(answer_prefix=True, tool_choice="required")
+    api.check_tool_output(job, c)  # OpenAI: a call
+    with pytest.raises(api.ApiError) as e:
+        anthropic_server._checked(SimpleNamespace(job=job), c)
+    assert e.value.code == "tool_choice_unsatisfied"
+    out.tool_calls = (ToolCall("functions.f:0", "f", '{"a": 1}'),)
+    assert anthropic_server._checked(SimpleNamespace(job=job), c) is c

@@ -166,6 +166,9 @@ def test_bodies_the_json_parser_refuses_are_400s(server):
         "id": "c1", "type": "function",
         "function": {"name": "get_weather", "arguments": "[" * 100_000}}]}
     json_400 = (400, "not valid JSON")
+    deep = {}
+    for _ in range(1000):
+        deep = {"items": deep}
     cases = [
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000
          + b"}", "application/json", json_400),
@@ -178,6 +181,19 @@ def test_bodies_the_json_parser_refuses_are_400s(server):
          (400, "this model's context is 1024 tokens")),
         (json.dumps({"model": None, "messages": USER, "max_tokens": 4}).encode(),
          "application/json", (200, "")),  # null: the served model, as when absent
+        # a tool schema nested 1,000 deep: within the JSON parser's stack, past Python's in
+        # the schema check (was a 500)
+        (json.dumps({"messages": USER, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": deep}}}}]})
+         .encode(), "application/json", (400, "deeper than 64 levels")),
+        # stop of another type than a string or list (false and {} meant "no stop")
+        (json.dumps({"messages": USER, "stop": False}).encode(), "application/json",
+         (400, "stop must be")),
+        (json.dumps({"messages": USER, "stop": {}}).encode(), "application/json",
+         (400, "stop must be")),
+        (json.dumps({"messages": USER, "max_tokens": 4, "stream": True,
+                     "stream_options": {"include_usage": None}}).encode(),
+         "application/json", (200, "")),  # null: the default, as when absent
     ]
     for k, (data, ctype, (want, says)) in enumerate(cases):
         status, text = _post(handle.port, data, content_type=ctype)

@@ -93,6 +93,20 @@ def test_transparency_is_composited_onto_the_chessboard():
     assert out[0, 12].tolist() == [round(200 * a + 180 * (1 - a)), g, g]
 
 
+def test_only_the_api_image_formats_are_decoded():
+    """PNG, JPEG, WebP and GIF decode; another format Pillow reads (BMP here; EPS would run
+    Ghostscript) is refused before any plugin of its own opens it."""
+    rgb = np.full((16, 16, 3), 90, np.uint8)
+    for fmt in ("PNG", "JPEG", "WEBP", "GIF"):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, fmt)
+        assert decode_image(buf.getvalue()).shape == (16, 16, 3), fmt
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, "BMP")
+    with pytest.raises(ValueError, match="cannot decode the image"):
+        decode_image(buf.getvalue())
+
+
 def to_data_url_rgba(rgba):
     """RGBA uint8 -> base64 PNG bytes."""
     buf = io.BytesIO()

@@ -231,6 +231,8 @@ def test_serve_passes_the_image_limit_flags(monkeypatch):
     assert seen["image_limits"] == ImageLimits(max_images=2, max_pixels=40000, max_bytes=20000)
     with pytest.raises(ValueError, match="max_images must be a positive integer, got 0"):
         serve_cmd.run(_serve_args(["--max-images", "0"]))
+    with pytest.raises(SystemExit):  # -1 made every request without max_tokens a 500
+        _serve_args(["--default-max-tokens", "-1"])
 
 
 def test_engine_refuses_mismatched_placeholders_and_text_models(runner):

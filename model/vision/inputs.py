@@ -43,9 +43,14 @@ class ImageLimits:
             raise ValueError(f"{where} has {n} images; the limit is {self.max_images}")
 
 
+# the formats a request's image may be in (the APIs' own list): Pillow's other plugins (EPS runs
+# Ghostscript, for one) are never reached by a request's bytes
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
 def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageLimits()
                  ) -> np.ndarray:
-    """Encoded bytes (PNG, JPEG, ...) -> RGB ``uint8 [H, W, 3]``."""
+    """Encoded bytes (PNG, JPEG, WebP, GIF: :data:`IMAGE_FORMATS`) -> RGB ``uint8 [H, W, 3]``."""
     from PIL import Image
 
     if len(data) > limits.max_bytes:
@@ -55,7 +60,7 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
+            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
             w, h = im.size
             if w * h > limits.max_pixels:
                 raise ValueError(f"{where}: {w}x{h} = {w * h} pixels; the limit is "
@@ -65,7 +70,7 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
     except ValueError:
         raise
     except (OSError, SyntaxError, EOFError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
+            Image.DecompressionBombWarning, Image.UnidentifiedImageError) as e:
         raise ValueError(f"{where}: cannot decode the image ({type(e).__name__}: {e})") from None
     if rgb.ndim != 3 or rgb.shape[2] != 3 or min(rgb.shape[:2]) < 1:
         raise ValueError(f"{where}: decoded to an unusable shape {rgb.shape}")
