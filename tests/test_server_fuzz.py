@@ -199,3 +199,34 @@ def test_bodies_the_json_parser_refuses_are_400s(server):
         status, text = _post(handle.port, data, content_type=ctype)
         assert status == want and says in text, (k, status, text[:300])
     assert eng.healthy and eng.metrics()["failed_requests"] == 0
+
+
+def test_a_slow_request_check_does_not_stall_the_event_loop(server, monkeypatch):
+    """Request checks (JSON decoding, tokenizing, image decoding) run off the event loop: while
+    one request's check takes 1.5 s, ``/health`` answers at once (it waited for the check)."""
+    import threading
+    import time
+
+    from kdsa.infer import openai_api
+
+    handle, _ = server
+    real = openai_api.parse_chat_request
+
+    def slow(*a, **kw):
+        time.sleep(1.5)  # (a sleep holds no lock, as the tokenizers' C code does not)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(openai_api, "parse_chat_request", slow)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=_post(
+        handle.port, json.dumps({"messages": USER, "max_tokens": 2}).encode())))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+    waited = time.perf_counter() - t0
+    conn.close()
+    t.join()
+    assert result["r"][0] == 200 and waited < 0.8, waited
