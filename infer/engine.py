@@ -95,6 +95,11 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         # where pages come from and go back to: the prefix cache (it evicts idle cached pages
         # for new ones) or the bare pool
         self.page_sources = self.prefixes or self.pools
+        if self._record_routing and self.prefixes:
+            raise ValueError("record_routing (RL routing replay) records the experts of every "
+                             "token the model runs, and a prefix-cache hit runs no cached "
+                             "token: build the runner with num_snapshots=0 or pass "
+                             "prefix_cache=False")
         self.prefix_every = prefix_snapshot_every if self.prefixes else None
         self.stats = collections.Counter()
         self.started = time.perf_counter()

@@ -81,8 +81,6 @@ class PageScheduling:
             return False
         a.pages, a.page_keys, a.part = shared + fresh, keys, part
         self.runner.set_pages(i, a.pages)
-        if not a.tokens:
-            prefix.queried_tokens += len(a.feed)
         try:
             if partial is not None:  # resuming inside a page: this request's own copy of it
                 self.runner.copy_page(partial, fresh[0], slot=i)
@@ -95,9 +93,12 @@ class PageScheduling:
             raise
         if partial is not None:
             prefix.release([partial])
+        first = not a.tokens and not a.preemptions  # (a preempted request's own pages and
+        if first:  # snapshots are not hits, nor is its prompt queried twice)
+            prefix.queried_tokens += len(a.feed)
         if snapshot is not None:
             a.prefilled = depth
-            if not a.tokens:
+            if first:
                 prefix.hit_tokens += depth
         a.branch = prefix.branch_point(keys, a.prefilled, len(a.feed))
         return True
@@ -171,9 +172,11 @@ class PageScheduling:
             return
         try:
             self.runner.save_state(i, slot)
-        except Exception:  # noqa: BLE001 -- a cache entry lost, not a request
-            log.exception("saving a prefix-cache snapshot from slot %d failed; dropped", i)
+        except BaseException as e:  # the key is filed: no hit may find the slot unsaved
             prefix.drop_slot(slot)
+            if not isinstance(e, Exception):  # an interrupt goes on up
+                raise
+            log.exception("saving a prefix-cache snapshot from slot %d failed; dropped", i)
 
     def _fed_keys(self, a: _Active) -> tuple[list, list[bytes]]:
         """What ``a`` feeds as the prefix cache sees it (its prompt's :meth:`_key_items` and

@@ -226,14 +226,16 @@ class SlotScheduling:
         a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
-        if (i is not None and self.prefixes and reason != "abort" and a.tokens
-                and a.prefilled == len(a.feed)):
-            self._snapshot_end(i, a)
-        if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
-            self.page_sources[a.part].release(a.pages)
-            a.pages = []
-            if i is not None:
-                self.runner.set_pages(i, [])
+        try:
+            if (i is not None and self.prefixes and reason != "abort" and a.tokens
+                    and a.prefilled == len(a.feed)):
+                self._snapshot_end(i, a)
+        finally:  # (an interrupt in the snapshot copy: the pages still go back)
+            if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
+                self.page_sources[a.part].release(a.pages)
+                a.pages = []
+                if i is not None:
+                    self.runner.set_pages(i, [])
         output = None
         if a.req.parser is not None:
             try:

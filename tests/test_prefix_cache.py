@@ -277,3 +277,40 @@ def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
     runner.restore_state(3, 1)
     runner.copy_page(2, 5, slot=1)
     assert [f._cache_size() for f in copies] == [1, 1, 1]
+
+
+def test_an_interrupt_in_a_snapshot_copy_drops_it_and_the_engine_goes_on(model):
+    """Ctrl-C (or the RL loop's stop signal) landing in a snapshot's state copy: the snapshot,
+    whose key was filed first, is dropped (a later hit would resume from another sequence's
+    state), the interrupted batch is aborted with its pages back, and the next requests are
+    exact."""
+    rng = np.random.default_rng(4)
+    system = rng.integers(0, 256, 140).tolist()
+    prompts = [system + rng.integers(0, 256, n).tolist() for n in (10, 20)]
+    cached, plain = _engine(model, True), _engine(model, False)
+    runner, real, calls = cached.runner, cached.runner.save_state, []
+
+    def interrupted_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    runner.save_state = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        _run(cached, prompts[:1])
+    pc = cached.prefix
+    assert len(pc.snap_of) + len(pc.free_snaps) == pc.num_snapshots  # the slot came back
+    assert not cached.has_work() and cached.healthy
+    assert not pc.refs.keys() - {page for _, _, page in pc.partial.values()}  # none held
+    _same(_run(cached, prompts), _run(plain, prompts))
+
+
+def test_routing_records_and_the_prefix_cache_are_refused_together(model):
+    """A hit runs none of the cached tokens, so their routing would be missing from a
+    completion's record (prompt, then every sampled token)."""
+    runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48, min_bucket=16,
+                         num_pages=24, num_snapshots=4, record_routing=True)
+    with pytest.raises(ValueError, match="record_routing .* prefix-cache hit"):
+        Engine(runner, ByteTokenizer(CFG.vocab_size))
+    assert not Engine(runner, ByteTokenizer(CFG.vocab_size), prefix_cache=False).prefixes
