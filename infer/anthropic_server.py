@@ -30,6 +30,7 @@ from aiohttp import web
 from kdsa.infer import anthropic_api as anth
 from kdsa.infer import openai_api as api
 from kdsa.infer import server as srv
+from kdsa.infer.request_body import off_loop, read_json
 
 log = logging.getLogger("kdsa.serve")
 PING_S = 10.0
@@ -47,8 +48,8 @@ def _error(e: api.ApiError) -> web.Response:
 async def _parse(request: web.Request, count_only: bool) -> anth.MessagesJob:
     app, cfg = request.app, request.app[srv.CONFIG]
     engine = app[srv.ENGINE]
-    return await srv.off_loop(
-        anth.parse_messages_request, await srv.read_json(request), model_name=cfg["model"],
+    return await off_loop(
+        anth.parse_messages_request, await read_json(request), model_name=cfg["model"],
         chat_format=app[srv.FORMAT], max_len=engine.runner.max_len, budgets=engine.budgets,
         vision=srv.vision_config(engine), image_limits=cfg.get("image_limits"),
         count_only=count_only)

@@ -40,14 +40,13 @@ from aiohttp import web
 from kdsa.infer import anthropic_api
 from kdsa.infer import openai_api as api
 from kdsa.infer import prometheus
+from kdsa.infer.request_body import BODY, off_loop, read_json
 from kdsa.infer.engine import EngineDead, Request
 
 log = logging.getLogger("kdsa.serve")
 ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
                                      ("engine", "format", "tokenizer", "config"))
 METRICS = web.AppKey("metrics", object)  # prometheus.ServerMetrics: this app's registry
-# the parsed JSON body of a request (read_json), for its tool rounds (aiohttp >= 3.12: a key)
-_BODY = web.RequestKey("body", object) if hasattr(web, "RequestKey") else "kdsa.body"
 
 
 def build_app(engine, chat_format, *, model_name: str = "kdsa",
@@ -159,48 +158,10 @@ async def models(request: web.Request) -> web.Response:
          "max_model_len": request.app[ENGINE].runner.max_len}]})
 
 
-MAX_JSON_DEPTH = 64  # arrays and objects inside each other in a request body
-
-
-def _deeper_than(value, limit: int) -> bool:
-    """Whether JSON ``value`` nests arrays / objects more than ``limit`` levels (iterative: the
-    checks and renderings after it recurse, and Python's stack is shallower than the parser's)."""
-    stack = [(value, 1)]
-    while stack:
-        x, depth = stack.pop()
-        children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children)
-    return False
-
-
-async def read_json(request: web.Request):
-    """The request body as JSON, decoded off the event loop (a 16 MiB body takes a while); a
-    400 ``ApiError`` when it is not JSON or nests deeper than :data:`MAX_JSON_DEPTH`."""
-    try:
-        text = await request.text()
-        body = await asyncio.get_running_loop().run_in_executor(None, json.loads, text)
-    except (ValueError, RecursionError, LookupError) as e:
-        # ValueError: JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits;
-        # RecursionError: nesting deeper than the parser's stack; LookupError: an unknown
-        # charset in the Content-Type
-        raise api.ApiError(f"the request body is not valid JSON ({type(e).__name__}: "
-                           f"{str(e)[:200]})") from None
-    if _deeper_than(body, MAX_JSON_DEPTH):
-        raise api.ApiError(f"the request body nests arrays and objects deeper than "
-                           f"{MAX_JSON_DEPTH} levels")
-    request[_BODY] = body
-    return body
-
-
-async def off_loop(fn, *args, **kw):
-    """``fn(*args, **kw)`` in the default thread pool: the request checks tokenize the prompt
-    and decode images (seconds for a large body), which must not stall the other requests'
-    streams, ``/health`` or ``/metrics``."""
-    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
+# seconds between SSE comments (": keepalive") while a stream waits for its next token (queued,
+# a long prefill): proxies drop a connection idle for their timeout (nginx: 60 s), which
+# cancels the request; clients ignore comment lines
+KEEPALIVE_S = 10.0
 
 
 def vision_config(engine):
@@ -278,7 +239,7 @@ def _deliver(request: web.Request, job: api.ChatJob, queue: asyncio.Queue):
     """``deliver(choice, event)`` on the event loop: the event onto ``queue``; a finished
     request is recorded in the app's metrics (a metrics bug is logged, never felt)."""
     obs, api_name = request.app.get(METRICS), prometheus.api_of(request.path)
-    rounds = prometheus.tool_rounds(request.get(_BODY), api_name) if obs is not None else 0
+    rounds = prometheus.tool_rounds(request.get(BODY), api_name) if obs is not None else 0
 
     def deliver(i, ev) -> None:
         queue.put_nowait((i, ev))
@@ -345,9 +306,13 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         await resp.write(f"data: {data}\n\n".encode())
 
+    async def keepalive() -> None:
+        await resp.write(b": keepalive\n\n")
+
     done = [None] * n
     try:
-        await _stream_events(request, job, queue, pending, n, model, tok, send, done)
+        await _stream_events(request, job, queue, pending, n, model, tok, send, done,
+                             keepalive)
     except api.ApiError as e:  # the engine stopped: say so, then end the stream
         await send(e.body())
     except (ConnectionResetError, asyncio.CancelledError):
@@ -364,14 +329,16 @@ async def _stream(request, job, queue, pending, n, model, tok) -> web.StreamResp
     return resp
 
 
-async def _stream_events(request, job, queue, pending, n, model, tok, send, done) -> None:
-    """The chunks of a stream until every choice is done (``done`` filled in)."""
+async def _stream_events(request, job, queue, pending, n, model, tok, send, done,
+                         keepalive=None) -> None:
+    """The chunks of a stream until every choice is done (``done`` filled in); ``keepalive()``
+    every :data:`KEEPALIVE_S` seconds of waiting."""
     for i in range(n):
         await send(api.chunk(job, model_name=model, index=i, delta={"role": "assistant",
                                                                      "content": ""}))
     tool_index = [0] * n
     while pending:
-        i, ev = await _next(request, queue)
+        i, ev = await _next(request, queue, keepalive=keepalive, every=KEEPALIVE_S)
         lp = None
         if job.logprobs and ev.token_id is not None:
             lp = api._logprob_entries(tok, [ev.token_id], [ev.logprob], [ev.top_logprobs])

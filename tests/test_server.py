@@ -352,3 +352,21 @@ def test_tool_choice_required_when_the_model_cannot_complete_a_call(chat):
     assert status == 200 and any("error" in x and x["error"]["code"] ==
                                  "tool_choice_unsatisfied" for x in lines)
     assert _post(chat[0], {**req, "tool_choice": "auto"})[0] == 200
+
+
+def test_a_waiting_stream_sends_keepalive_comments(chat, monkeypatch):
+    """While a stream waits for its next token (queued, a long prefill), an SSE comment every
+    ``KEEPALIVE_S`` keeps proxies from dropping the idle connection (which cancels the
+    request); the chunks are unchanged."""
+    import time
+
+    from kdsa.infer import server
+
+    handle, eng = chat
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.3)
+    real = eng.runner.decode
+    monkeypatch.setattr(eng.runner, "decode", lambda *a: (time.sleep(0.7), real(*a))[1])
+    status, text = _post(handle, {"messages": USER, "reasoning_effort": "low", "stream": True,
+                                  "max_tokens": 3})
+    assert status == 200 and text.count(": keepalive\n\n") >= 2, text[:500]
+    assert _sse(text)[-1]["choices"][0]["finish_reason"] == "length"
