@@ -50,7 +50,7 @@ async def _parse(request: web.Request, count_only: bool) -> anth.MessagesJob:
     engine = app[srv.ENGINE]
     return await off_loop(
         anth.parse_messages_request, await read_json(request), model_name=cfg["model"],
-        chat_format=app[srv.FORMAT], max_len=engine.runner.max_len, budgets=engine.budgets,
+        chat_format=app[srv.FORMAT], max_len=engine.max_request_tokens, budgets=engine.budgets,
         vision=srv.vision_config(engine), image_limits=cfg.get("image_limits"),
         count_only=count_only)
 

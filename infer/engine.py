@@ -187,6 +187,15 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
     def queue_length(self) -> int:
         return len(self._waiting)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt and generated) one request can hold: the context, or fewer
+        when the paged pool of a device group is smaller (the servers' default ``max_tokens``
+        and context checks use it, so a request without ``max_tokens`` fits the pool)."""
+        if not self.pools:
+            return self.runner.max_len
+        return min(self.runner.max_len, self.pools[0].num_pages * PAGE_SIZE)
+
     def has_work(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self.slots)
 

@@ -175,7 +175,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         job = await off_loop(api.parse_chat_request, await read_json(request),
                              model_name=cfg["model"], chat_format=app[FORMAT],
-                             max_len=engine.runner.max_len,
+                             max_len=engine.max_request_tokens,
                              default_max_tokens=cfg["default_max_tokens"],
                              vision=vision_config(engine), image_limits=cfg.get("image_limits"))
     except api.ApiError as e:

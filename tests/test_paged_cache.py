@@ -408,3 +408,27 @@ def test_logits_at_equals_the_full_logits_there(model):
     np.testing.assert_allclose(np.asarray(lean),
                                np.take_along_axis(np.asarray(full), np.asarray(at)[..., None],
                                                   axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_without_max_tokens_fits_a_pool_smaller_than_the_context(model):
+    """The servers default ``max_tokens`` to the room left in ``Engine.max_request_tokens``:
+    with a pool of 2 pages under a 192-token context that is 128 tokens, so such a request
+    is admitted (the rest of the context was refused: "needs 3 cache pages")."""
+    from kdsa.infer import openai_api
+    from kdsa.infer.chat import get_format
+    from kdsa.infer.tokenizer import load_tokenizer
+
+    eng = _engine(model, num_pages=2)
+    assert eng.max_request_tokens == 2 * P < eng.runner.max_len
+    assert _engine(model).max_request_tokens == eng.runner.max_len  # dense slots
+    tok = load_tokenizer(None, vocab_size=CFG.vocab_size, flavor="k2")
+    job = openai_api.parse_chat_request({"messages": [{"role": "user", "content": "hi"}]},
+                                        model_name="m", chat_format=get_format("k2", tok),
+                                        max_len=eng.max_request_tokens)
+    assert len(job.prompt) + job.sampling[0].max_tokens == 2 * P
+    from kdsa.infer.engine import Request
+
+    eng.submit(Request(job.prompt, job.sampling[0]))  # admitted: it fits the pool
+    eng.cancel(eng._waiting[0].req.request_id)
+    while eng.has_work():
+        eng.step()
