@@ -140,12 +140,14 @@ def _key_parts(kv, b: int, dk: int, what: str = "kv") -> tuple[jax.Array, ...]:
 
 
 def _gather_part_rows(parts: tuple[jax.Array, ...], idx: jax.Array) -> list[jax.Array]:
-    """Rows ``[B, C, K, D_i]`` (float32) of each key part at ``idx [B, C, K]`` (valid indices),
-    kept apart (a concatenation would copy them all once more)."""
+    """Rows ``[B, C, K, D_i]`` (float32) of each key part at ``idx [B, C, K]``, kept apart (a
+    concatenation would copy them all once more); an index outside ``[0, S)`` gives a row of
+    zeros (not another token's row: a non-finite value there would reach the output through
+    its zero weight, 0 x NaN)."""
     b, c, k = idx.shape
     flat = idx.reshape(b, c * k, 1)
-    return [jnp.take_along_axis(p, flat, axis=1).astype(f32).reshape(b, c, k, -1)
-            for p in parts]
+    return [jnp.take_along_axis(p, flat, axis=1, mode="fill", fill_value=0).astype(f32)
+            .reshape(b, c, k, -1) for p in parts]
 
 
 def _gather_rows(parts: tuple[jax.Array, ...], idx: jax.Array) -> jax.Array:
@@ -207,7 +209,7 @@ def sparse_mla_attention(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_sca
 
     def chunk(qc, ic):  # qc [B, C, N, Dk], ic [B, C, K]
         valid = (ic >= 0) & (ic < s)
-        rows = _gather_part_rows(parts, jnp.where(valid, ic, 0))  # [B, C, K, D_i] per part
+        rows = _gather_part_rows(parts, jnp.where(valid, ic, s))  # [B, C, K, D_i]; unused: 0
         qs = jnp.split(qc.astype(f32), splits, axis=-1)
         logits = sum(jnp.einsum("bcnd,bckd->bcnk", qp, r) for qp, r in zip(qs, rows))
         logits = jnp.where(valid[:, :, None, :], logits * sm_scale, -jnp.inf)
@@ -388,7 +390,7 @@ def indexer_kl_sparse(q: jax.Array, kv: jax.Array, indices: jax.Array, sm_scale:
 
     def chunk(qc, ic, iqc, iwc):
         valid = (ic >= 0) & (ic < s)
-        safe = jnp.where(valid, ic, 0)
+        safe = jnp.where(valid, ic, s)  # unused slots: rows of zeros (_gather_part_rows)
         rows, ik = _gather_rows(parts, safe), _gather_rows((index_k,), safe)  # [B, C, K, *]
         attn = jnp.einsum("bcnd,bckd->bcnk", qc.astype(f32), rows) * sm_scale
         attn = jnp.where(valid[:, :, None, :], attn, -jnp.inf)

@@ -26,6 +26,7 @@ from kdsa.kernels_pallas import sparse_mla_attention
 from kdsa.kernels_pallas.sparse_mla import (dense_masked_mla_attention, kernel,
                                             sparse_mla_attention_ref)
 from kdsa.model.config import get_preset
+from kdsa.model.dsa import sparse_mla_attention as xla_sparse_mla_attention
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache
 from kdsa.sharding.constrain import use_sharding
 from kdsa.sharding.mesh import make_mesh
@@ -437,3 +438,37 @@ def test_gated_dsa_layer_pallas_on_a_mesh_without_sequence_split(layer_case):
         assert "shard_map" in str(jax.make_jaxpr(decode)(params))
         y_dec = jax.jit(decode)(params)
     np.testing.assert_allclose(y_dec, jax.jit(decode_xla)(params), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attend,kw", [
+    (sparse_mla_attention, {"backend": "triton"}),
+    (sparse_mla_attention_ref, {}),
+    (xla_sparse_mla_attention, {})], ids=["triton", "kernel-ref", "xla"])
+def test_unused_slots_never_read_a_non_finite_row(attend, kw):
+    """Unused slots (-1, >= S) read row 0 and must contribute nothing even when it is not
+    finite (in the paged pool, row 0 is another request's token): outputs and gradients stay
+    finite and equal those with row 0 zeroed. Before, the Triton kernel and both XLA
+    references gave NaN for every query with an unused slot (0 x NaN); the Mosaic kernel
+    zeroed them (test above)."""
+    q, kv, idx = make_problem(11)
+    idx = jnp.where(idx == 0, 1, idx)  # no valid slot selects row 0
+    assert bool((idx < 0).any())
+    dirty = tuple(x.at[:, 0].set(jnp.nan) for x in kv)
+    clean = tuple(x.at[:, 0].set(0.0) for x in kv)
+    rng = np.random.default_rng(5)
+    w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], DC)), jnp.float32)
+    w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
+
+    def run(kv):
+        f = jax.value_and_grad(loss_fn(attend, idx, DC, w_out, w_lse, **kw), argnums=(0, 1, 2),
+                               has_aux=True)
+        (_, (out, _)), g = f(q, *kv)
+        return out, g
+
+    (out, g), (rout, rg) = run_jit(lambda d, c: (run(d), run(c)), dirty, clean)
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_allclose(out, rout, **TOL)
+    for a, b in zip(g, rg):
+        a = np.asarray(a)
+        assert np.all(np.isfinite(a[:, 1:] if a.ndim == 3 and a.shape[1] == S else a))
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(np.asarray(b)), **TOL)

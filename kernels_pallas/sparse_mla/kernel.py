@@ -161,8 +161,10 @@ def _tile(idx_ref, ka_ref, kb_ref, j, p: Plan):
     ids = idx_ref[pl.ds(k0, p.bk)]                                           # [bk] int32
     valid = (ids >= 0) & (ids < p.s)
     rows = jnp.where(valid, ids, 0)
-    ra = ka_ref[rows, :]                                                     # [bk, Da]
-    rb = kb_ref[rows, :] if kb_ref is not None else None                     # [bk, Db]
+    # unused slots read row 0 and are zeroed: its values (another token's, or an unwritten pool
+    # row's) would reach the output through their zero weight if not finite (0 x NaN)
+    ra = jnp.where(valid[:, None], ka_ref[rows, :], 0)                       # [bk, Da]
+    rb = jnp.where(valid[:, None], kb_ref[rows, :], 0) if kb_ref is not None else None
     return valid, k0, ra, rb
 
 

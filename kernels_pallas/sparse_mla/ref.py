@@ -88,6 +88,7 @@ def sparse_mla_attention_ref(q: jax.Array, kv, indices: jax.Array, sm_scale: flo
         qc, ic = args                                                    # [B, C, N, Dk], [B, C, K]
         valid = (ic >= 0) & (ic < s)
         rows = jax.vmap(lambda w, i: w[i])(whole, jnp.where(valid, ic, 0))   # [B, C, K, Dk]
+        rows = jnp.where(valid[..., None], rows, 0.0)  # unused slots: zeros, not row 0's values
         logits = jnp.einsum("bcnd,bckd->bcnk", qc.astype(f32), rows) * sm_scale
         logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
         return _masked_softmax_attend(logits, rows[..., :v_dim], "bcnk,bckd->bcnd")
