@@ -51,8 +51,9 @@ from kdsa.model.expert_parallel import expert_parallel_experts, token_order
 from kdsa.model.experts_cpu import experts_cpu
 from kdsa.model.partitioning import compile_platform, constrain
 from kdsa.model.stacked_experts import StackedWeight, own, ragged_dot
-from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, experts_ragged_mxfp4,
-                                  pack_expert_weight, qat_expert_weights, unpack_expert_weight)
+from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes,
+                                  experts_mxfp4_per_device, pack_expert_weight,
+                                  qat_expert_weights, unpack_expert_weight)
 
 ExpertsFn = Callable[..., jax.Array]
 
@@ -323,10 +324,10 @@ class RoutedExperts(nnx.Module):
         the weights' split model dim into the gathered token rows and could then only
         replicate them ("involuntary full rematerialization", ``fsdp=2,sequence=4``)."""
         if self.packed and experts_fn is experts_routed:
-            return experts_ragged_mxfp4(
+            return experts_mxfp4_per_device(
                 z, topk_idx, topk_weight,
                 *(_whole(getattr(self, f"{n}_{part}")[...]) for n in ("w1", "w3", "w2")
-                  for part in ("packed", "scale")), self.config)
+                  for part in ("packed", "scale")), config=self.config)
         return experts_fn(z, topk_idx, topk_weight, *map(_whole, self.float_weights()),
                           self.config)
 

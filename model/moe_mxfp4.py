@@ -132,3 +132,29 @@ def qat_expert_weights(w1: jax.Array, w3: jax.Array, w2: jax.Array
     contracting dim, as the exported MXFP4 tensors), straight-through gradient
     (``fake_quantize_mxfp4``; ``docs/reference/mxfp4.md`` section 5)."""
     return tuple(fake_quantize_mxfp4(w, axis=-2) for w in (w1, w3, w2))
+
+
+def experts_mxfp4_per_device(z, topk_idx, topk_weight, *weights, config: ModelConfig):
+    """:func:`experts_ragged_mxfp4` on each device's own token rows, the weights whole on every
+    device, inside an explicit ``shard_map`` when a layout's rules are active: XLA cannot
+    partition the Pallas kernel's call itself ("Mosaic kernels cannot be automatically
+    partitioned"; the path without expert parallelism, e.g. ``data=4`` or ``fsdp=2``). Tokens
+    are independent, so each device's rows give the rows of the whole."""
+    from jax.sharding import PartitionSpec as P
+
+    from kdsa.model.expert_parallel import token_axes
+    from kdsa.model.partitioning import current
+
+    ctx = current()
+    if ctx is None or config.moe_impl != "pallas":
+        return experts_ragged_mxfp4(z, topk_idx, topk_weight, *weights, config)
+    axes = token_axes(ctx, z.shape[0])
+    rows = P((axes[0] if len(axes) == 1 else axes) if axes else None, None)
+
+    def body(z, topk_idx, topk_weight, *weights):
+        return experts_ragged_mxfp4(z, topk_idx, topk_weight, *weights, config)
+
+    # check_vma off, as for the sparse attention kernel: interpret mode carries refs invariant
+    return jax.shard_map(body, mesh=ctx.mesh, in_specs=(rows,) * 3 + (P(),) * len(weights),
+                         out_specs=rows, check_vma=False)(z, topk_idx, topk_weight, *weights)
+

@@ -292,6 +292,23 @@ def test_mxfp4_experts_match_one_hot_reference(impl):
     np.testing.assert_allclose(df, dg, rtol=1e-4, atol=1e-5)
 
 
+def test_mxfp4_pallas_experts_on_a_data_mesh_equal_one_device():
+    """On a mesh without expert parallelism the Pallas experts run per device on its own token
+    rows (``experts_mxfp4_per_device``: a Mosaic call cannot be partitioned by XLA): the same
+    outputs as on one device."""
+    from kdsa.model.moe_mxfp4 import experts_mxfp4_per_device
+    from kdsa.sharding.constrain import use_sharding
+    from kdsa.sharding.mesh import make_mesh
+
+    c = MICRO.replace(expert_weight_format="mxfp4", moe_impl="pallas")
+    z, idx, wt, ws = _moe_inputs(c)
+    packed = _pack_all(ws)
+    want = jax.jit(lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c))(z)
+    with use_sharding(make_mesh("data=2", devices=jax.devices()[:2]), "generate"):
+        got = jax.jit(lambda z: experts_mxfp4_per_device(z, idx, wt, *packed, config=c))(z)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_qat_layer_is_the_served_mxfp4_layer():
     """Same init: the QAT MoE (float masters, fake-quantised) and the MXFP4 MoE (packed bytes
     through the grouped MXFP4 matmul) compute the same layer (measured: bitwise equal)."""

@@ -312,3 +312,24 @@ def test_one_tpu_device_without_a_mesh_reads_its_caches_in_place(monkeypatch):
             sliced = [ln for ln in unfused_instructions(text) if re.search(
                 rf"= \w+\[(1,)?{rows},\d+\]\S* (copy|fusion|dynamic-slice)\(", ln)]
             assert not sliced, (paged, name, sliced[:2])
+
+
+def test_mxfp4_expert_kernel_compiles_on_a_data_mesh(capsys):
+    """The MXFP4 grouped-matmul kernel (``moe_impl=pallas``) on a mesh without expert
+    parallelism runs in a ``shard_map`` over each device's tokens: XLA:TPU compiled neither
+    generate step before ("Mosaic kernels cannot be automatically partitioned")."""
+    import json
+
+    from kdsa.cli.main import main
+
+    rc = main(["plan", "--preset", "tiny", "--set", "num_hidden_layers=1",
+               "--set", "linear_attn_config.kda_layers=[]",
+               "--set", "linear_attn_config.full_attn_layers=[1]",
+               "--set", "first_k_dense_replace=0", "--set", "moe_impl=pallas",
+               "--set", "expert_weight_format=mxfp4", "--layout", "generate",
+               "--mesh", "data=4", "--batch", "4", "--seq", "256", "--prefill-chunk", "64",
+               "--compile", "--topology", "v5e:2x2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert {step: c["kernels"] for step, c in out["compiled"].items()} == {
+        "prefill": {"mxfp4_grouped_matmul": 3}, "decode": {"mxfp4_grouped_matmul": 3}}
