@@ -262,3 +262,27 @@ def test_empty_inputs():
     assert mxfp4_matmul(jnp.zeros((0, 64)), blocks[0], scales[0]).shape == (0, 16)
     y = mxfp4_grouped_matmul(jnp.zeros((0, 64)), blocks, scales, jnp.zeros((3,), jnp.int32))
     assert y.shape == (0, 16)
+
+
+@pytest.mark.parametrize("k,block_k", [(96, 32), (320, 64)], ids=["3-tiles", "5-tiles"])
+def test_several_k_tiles_dense_and_grouped(k, block_k):
+    """More than one contracting tile (every other case fits one: ``block_k`` defaults to 256):
+    the per-tile offsets of the packed bytes and the scales, and K padded to a multiple of
+    ``block_k`` (320 = 5 x 64; 96 = 3 x 32), bit-exact against the reference and float64."""
+    from kdsa.kernels_pallas import common
+    from kdsa.kernels_pallas.mxfp4_matmul.kernel import mxfp4_grouped_matmul
+
+    rng = np.random.default_rng(k)
+    bs = common.BlockSizes(block_m=8, block_n=8, block_k=block_k)
+    blocks, scales = exact_weight(rng, (16,), k)
+    x = int_x(rng, (9, k), jnp.float32)
+    y = jax.jit(lambda x, b, s: mxfp4_matmul(x, b, s, block_sizes=bs))(x, blocks, scales)
+    assert_bits_equal(y, ref_dense(x, blocks, scales))
+    assert_bits_equal(y, np.asarray(x, np.float64) @ np_weight(blocks, scales).T)
+    gb, gs = exact_weight(rng, (3, 16), k)
+    sizes = [4, 0, 5]
+    g = jnp.asarray(sizes, jnp.int32)
+    yg = jax.jit(lambda x, b, s, g: mxfp4_grouped_matmul(x, b, s, g, block_sizes=bs))(
+        x, gb, gs, g)
+    assert_bits_equal(yg, ref_grouped(x, gb, gs, g))
+    assert_bits_equal(yg, np_grouped(x, gb, gs, sizes))
