@@ -23,7 +23,8 @@ def register(sub) -> None:
     p.add_argument("--model-name", default=None, help="the id clients send (default: the "
                                                       "preset or checkpoint name)")
     p.add_argument("--default-max-tokens", type=positive_int, default=None,
-                   help="max_tokens when a request gives none (default: the rest of the context)")
+                   help="max_tokens when a request gives none (default: the rest of the "
+                        "context, or of the cache pool when it holds fewer tokens)")
     p.add_argument("--no-warmup", action="store_true", help="compile on the first request")
     g = p.add_argument_group("image limits (vision models; a request past one is a 400)")
     g.add_argument("--max-images", type=int, default=8, help="images per request (default 8)")

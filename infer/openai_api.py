@@ -131,7 +131,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     seed = _get(body, "seed", int, None, lambda v: 0 <= v <= SEED_LIMIT - n, seed_range)
     stream = _get(body, "stream", bool, False, why="a boolean")
     opts = _get(body, "stream_options", dict, {}, why="an object")
-    if not isinstance(opts.get("include_usage") or False, bool):
+    if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
         raise ApiError(f"stream_options.include_usage must be a boolean, got "
                        f"{opts['include_usage']!r}", param="stream_options")
     logprobs = _get(body, "logprobs", bool, False, why="a boolean")

@@ -155,7 +155,7 @@ async def models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG]
     return web.json_response({"object": "list", "data": [
         {"id": cfg["model"], "object": "model", "created": cfg["created"], "owned_by": "kdsa",
-         "max_model_len": request.app[ENGINE].runner.max_len}]})
+         "max_model_len": request.app[ENGINE].max_request_tokens}]})
 
 
 # seconds between SSE comments (": keepalive") while a stream waits for its next token (queued,

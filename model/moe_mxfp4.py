@@ -157,4 +157,3 @@ def experts_mxfp4_per_device(z, topk_idx, topk_weight, *weights, config: ModelCo
     # check_vma off, as for the sparse attention kernel: interpret mode carries refs invariant
     return jax.shard_map(body, mesh=ctx.mesh, in_specs=(rows,) * 3 + (P(),) * len(weights),
                          out_specs=rows, check_vma=False)(z, topk_idx, topk_weight, *weights)
-

@@ -305,7 +305,9 @@ def test_mxfp4_pallas_experts_on_a_data_mesh_equal_one_device():
     packed = _pack_all(ws)
     want = jax.jit(lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c))(z)
     with use_sharding(make_mesh("data=2", devices=jax.devices()[:2]), "generate"):
-        got = jax.jit(lambda z: experts_mxfp4_per_device(z, idx, wt, *packed, config=c))(z)
+        fn = lambda z: experts_mxfp4_per_device(z, idx, wt, *packed, config=c)  # noqa: E731
+        assert "shard_map" in str(jax.make_jaxpr(fn)(z))  # (XLA:CPU would partition it too)
+        got = jax.jit(fn)(z)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

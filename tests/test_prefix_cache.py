@@ -279,15 +279,17 @@ def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
     assert [f._cache_size() for f in copies] == [1, 1, 1]
 
 
-def test_an_interrupt_in_a_snapshot_copy_drops_it_and_the_engine_goes_on(model):
-    """Ctrl-C (or the RL loop's stop signal) landing in a snapshot's state copy: the snapshot,
+@pytest.mark.parametrize("every", [1, 8], ids=["prefill-snapshot", "end-snapshot"])
+def test_an_interrupt_in_a_snapshot_copy_drops_it_and_the_engine_goes_on(model, every):
+    """Ctrl-C (or the RL loop's stop signal) landing in a snapshot's state copy, in prefill
+    (every page) or at the request's end (``every=8``: no snapshot in prefill): the snapshot,
     whose key was filed first, is dropped (a later hit would resume from another sequence's
-    state), the interrupted batch is aborted with its pages back, and the next requests are
-    exact."""
+    state), the interrupted batch is aborted with its pages back (a finishing request's in a
+    ``finally``), and the next requests are exact."""
     rng = np.random.default_rng(4)
     system = rng.integers(0, 256, 140).tolist()
     prompts = [system + rng.integers(0, 256, n).tolist() for n in (10, 20)]
-    cached, plain = _engine(model, True), _engine(model, False)
+    cached, plain = _engine(model, True, every=every), _engine(model, False)
     runner, real, calls = cached.runner, cached.runner.save_state, []
 
     def interrupted_once(*args, **kw):
@@ -303,6 +305,7 @@ def test_an_interrupt_in_a_snapshot_copy_drops_it_and_the_engine_goes_on(model):
     assert len(pc.snap_of) + len(pc.free_snaps) == pc.num_snapshots  # the slot came back
     assert not cached.has_work() and cached.healthy
     assert not pc.refs.keys() - {page for _, _, page in pc.partial.values()}  # none held
+    assert pc.pool.free + len(pc.idle) + len(pc.partial) == pc.pool.num_pages
     _same(_run(cached, prompts), _run(plain, prompts))
 
 

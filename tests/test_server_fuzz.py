@@ -213,7 +213,7 @@ def test_a_slow_request_check_does_not_stall_the_event_loop(server, monkeypatch)
     real = openai_api.parse_chat_request
 
     def slow(*a, **kw):
-        time.sleep(1.5)  # (a sleep holds no lock, as the tokenizers' C code does not)
+        time.sleep(1.5)  # (a sleep releases the GIL; pure-Python checks share it in slices)
         return real(*a, **kw)
 
     monkeypatch.setattr(openai_api, "parse_chat_request", slow)

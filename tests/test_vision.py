@@ -15,7 +15,7 @@ from PIL import Image
 
 from kdsa.model.config import get_preset
 from kdsa.model.vision.assemble import pack_images, scatter_features
-from kdsa.model.vision.inputs import decode_image
+from kdsa.model.vision.inputs import decode_image, image_from_url
 from kdsa.model.vision.patching import merge_order, patch_grid, patchify
 from kdsa.model.vision.position import apply_rope_2d, interpolate_pos_emb, rope_2d_angles
 from kdsa.model.vision.projector import merge_patches
@@ -94,17 +94,21 @@ def test_transparency_is_composited_onto_the_chessboard():
 
 
 def test_only_the_api_image_formats_are_decoded():
-    """PNG, JPEG, WebP and GIF decode; another format Pillow reads (BMP here; EPS would run
-    Ghostscript) is refused before any plugin of its own opens it."""
+    """PNG, JPEG, WebP and GIF decode; in a request's data URL another format Pillow reads (BMP
+    here; EPS would run Ghostscript) is refused before any plugin of its own opens it; local
+    files (``kdsa generate``, SFT data) may be in any format."""
     rgb = np.full((16, 16, 3), 90, np.uint8)
     for fmt in ("PNG", "JPEG", "WEBP", "GIF"):
         buf = io.BytesIO()
         Image.fromarray(rgb).save(buf, fmt)
-        assert decode_image(buf.getvalue()).shape == (16, 16, 3), fmt
+        url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        assert image_from_url(url).shape == (16, 16, 3), fmt
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, "BMP")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     with pytest.raises(ValueError, match="cannot decode the image"):
-        decode_image(buf.getvalue())
+        image_from_url(url)
+    assert decode_image(buf.getvalue()).shape == (16, 16, 3)  # a local file: any format
 
 
 def to_data_url_rgba(rgba):

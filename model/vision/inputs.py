@@ -48,9 +48,10 @@ class ImageLimits:
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 
-def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageLimits()
-                 ) -> np.ndarray:
-    """Encoded bytes (PNG, JPEG, WebP, GIF: :data:`IMAGE_FORMATS`) -> RGB ``uint8 [H, W, 3]``."""
+def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageLimits(),
+                 formats: tuple[str, ...] | None = None) -> np.ndarray:
+    """Encoded bytes -> RGB ``uint8 [H, W, 3]``; ``formats``: the only Pillow formats tried
+    (a request's data URL: :data:`IMAGE_FORMATS`; None: any, for local files)."""
     from PIL import Image
 
     if len(data) > limits.max_bytes:
@@ -60,7 +61,7 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            im = Image.open(io.BytesIO(data), formats=formats)
             w, h = im.size
             if w * h > limits.max_pixels:
                 raise ValueError(f"{where}: {w}x{h} = {w * h} pixels; the limit is "
@@ -118,7 +119,7 @@ def image_from_url(url, where: str = "image_url", limits: ImageLimits = ImageLim
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"{where}: invalid base64 ({e})") from None
-    return decode_image(data, where, limits)
+    return decode_image(data, where, limits, IMAGE_FORMATS)
 
 
 def image_from_file(path, where: str | None = None, limits: ImageLimits = ImageLimits()
