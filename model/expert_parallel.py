@@ -203,16 +203,19 @@ def _count(dropped, tok_axes):
 
 
 def _sorted_by_owner(z, topk_idx, e_loc, ep):
-    """Assignments sorted by expert: order [M], owner [M], local id [M], counts and starts [ep]."""
+    """Assignments sorted by expert: order [M], owner [M], local id [M], counts and starts [ep],
+    and whether each is dispatched at all [M]. An expert id of ``E`` (= ep x e_loc: padding
+    under a capacity factor, ``MoE._routed``) sorts last and is counted nowhere."""
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)                              # [M]
     e_sorted = jnp.take(flat, order)
-    owner, local = e_sorted // e_loc, e_sorted % e_loc
-    counts = jnp.zeros((ep,), jnp.int32).at[owner].add(1)               # [ep]
+    real = e_sorted < ep * e_loc                                        # [M]
+    owner, local = jnp.minimum(e_sorted // e_loc, ep - 1), e_sorted % e_loc
+    counts = jnp.zeros((ep,), jnp.int32).at[owner].add(real.astype(jnp.int32))  # [ep]
     starts = jnp.cumsum(counts) - counts
     rows = jnp.take(z, order // k, axis=0)                              # [M, De]
-    return order, owner, local, counts, starts, rows
+    return order, owner, local, counts, starts, rows, real
 
 
 def _padded_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_axes, tok_axes,
@@ -220,10 +223,10 @@ def _padded_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
     e_loc, de = w1.shape[0], z.shape[1]
     ep, m = jax.lax.axis_size(_name(ep_axes)), topk_idx.size
     z, topk_weight = _vary(z, tp_axes), _vary(topk_weight, tp_axes)
-    order, owner, local, _, starts, rows = _sorted_by_owner(z, topk_idx, e_loc, ep)
+    order, owner, local, _, starts, rows, real = _sorted_by_owner(z, topk_idx, e_loc, ep)
     cap = capacity(m, ep, factor)
     rank = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, owner)    # [M] within its owner
-    keep = rank < cap
+    keep = real & (rank < cap)
     slot = jnp.where(keep, owner * cap + rank, ep * cap)                # ep*cap = dropped
     send = jnp.zeros((ep * cap, de), z.dtype).at[slot].set(rows, mode="drop")
     send_ids = jnp.full((ep * cap,), e_loc, jnp.int32).at[slot].set(local, mode="drop")
@@ -233,7 +236,7 @@ def _padded_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
     back = a2a(out)                                                     # my slots, answered
     res = jnp.where(keep[:, None], jnp.take(back, jnp.minimum(slot, ep * cap - 1), axis=0), 0)
     y = _combine(res, order, topk_weight, tp_axes)
-    return y.astype(z.dtype), _count(~keep, tok_axes)
+    return y.astype(z.dtype), _count(real & ~keep, tok_axes)
 
 
 def ragged_exchange_plan(counts_all: jax.Array, me: jax.Array, rows: int):
@@ -257,13 +260,13 @@ def _ragged_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
     z, topk_weight = _vary(z, tp_axes), _vary(topk_weight, tp_axes)
     ep, m = jax.lax.axis_size(axis), topk_idx.size
     me = jax.lax.axis_index(axis)
-    order, owner, local, counts, starts, rows = _sorted_by_owner(z, topk_idx, e_loc, ep)
+    order, owner, local, counts, starts, rows, real = _sorted_by_owner(z, topk_idx, e_loc, ep)
     r = receive_rows(m, ep, factor)
     counts_all = jax.lax.all_gather(counts, axis, to="invarying")      # [ep, ep]
     starts_all = jnp.cumsum(counts_all, axis=1) - counts_all           # senders' own offsets
     send, out_off, recv, recv_off = ragged_exchange_plan(counts_all, me, r)
     rank = jnp.arange(m, dtype=jnp.int32) - jnp.take(starts, owner)
-    keep = rank < jnp.take(send, owner)
+    keep = real & (rank < jnp.take(send, owner))
     a2a = _ragged_emulated if emulate else _ragged_all_to_all
     got = a2a(rows, jnp.zeros((r, de), z.dtype), starts, send, out_off, recv, axis)
     got_ids = a2a(local[:, None], jnp.full((r, 1), e_loc, jnp.int32), starts, send, out_off,
@@ -272,7 +275,7 @@ def _ragged_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
     back = a2a(out, jnp.zeros((m, de), z.dtype), recv_off, recv, starts_all[:, me], send, axis)
     res = jnp.where(keep[:, None], back, 0)
     y = _combine(res, order, topk_weight, tp_axes)
-    return y.astype(z.dtype), _count(~keep, tok_axes)
+    return y.astype(z.dtype), _count(real & ~keep, tok_axes)
 
 
 def _ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis):

@@ -50,6 +50,7 @@ from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, l
 from kdsa.model.expert_parallel import expert_parallel_experts, token_order
 from kdsa.model.experts_cpu import experts_cpu
 from kdsa.model.partitioning import compile_platform, constrain
+from kdsa.model.partitioning import current as current_sharding
 from kdsa.model.stacked_experts import StackedWeight, own, ragged_dot
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes,
                                   experts_mxfp4_per_device, pack_expert_weight,
@@ -381,12 +382,17 @@ class MoE(nnx.Module):
         """Same layer with the one-hot dense expert computation (tests, debugging)."""
         return self._forward(x, token_mask, experts_one_hot, expert_ids)
 
-    def _routed(self, z, topk_idx, topk_weight, experts_fn: ExpertsFn) -> tuple[jax.Array, dict]:
+    def _routed(self, z, topk_idx, topk_weight, experts_fn: ExpertsFn,
+                token_mask: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The routed experts ``[N, De]`` and, under expert parallelism (the active rules shard
-        the experts), ``{"moe_dropped": [] int32}``; ``{}`` on one device."""
+        the experts), ``{"moe_dropped": [] int32}``; ``{}`` on one device. Under a capacity
+        factor, tokens outside ``token_mask [N]`` (padding) are not dispatched (routed output
+        0): they would take capacity from real tokens."""
         sharded = expert_parallel_experts() if experts_fn is experts_routed else None
         if sharded is None:
             return self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn), {}
+        if token_mask is not None and current_sharding().moe_capacity_factor is not None:
+            topk_idx = jnp.where(token_mask[:, None], topk_idx, self.config.num_experts)
         return sharded(z, topk_idx, topk_weight, *self.experts.float_weights(), self.config)
 
     def _forward(self, x: jax.Array, token_mask: jax.Array | None, experts_fn: ExpertsFn,
@@ -407,14 +413,14 @@ class MoE(nnx.Module):
             expert_ids = flatten(expert_ids).astype(jnp.int32)
         topk_idx, topk_weight, scores = self.gate(xf, expert_ids)  # [N, k], [N, k], [N, E]
         z = self.routed_expert_down_proj(xf) if self.routed_expert_down_proj is not None else xf
-        r, ep_metrics = self._routed(z, topk_idx, topk_weight, experts_fn)  # [N, De]
+        mask = None if token_mask is None else flatten(token_mask)
+        r, ep_metrics = self._routed(z, topk_idx, topk_weight, experts_fn, mask)  # [N, De]
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         if self.routed_expert_up_proj is not None:
             r = self.routed_expert_up_proj(r)  # [N, D]
         if self.shared_experts is not None:
             r = r + self.shared_experts(xf)
-        mask = None if token_mask is None else flatten(token_mask)
         load = expert_load(topk_idx, c.num_experts, mask)  # [E]
         metrics = {"expert_load": load, "max_load_ratio": max_load_ratio(load), **ep_metrics,
                    "expert_ids": unflatten(topk_idx)}  # [B, T, k] the experts used

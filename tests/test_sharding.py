@@ -122,6 +122,9 @@ def _dropped_reference(idx, e, ep, shards, cap):
         order = np.argsort(flat, kind="stable")
         seen = np.zeros(ep, int)
         for a in order:
+            if flat[a] >= e:  # padding (expert id E): not dispatched, takes no capacity
+                keep[s * per + a // k, a % k] = False
+                continue
             owner = flat[a] // (e // ep)
             if seen[owner] >= cap:
                 keep[s * per + a // k, a % k] = False
@@ -140,6 +143,31 @@ def test_expert_parallel_overflow_is_dropped_and_counted(moe_inputs):
     assert int(extra["moe_dropped"]) == int((~keep).sum()) > 0
     ref = moe_lib.experts_one_hot(z, idx, w * jnp.asarray(keep), w1, w3, w2, TINY)
     assert _max_err(y, ref) < 2e-6
+
+
+@pytest.mark.parametrize("collectives", ["padded", "ragged_emulated"])
+def test_padding_takes_no_expert_parallel_capacity(moe_inputs, collectives):
+    """Under a capacity factor ``MoE._routed`` gives padding tokens the expert id E: they sort
+    last, take no capacity and are not counted as dropped (padding all wanting expert 0 used
+    to crowd real tokens out of it); real tokens keep what the rule keeps for them alone."""
+    z, idx, w, w1, w3, w2 = moe_inputs
+    e = TINY.num_experts
+    idx = idx.at[:, 0].set(0)
+    pad = (jnp.arange(z.shape[0]) % 4) < 2  # half of every device's tokens are padding
+    idx = jnp.where(pad[:, None], e, idx)
+    mesh = make_mesh("expert=4,data=2")
+    with use_sharding(mesh, "train", moe_capacity_factor=1.0, collectives=collectives) as ctx:
+        y, extra = jax.jit(lambda *a: experts_sharded(*a, TINY, ctx=ctx))(z, idx, w, w1, w3, w2)
+    m_local = (z.shape[0] // 8) * idx.shape[1]
+    keep = _dropped_reference(np.asarray(idx), e, 4, 8, m_local // 4)
+    if collectives == "padded":
+        assert int(extra["moe_dropped"]) == int((~keep & ~np.asarray(pad)[:, None]).sum())
+    assert int(extra["moe_dropped"]) < int((~np.asarray(pad)).sum())  # most real ones fit
+    ref = moe_lib.experts_one_hot(z, jnp.where(pad[:, None], 0, idx), w * jnp.asarray(keep),
+                                  w1, w3, w2, TINY)
+    if collectives == "padded":
+        assert _max_err(y, ref) < 2e-6
+    np.testing.assert_array_equal(np.asarray(y)[np.asarray(pad)], 0)  # padding: no expert
 
 
 def test_ragged_exchange_plan_matches_a_numpy_all_to_all():
