@@ -49,8 +49,7 @@ from kdsa.model.layers import (Linear, RMSNorm, dtype_of, inverse_permutation, l
                                param)
 from kdsa.model.expert_parallel import expert_parallel_experts, token_order
 from kdsa.model.experts_cpu import experts_cpu
-from kdsa.model.partitioning import compile_platform, constrain
-from kdsa.model.partitioning import current as current_sharding
+from kdsa.model.partitioning import compile_platform, constrain, current as current_sharding
 from kdsa.model.stacked_experts import StackedWeight, own, ragged_dot
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes,
                                   experts_mxfp4_per_device, pack_expert_weight,

@@ -16,12 +16,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
+from kdsa.model.expert_parallel import token_axes
 from kdsa.model.layers import inverse_permutation
 from kdsa.model.mxfp4 import (dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4,
                               unpack_from_compressed_tensors)
+from kdsa.model.partitioning import current
 
 
 
@@ -140,11 +143,6 @@ def experts_mxfp4_per_device(z, topk_idx, topk_weight, *weights, config: ModelCo
     partition the Pallas kernel's call itself ("Mosaic kernels cannot be automatically
     partitioned"; the path without expert parallelism, e.g. ``data=4`` or ``fsdp=2``). Tokens
     are independent, so each device's rows give the rows of the whole."""
-    from jax.sharding import PartitionSpec as P
-
-    from kdsa.model.expert_parallel import token_axes
-    from kdsa.model.partitioning import current
-
     ctx = current()
     if ctx is None or config.moe_impl != "pallas":
         return experts_ragged_mxfp4(z, topk_idx, topk_weight, *weights, config)
