@@ -101,6 +101,41 @@ def test_hits_give_the_outputs_of_no_hit(model):
     assert cached.metrics()["prefix_cache"]["end_snapshots"] >= 1
 
 
+def test_a_request_preempted_before_its_first_token_counts_its_prompt_once(model):
+    """A request preempted while still prefilling (as ``_grow_pages`` does to the latest one
+    when a decode needs a page) is admitted again later: its prompt counts as queried once,
+    and resuming from the snapshots of its own first prefill is no hit; the outputs stay those
+    without a cache."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (62, 250)]
+
+    def run(snapshots):
+        runner = ModelRunner(model, num_slots=2, max_len=6 * P, prefill_chunk=48, min_bucket=16,
+                             num_pages=24, num_snapshots=snapshots)
+        engine = Engine(runner, ByteTokenizer(CFG.vocab_size), max_top_logprobs=0,
+                        prefix_snapshot_every=1, prefill_tokens_per_step=48)
+        prefill = engine._prefill_some
+
+        def prefill_then_preempt():  # the long prompt, once, two thirds through its prefill
+            did = prefill()
+            for i, a in enumerate(engine.slots):
+                if a is not None and not a.preemptions and 160 <= a.prefilled < len(a.feed):
+                    assert not a.tokens
+                    engine._preempt(i, a)
+            return did
+        engine._prefill_some = prefill_then_preempt
+        return engine, _run(engine, prompts, max_tokens=8)
+
+    cached, got = run(4)
+    plain, want = run(0)
+    _same(got, want)
+    for engine in (cached, plain):
+        assert engine.metrics()["preemptions"] == 1
+    st = cached.metrics()["prefix_cache"]
+    assert st["queried_tokens"] == sum(map(len, prompts))
+    assert st["hit_tokens"] == 0
+
+
 def test_eviction_under_memory_pressure_stays_exact(model):
     """A pool that holds one request at a time: cached pages are evicted for new requests and
     snapshots whose pages are gone are not used; outputs stay those without a cache."""

@@ -170,6 +170,29 @@ def test_padding_takes_no_expert_parallel_capacity(moe_inputs, collectives):
     np.testing.assert_array_equal(np.asarray(y)[np.asarray(pad)], 0)  # padding: no expert
 
 
+def test_moe_module_keeps_its_padding_out_of_expert_parallel_capacity():
+    """``MoE``'s ``token_mask`` reaches the exchange: padding tokens that all want experts 0 and
+    1 (routing replay) take none of their owner's capacity, so every real token, each also
+    wanting expert 0, keeps the output of the dropless one-device layer."""
+    b, t, k = 2, 32, TINY.num_experts_per_token
+    moe = moe_lib.MoE(TINY, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (b, t, TINY.hidden_size))
+    real = jnp.broadcast_to(jnp.arange(t) % 4 == 0, (b, t))  # 2 real tokens per device's 8
+    other = 2 + jnp.arange(b * t).reshape(b, t) % (TINY.num_experts - 2)
+    ids = jnp.where(real[..., None], jnp.stack([jnp.zeros_like(other), other], -1),
+                    jnp.arange(k, dtype=jnp.int32))  # padding: experts 0 and 1
+    graphdef, state = nnx.split(moe)
+    run = lambda st, method: nnx.merge(graphdef, st).__getattribute__(method)(  # noqa: E731
+        x, token_mask=real, expert_ids=ids)
+    ref, _ = jax.jit(lambda st: run(st, "reference"))(state)
+    mesh = make_mesh("expert=4,data=2")
+    sharded = nnx.state(shard_model(nnx.merge(graphdef, state, copy=True), mesh, "train"))
+    with use_sharding(mesh, "train", moe_capacity_factor=1.0, collectives="padded"):
+        y, metrics = jax.jit(lambda st: run(st, "__call__"))(sharded)
+    assert int(metrics["moe_dropped"]) == 0
+    assert _max_err(y[real], ref[real]) < 2e-5
+
+
 def test_ragged_exchange_plan_matches_a_numpy_all_to_all():
     rng = np.random.default_rng(0)
     ep, rows = 4, 9
