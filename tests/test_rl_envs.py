@@ -210,6 +210,10 @@ def test_group_length_penalty_and_dynamic_sampling():
     adv = b["advantages"]
     np.testing.assert_allclose(adv[:4], [1, -1, 1, -1], atol=1e-5)  # GRPO, 2 per group
     assert np.all(adv[4:] == 0) and np.all(b["loss_mask"][4:] == 0)
+    # dynamic sampling off: a group that differs by the length term alone keeps r - mean (its
+    # differences std-normalised became full-size pushes toward shorter answers)
+    b = ro.training_batch([g[:2], lens], 4, 4, 2, rc)
+    np.testing.assert_allclose(b["advantages"], [1, -1, 0.25, -0.25], atol=1e-5)
 
 
 def test_sft_batch_masks_assistant_tokens(fmt):

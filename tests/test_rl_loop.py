@@ -129,6 +129,30 @@ def test_sft_and_rl_steps_run_one_compiled_step(full_run, tmp_path):
     assert step_fn._cache_size() == compiled
 
 
+def test_sft_steps_take_the_micro_batches_of_rl_updates(full_run, tmp_path, monkeypatch):
+    """With ``minibatches_per_step=2`` an SFT step's rows (a whole rollout batch) go through the
+    update in twice ``accum_steps`` micro-batches, so each holds the rows of an RL mini-batch's
+    micro-batch, the size ``kdsa plan`` and the layout check allowed for (it was 2x that).
+    The step is recorded, not run."""
+    from kdsa.train.rl import loop
+
+    seen = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(graphdef, state, batch, *a, tc, **kw):
+        seen.append(batch["inputs"].shape[0] // tc.accum_steps)
+        raise Recorded
+
+    monkeypatch.setattr(loop, "rl_step_with_options", lambda options: record)
+    rc, tc = RC.replace(steps=1, sft_steps=1, minibatches_per_step=2), TC.replace(accum_steps=2)
+    with pytest.raises(Recorded):
+        run_rl(CONFIG, tc, rc, tmp_path, progress=False, evaluate_heldout=False,
+               compiler_options=FAST, sampler=full_run.sampler)
+    assert seen == [rc.rows_per_micro_batch(tc.accum_steps)] == [8]
+
+
 def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, tmp_path,
                                                                      monkeypatch):
     """A SIGTERM that reaches the engine's decode step in the held-out evaluation after the last

@@ -151,6 +151,25 @@ def test_kl_estimators_and_penalty():
     np.testing.assert_allclose(num, ((per * MASK).sum(1) / MASK.sum(1)).sum(), rtol=1e-6)
 
 
+def test_kl_penalty_stays_finite_where_the_policy_is_far_below_the_reference():
+    """A position outside the mask (here [1, 2]) with the policy 100 nats below the reference:
+    the loss and its gradient stay finite and equal those with that position at the reference
+    (k3's exp used to overflow there, and inf x 0 made the step NaN); a counted position that
+    far below gets a finite penalty."""
+    cfg = RLLossConfig(loss="grpo", kl_beta=0.04)
+    far = LOGP.copy()
+    far[1, 2] = OLD[1, 2] - 100.0  # masked out
+    loss = lambda lp: policy_loss(cfg, lp, jnp.asarray(OLD), jnp.asarray(MASK),  # noqa: E731
+                                  jnp.asarray(ADV), ref_logp=jnp.asarray(OLD))[0]
+    g_far, g_near = (jax.grad(loss)(jnp.asarray(x)) for x in (far, LOGP))
+    assert np.isfinite(float(loss(jnp.asarray(far)))) and np.isfinite(np.asarray(g_far)).all()
+    np.testing.assert_allclose(float(loss(jnp.asarray(far))), float(loss(jnp.asarray(LOGP))),
+                               rtol=1e-6)
+    np.testing.assert_allclose(g_far, g_near, rtol=1e-6)
+    k3 = kl_per_token(jnp.asarray([-100.0]), jnp.asarray([0.0]), "k3")
+    assert np.isfinite(float(k3[0])) and float(k3[0]) > 1e8
+
+
 def test_truncated_importance_sampling():
     sampler = OLD + np.array([[0.1, -1.0, 0.0], [0.5, 0.0, 9.0], [0.0, 0.0, 0.0],
                               [-0.2, 0.3, 0.1]], np.float32)

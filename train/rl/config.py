@@ -94,7 +94,7 @@ class RLConfig:
     # ---- MoE routing replay: train each token with the experts the rollout engine used ----
     routing_replay: bool = False
     # ---- SFT warm-up (demonstrations of the same environments) ----
-    sft_steps: int = 0  # rows per SFT step = rollouts_per_step (one compiled step for both)
+    sft_steps: int = 0  # rows per SFT step = rollouts_per_step, in the RL micro-batches' size
     # ---- held-out evaluation ----
     heldout_tasks: int = 32  # per environment
     heldout_samples: int = 4  # per task, at the rollout temperature

@@ -216,6 +216,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         return {k: float(v) for k, v in jax.device_get(local_copy(metrics)).items()}
 
     kw = dict(tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
+    # an SFT step's rows (a rollout batch) in as many micro-batches as an RL mini-batch update
+    # takes of them all: the micro-batch kdsa plan and the layout check sized, one update
+    sft_kw = dict(kw, tc=dataclasses.replace(tc, accum_steps=tc.accum_steps
+                                             * rc.minibatches_per_step))
     try:
         with _StopFlag() as flag:
             while step < total:
@@ -231,7 +235,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                     with place.rules():
                         state, m = step_fn(graphdef, state, place.batch(batch), 1.0,
                                            None if ref_ckpt is None else state.params, 1.0,
-                                           **kw)  # the RL steps' arguments: one compile
+                                           **sft_kw)  # the RL steps' arguments
                     m = host(m)
                     step += 1
                     m["step_time_s"] = time.perf_counter() - t0

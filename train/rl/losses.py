@@ -105,13 +105,22 @@ def finalize(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     return numerator / jnp.maximum(denominator, 1.0)
 
 
-def kl_per_token(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3") -> jax.Array:
+def kl_per_token(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
+                 mask: jax.Array | None = None) -> jax.Array:
+    """Per-token estimate of KL(policy || reference) from ``d = logp - ref_logp``; 0 outside
+    ``mask``. k3 (``exp(-d) + d - 1``, Schulman's low-variance estimator) takes ``d`` clipped to
+    [-20, 20]: a position the loss never counts (a prompt token, padding) with the policy 89
+    nats below the reference made ``exp`` overflow, and ``inf x 0`` spoiled the step with NaN;
+    a counted one gets a finite value (at most e^20) and no gradient past the clip."""
     d = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)
+    if mask is not None:
+        d = jnp.where(mask > 0, d, 0.0)  # before exp: a masked inf would be NaN in the gradient
     if kind == "k1":
         return d
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
+        d = jnp.clip(d, -20.0, 20.0)
         return jnp.exp(-d) + d - 1.0
     raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kind!r}")
 
@@ -185,7 +194,7 @@ def policy_loss(cfg: RLLossConfig, logp: jax.Array, old_logp: jax.Array, mask: j
     if cfg.kl_beta > 0:
         if ref_logp is None:
             raise ValueError("kl_beta > 0 needs ref_logp")
-        kl = kl_per_token(logp, ref_logp, cfg.kl_kind)
+        kl = kl_per_token(logp, ref_logp, cfg.kl_kind, m)
         metrics["kl_numerator"] = jnp.sum(kl * m)
     if cfg.loss == "kimi":  # one term per sequence; TIS by the mean weight of its tokens
         per_seq = kimi_per_sequence(logp, old_logp, m, advantages, cfg.tau)  # [B]

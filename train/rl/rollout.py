@@ -280,7 +280,8 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
     """Fixed-shape arrays ``[rows, seq_len]`` (next-token layout) from whole groups; rows past
     the groups are padding (mask 0, advantage 0, ``segment_ids`` 0: the MoE's expert load and
     so the routing-bias update count real tokens only). Advantages are group-relative (GRPO
-    ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi).
+    ``(r - mean) / (std + 1e-6)``, or ``r - mean`` for Dr.GRPO and Kimi, and for a group whose
+    verifiable scores are all equal).
 
     ``routing_dims = (L_moe, k)`` (routing replay): also ``expert_ids [rows, seq_len, L_moe, k]``, the
     experts the engine used for each input token, -1 where there is no record (the router
@@ -299,7 +300,11 @@ def training_batch(groups: list[list[Episode]], rows: int, seq_len: int, group_s
             break
         rew = np.array([e.reward for e in grp], np.float64)
         adv = rew - rew.mean()
-        if rc.normalize_std and rc.loss != "kimi":
+        # std-normalised only when the verifiable scores differ: a group that differs by the
+        # length term alone (dynamic_sampling off) keeps its small differences small, as in
+        # varied_groups (normalised, they became full-size pushes toward shorter answers)
+        scores = [e.score for e in grp]
+        if rc.normalize_std and rc.loss != "kimi" and max(scores) > min(scores):
             adv = adv / (rew.std() + 1e-6)
         for e, a in zip(grp, adv):
             n = min(len(e.tokens) - 1, seq_len)

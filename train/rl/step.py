@@ -56,7 +56,7 @@ from flax import nnx
 from kdsa.model.outputs import Collect, RoutingReplay
 from kdsa.model.vision.assemble import batch_image_inputs
 from kdsa.train.config import TrainConfig
-from kdsa.train.rl.losses import RLLossConfig, policy_loss
+from kdsa.train.rl.losses import RLLossConfig, kl_per_token, policy_loss
 from kdsa.train.step import (TrainState, _micro_batches, load_balance_metric, optimizer_step,
                              replicated)
 
@@ -147,7 +147,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         d = (old - mb["sampler_logp"]) * mk
         stats = {"ce_num": ce_num, "pg_num": pg_num, "mis_k1": jnp.sum(d),
                  "mis_abs": jnp.sum(jnp.abs(d)),
-                 "mis_k3": jnp.sum((jnp.exp(-d) + d - 1.0) * mk),
+                 "mis_k3": jnp.sum(kl_per_token(old, mb["sampler_logp"], "k3", mk)),
                  "tis_num": pm.get("tis_weight_mean", jnp.float32(1.0)) * jnp.sum(mk),
                  "kl_num": pm.get("kl_numerator", jnp.float32(0.0)),
                  **({} if out.stats.replay_agreement is None else  # [2] sum, count
