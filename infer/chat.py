@@ -278,16 +278,35 @@ def check_tool_choice(choice, tools: list[Tool]):
                      f"got {choice!r}")
 
 
-def check_history(messages: list[Message]) -> dict[str, tuple[int, int, ToolCall]]:
-    """Every tool message answers an earlier call. Returns call id -> (turn, index, call)."""
+def check_history(messages: list[Message]) -> dict[int, tuple[int, int, ToolCall]]:
+    """Every tool message answers an earlier call. Returns, for each tool message's index, the
+    call it answers as ``(turn, index in that turn, call)``: the latest call with its id before
+    it, so an id used twice (a client that trimmed its history, then got an id again) labels
+    each result with the call it followed, not the last one."""
     calls: dict[str, tuple[int, int, ToolCall]] = {}
+    answered: dict[int, tuple[int, int, ToolCall]] = {}
     for i, m in enumerate(messages):
         for j, c in enumerate(m.tool_calls):
             calls[c.id] = (i, j, c)
-        if m.role == "tool" and m.tool_call_id not in calls:
-            raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no "
-                             f"earlier assistant tool call")
-    return calls
+        if m.role == "tool":
+            if m.tool_call_id not in calls:
+                raise ValueError(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no "
+                                 f"earlier assistant tool call")
+            answered[i] = calls[m.tool_call_id]
+    return answered
+
+
+def next_call_index(messages: list[Message]) -> int:
+    """``N`` for the next generated call's id ``functions.NAME:N``: past every call in the
+    history and past the largest ``N`` of its ids of that form, so a history whose old turns
+    were trimmed does not get an id it still holds."""
+    n = sum(len(m.tool_calls) for m in messages)
+    for m in messages:
+        for c in m.tool_calls:
+            head, _, tail = c.id.rpartition(":")
+            if head.startswith("functions.") and tail.isdigit():
+                n = max(n, int(tail) + 1)
+    return n
 
 
 # ---- the format interface ------------------------------------------------------------------

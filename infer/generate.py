@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from kdsa.infer.budget import BudgetConfig, check_effort
-from kdsa.infer.chat import get_format, messages_from_openai, tools_from_openai
+from kdsa.infer.chat import get_format, messages_from_openai, next_call_index, tools_from_openai
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.infer.engine import Engine, EngineDead, Request
 from kdsa.infer.runner import ModelRunner
@@ -149,7 +149,7 @@ def _request(row, engine, fmt, effort, defaults, seed, n, base_dir=None) -> Requ
     if "messages" in row:
         msgs = messages_from_openai(file_parts(row["messages"]), _images(engine, base_dir))
         prompt = fmt.render(msgs, tools=tools_from_openai(row.get("tools")), effort=lvl)
-        calls = sum(len(m.tool_calls) for m in msgs)
+        calls = next_call_index(msgs)
         return Request(prompt, SamplingParams(**sp), reasoning_cap=engine.budgets.cap(lvl),
                        in_reasoning=True, parser=fmt.parser(first_call_index=calls),
                        request_id=rid, images=[im for m in msgs for im in m.images])

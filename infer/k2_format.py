@@ -70,7 +70,8 @@ class K2Format(ChatFormat):
         tok = self.tok
         sp = lambda name: (name, [tok.special(name)])  # noqa: E731
         tx = lambda s: (s, tok.encode(s))  # noqa: E731
-        check_history(messages)
+        answered = check_history(messages)  # tool message index -> the call it answers
+        shown: dict[tuple[int, int], str] = {}  # (turn, index) -> the call's id as rendered
         out = []
 
         def turn(opener, role, body):
@@ -97,7 +98,8 @@ class K2Format(ChatFormat):
             elif m.role in ("system", "user"):
                 turn(SYS if m.role == "system" else USER, m.role, m.content)
             elif m.role == "tool":
-                turn(SYS, "tool", f"## Return of {m.tool_call_id}\n{m.content}")
+                t, j, _ = answered[i]
+                turn(SYS, "tool", f"## Return of {shown[(t, j)]}\n{m.content}")
             else:
                 out.extend([sp(ASST), tx("assistant"), sp(MID)])
                 if thinking:
@@ -107,9 +109,10 @@ class K2Format(ChatFormat):
                 out.append(tx(m.content))
                 if m.tool_calls:
                     out.append(sp(SEC_BEGIN))
-                    for c in m.tool_calls:
-                        out.extend([sp(CALL_BEGIN), tx(c.id), sp(ARG_BEGIN), tx(c.arguments),
-                                    sp(CALL_END)])
+                    for j, c in enumerate(m.tool_calls):
+                        shown[(i, j)] = k2_call_id(c, len(shown))
+                        out.extend([sp(CALL_BEGIN), tx(shown[(i, j)]), sp(ARG_BEGIN),
+                                    tx(c.arguments), sp(CALL_END)])
                     out.append(sp(SEC_END))
                 out.append(sp(END))
         if add_generation_prompt:
@@ -120,6 +123,17 @@ class K2Format(ChatFormat):
 
     def parser(self, *, thinking=True, strict=False, first_call_index=0) -> "K2Parser":
         return K2Parser(self.tok, thinking=thinking, strict=strict)
+
+
+def k2_call_id(call: ToolCall, index: int) -> str:
+    """The id K2 sees for ``call``, the conversation's ``index``-th: its own when it is
+    ``functions.NAME:N`` of its name, else ``functions.NAME:index``. K2 reads the function's
+    name only from the id, and clients send their own ids (``call_abc``, ``toolu_...``): shown
+    as they are, the history would lose which function was called."""
+    head, _, tail = call.id.rpartition(":")
+    if head == f"functions.{call.name}" and tail.isdigit():
+        return call.id
+    return f"functions.{call.name}:{index}"
 
 
 def call_name(call_id: str) -> str:

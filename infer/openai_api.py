@@ -31,7 +31,7 @@ import uuid
 
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (Message, ToolCall, check_tool_choice, messages_from_openai,
-                             tools_from_openai)
+                             next_call_index, tools_from_openai)
 from kdsa.infer.sampling import SEED_LIMIT, TOP_K_LIMIT, SamplingParams
 
 EFFORT_ALIASES = {"minimal": "low", "low": "low", "medium": "high", "high": "high",
@@ -168,7 +168,7 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                                max_tokens=limit, stop=tuple(stop), ignore_eos=ignore_eos,
                                top_logprobs=top_logprobs if logprobs else 0)
                 for i in range(n)]
-    calls = sum(len(m.tool_calls) for m in messages)
+    calls = next_call_index(messages)  # the first generated call's N (functions.NAME:N)
     forcing = tool_choice == "required" or isinstance(tool_choice, dict)
     prefix = tool_call_prefix(chat_format, tool_choice, calls) if forcing else ()
     banned = tool_call_opener(chat_format) if tool_choice == "none" else ()

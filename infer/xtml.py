@@ -108,11 +108,11 @@ class XtmlFormat(ChatFormat):
     def build(self, messages: list[Message], *, tools: list[Tool] = (), tool_choice=None,
               response_format=None, effort=None, thinking=True,
               add_generation_prompt=True) -> _Builder:
-        calls = check_history(messages)
+        answered = check_history(messages)  # tool message index -> the call it answers
         b = _Builder(self.tok)
         n_lead = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
         for m in messages[:n_lead]:
-            self._message(b, m, calls, thinking)
+            self._message(b, m, None, thinking)
         if tools:
             self._typed(b, "tools", json.dumps([t.to_openai() for t in tools],
                                                ensure_ascii=False))
@@ -123,8 +123,8 @@ class XtmlFormat(ChatFormat):
             self._typed(b, "response_format", json.dumps(response_format, ensure_ascii=False))
         if thinking:
             self._typed(b, "thinking_effort", check_effort(effort))
-        for m in messages[n_lead:]:
-            self._message(b, m, calls, thinking)
+        for i, m in enumerate(messages[n_lead:], n_lead):
+            self._message(b, m, answered.get(i), thinking)
         if add_generation_prompt:
             b.open('message role="assistant"').open("think" if thinking else "response")
         return b
@@ -132,9 +132,9 @@ class XtmlFormat(ChatFormat):
     def _typed(self, b: _Builder, kind: str, body: str) -> None:
         b.element(f'message role="system" type="{_esc(kind)}"', body).special(EOM)
 
-    def _message(self, b: _Builder, m: Message, calls, thinking: bool) -> None:
-        if m.role == "tool":
-            _, j, call = calls[m.tool_call_id]
+    def _message(self, b: _Builder, m: Message, answers, thinking: bool) -> None:
+        if m.role == "tool":  # answers: (turn, index, call) of the call it answers
+            _, j, call = answers
             b.open(f'message role="tool" tool="{_esc(call.name)}" index="{j + 1}"')
             b.text(m.content)
         elif m.role == "assistant":

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from kdsa.infer.chat import (MalformedOutputError, Message, Tool, ToolCall, check_tool_choice,
-                             get_format, messages_from_openai, tools_from_openai)
+                             get_format, messages_from_openai, next_call_index,
+                             tools_from_openai)
 from kdsa.infer.tokenizer import ByteTokenizer
 
 K3, K2 = ByteTokenizer(384), ByteTokenizer(384, "k2")
@@ -48,14 +49,46 @@ def test_k2_exact_render_and_history_rule():
             "<|im_assistant|>assistant<|im_middle|><think></think>A1<|im_end|>"
             "<|im_user|>user<|im_middle|>Q2<|im_end|>"
             "<|im_assistant|>assistant<|im_middle|><think>new thoughts</think>"
-            "<|tool_calls_section_begin|><|tool_call_begin|>c1<|tool_call_argument_begin|>"
-            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
-            "<|im_system|>tool<|im_middle|>## Return of c1\nsunny<|im_end|>"
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+            "<|tool_calls_section_end|><|im_end|>"  # (the client's id "c1" names no function)
+            "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
             "<|im_assistant|>assistant<|im_middle|><think>")
     assert text == want
     assert K2F.render(msgs, effort="high") == K2.encode_markup(want)
     # XTML keeps every turn's reasoning (K3: thinking on, all turns carry think)
     assert "old thoughts" in XTML.render_text(msgs)
+
+
+def test_call_ids_of_clients_reused_and_trimmed():
+    """K2 reads a call's function from its id: a client's own id (``call_...``, ``toolu_...``)
+    is shown as ``functions.NAME:N`` and its result's ``Return of`` line follows it, while an
+    id already in that form stays. An id used twice labels each result with the call it
+    followed (XTML's tool and index). A trimmed history's next call gets an unused N."""
+    a, b = ToolCall("toolu_1", "alpha", "{}"), ToolCall("functions.beta:5", "beta", "{}")
+    msgs = [Message("user", "u"), Message("assistant", "", "", (a, b)),
+            Message("tool", "ra", tool_call_id="toolu_1"),
+            Message("tool", "rb", tool_call_id="functions.beta:5")]
+    text = K2F.render_text(msgs)
+    assert ("<|tool_call_begin|>functions.alpha:0<|tool_call_argument_begin|>" in text
+            and "<|tool_call_begin|>functions.beta:5<|tool_call_argument_begin|>" in text)
+    assert "## Return of functions.alpha:0\nra" in text
+    assert "## Return of functions.beta:5\nrb" in text
+    again = [Message("user", "u"),
+             Message("assistant", "", "", (ToolCall("call_0", "alpha", "{}"),)),
+             Message("tool", "first", tool_call_id="call_0"),
+             Message("assistant", "", "", (ToolCall("call_0", "beta", "{}"),)),
+             Message("tool", "second", tool_call_id="call_0")]
+    text = XTML.render_text(again)
+    assert ('<|open|>message role="tool" tool="alpha" index="1"<|sep|>first' in text
+            and '<|open|>message role="tool" tool="beta" index="1"<|sep|>second' in text)
+    text = K2F.render_text(again)
+    assert ("## Return of functions.alpha:0\nfirst" in text
+            and "## Return of functions.beta:1\nsecond" in text)
+    trimmed = [Message("user", "u"), Message("assistant", "", "", (
+        ToolCall("functions.x:2", "x", "{}"), ToolCall("functions.x:3", "x", "{}")))]
+    assert next_call_index(trimmed) == 4 and next_call_index(msgs) == 6
+    assert next_call_index([Message("user", "u")]) == 0
 
 
 ARGS = [{"city": "Paris"}, {"n": 3, "x": 2.5, "ok": True, "none": None,
