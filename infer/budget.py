@@ -100,6 +100,8 @@ class ThinkingBudget:
             self._boundary = True
         elif stripped:
             self._boundary = stripped[-1] in BOUNDARY_CHARS
+        elif not text:  # part of a character (its bytes so far decode to nothing): no close
+            self._boundary = False  # here, or the reasoning would end in a broken character
         if self.cap is None or self.reasoning_tokens < self.cap:
             return []
         if self._boundary or self.reasoning_tokens >= self.cap + self.grace:

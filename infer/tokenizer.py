@@ -247,21 +247,30 @@ def _bytes_to_unicode() -> dict[int, str]:
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json`` (any model type) via the ``tokenizers`` package.
 
-    Specials are the added tokens marked ``special``. ``token_bytes`` maps a byte-level
-    vocabulary entry back through GPT-2's byte table; other decoders decode the single id.
+    Specials are all the added tokens, whether marked ``special`` or not: DeepSeek's
+    ``<think>`` is added with ``"special": false``, which ``tokenizers`` would still match in
+    user text (a user could open a reasoning span). They are loaded marked special, so text is
+    encoded with none of them (``encode_special_tokens``). ``token_bytes`` maps a byte-level
+    vocabulary entry back through GPT-2's byte table, and a SentencePiece one (``▁`` for a
+    space, ``<0xNN>`` byte pieces) by its piece; other decoders decode the single id.
     """
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _Tok
 
         path = Path(path)
-        self._tok = _Tok.from_file(str(path))
-        self._tok.encode_special_tokens = True  # specials in text stay text
+        spec = json.loads(path.read_text())
+        for added in spec.get("added_tokens") or ():
+            added["special"] = True
+        self._tok = _Tok.from_str(json.dumps(spec))
+        self._tok.encode_special_tokens = True  # added tokens in text stay text
         self.special_tokens = {t.content: i for i, t in
-                               self._tok.get_added_tokens_decoder().items() if t.special}
+                               self._tok.get_added_tokens_decoder().items()}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        decoder = (json.loads(path.read_text()).get("decoder") or {})
+        decoder = spec.get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"
+        self._sentencepiece = not self._byte_level and "\u2581" in json.dumps(
+            decoder, ensure_ascii=False)  # a Metaspace or Replace("\u2581", " ") decoder
         self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
         self._init_specials()
 
@@ -275,6 +284,10 @@ class HFTokenizer(Tokenizer):
         piece = self._tok.id_to_token(token_id)
         if self._byte_level and piece is not None and all(c in self._unbyte for c in piece):
             return bytes(self._unbyte[c] for c in piece)
+        if self._sentencepiece and piece is not None:  # decoded alone, an id loses its
+            # leading space and a byte piece becomes U+FFFD: read the piece itself
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
         return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
 

@@ -193,6 +193,18 @@ def test_budget_not_forced_below_cap_and_thinking_off():
     assert c.reasoning_tokens == 0 and c.output.reasoning == "" and c.output.content == ANSWER
 
 
+def test_budget_does_not_close_inside_a_character():
+    """A sentence end, then the first byte of a two-byte character (its text so far ""): the
+    cap is reached there, but the close waits (it used to come at once, after the sentence
+    end, and left half a character, U+FFFD, at the end of the reasoning)."""
+    from kdsa.infer.budget import ThinkingBudget
+
+    b = ThinkingBudget(cap=2, grace=5, end_marker=(99,))
+    assert b.observe(1, "x.") == [] and b.observe(2, "") == []
+    assert b.observe(3, "\u00e9") == [] and b.observe(4, " y.") == [99]
+    assert b.forced_close and b.reasoning_tokens == 4
+
+
 def test_zero_cap_closes_at_once():
     eng = Engine(ScriptedRunner(TOK, FMT, answer_ids=_answer_ids()), TOK, chat_format=FMT,
                  budgets=BudgetConfig(caps={"low": 0, "high": 1, "max": 2}, grace=0))

@@ -181,6 +181,47 @@ def test_hf_tokenizer_round_trip_and_special_safety(hf_file):
     assert tok.eos_id == tok.special("<|end_of_msg|>")
 
 
+def test_hf_added_tokens_not_marked_special_stay_text(hf_file, tmp_path):
+    """An added token marked ``"special": false`` (DeepSeek's ``<think>``) is a special of ours:
+    user text holding it is encoded as text (``tokenizers`` matched it there, so a user could
+    open a reasoning span), and markup gets its id."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tk = Tokenizer.from_file(str(hf_file))
+    tk.add_tokens([AddedToken("<think>", special=False)])
+    path = tmp_path / "tokenizer.json"
+    tk.save(str(path))
+    assert tk.encode("a <think> b").ids.count(tk.token_to_id("<think>")) == 1  # (the bug)
+    tok = HFTokenizer(path)
+    think = tok.special("<think>")
+    ids = tok.encode("a <think> b")
+    assert think not in ids and not any(map(tok.is_special, ids))
+    assert tok.decode(ids) == "a <think> b"
+    assert think in tok.encode_markup("a<think>b")
+
+
+def test_hf_sentencepiece_pieces_keep_their_spaces_and_bytes(tmp_path):
+    """A SentencePiece-style vocabulary (``▁`` for a space, ``<0xNN>`` byte pieces): each
+    token's bytes come from its piece (one id decoded alone lost its leading space, so the
+    stream read "Helloworld", and a byte piece became U+FFFD)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for c in "\u2581Helowrd":
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    path = tmp_path / "tokenizer.json"
+    tk.save(str(path))
+    tok = HFTokenizer(path)
+    ids = tok.encode("Hello world \u20ac")  # the euro sign is not in the vocabulary: 3 bytes
+    assert [tok.token_bytes(i) for i in ids[-3:]] == [b"\xe2", b"\x82", b"\xac"]
+    assert b"".join(map(tok.token_bytes, ids)) == " Hello world \u20ac".encode()  # (Metaspace's
+    # own first space)
+
+
 def test_load_tokenizer_dispatch(rank_file, hf_file):
     path, ranks = rank_file
     assert isinstance(load_tokenizer(None, vocab_size=384), ByteTokenizer)
