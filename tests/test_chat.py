@@ -185,6 +185,9 @@ def test_openai_conversion_and_errors():
         {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
     assert [m.role for m in msgs] == ["system", "user", "assistant", "tool"]
     assert msgs[1].content == "ab" and msgs[2].tool_calls[0].name == "get_weather"
+    both = messages_from_openai([{"role": "user", "content": "u"}, {
+        "role": "assistant", "content": "a", "reasoning_content": "", "reasoning": "r"}])
+    assert both[1].reasoning == "r"  # an empty reasoning_content hid it
     for raw, match in [([], "non-empty"), ([{"role": "wizard"}], "role"),
                        ([{"role": "tool", "content": "x"}], "tool_call_id"),
                        ([{"role": "user", "content": 5}], "content")]:
