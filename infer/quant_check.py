@@ -175,12 +175,14 @@ def _tails(x: np.ndarray) -> dict:
 def summarize(per_prompt: list[dict], worst: int = 5) -> dict:
     """Means and tails over all teacher-forced tokens and per category; greedy-output rates;
     reasoning length per effort; the ``worst`` prompts by mean KL."""
-    def cat(name, key):
-        return np.concatenate([np.asarray(p["tokens"][key])[np.asarray(p["tokens"][name])]
-                               for p in per_prompt]) if per_prompt else np.zeros(0)
+    def cat(name, key):  # (a prompt that generated nothing has empty float lists: bool mask)
+        return np.concatenate([np.zeros(0)] + [
+            np.asarray(p["tokens"][key], np.float64)[np.asarray(p["tokens"][name], bool)]
+            for p in per_prompt])
 
-    allk = np.concatenate([np.asarray(p["tokens"]["kl"]) for p in per_prompt])
-    alla = np.concatenate([np.asarray(p["tokens"]["agree"]) for p in per_prompt])
+    allk = np.concatenate([np.zeros(0)] + [np.asarray(p["tokens"]["kl"]) for p in per_prompt])
+    alla = np.concatenate([np.zeros(0)] + [np.asarray(p["tokens"]["agree"])
+                                          for p in per_prompt])
     out = {"prompts": len(per_prompt), "tokens": int(allk.size),
            "kl_mean": float(allk.mean()) if allk.size else 0.0,
            "top1_agreement": float(alla.mean()) if alla.size else 1.0,

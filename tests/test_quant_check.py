@@ -137,6 +137,28 @@ def test_identical_models_give_zero(folders):
     assert same["first_divergence"] is None and same["answer_match"] and same["tool_args_match"]
 
 
+def test_a_prompt_that_generated_nothing_is_summarized():
+    """A prompt with no generated token (the engine refused it) has empty token lists: the
+    summary counts it (its empty float masks used to raise an IndexError after both models
+    had run, losing the whole report)."""
+    from types import SimpleNamespace
+
+    from kdsa.infer.quant_check import prompt_record, summarize
+
+    none = SimpleNamespace(token_ids=[], text="", output=None, reasoning_tokens=0,
+                           prompt_tokens=3)
+    empty = {k: np.zeros(0) for k in ("kl", "agree", "logp_ref", "logp_cand")}
+    one = {"kl": np.asarray([0.5]), "agree": np.asarray([1.0]),
+           "logp_ref": np.asarray([-1.0]), "logp_cand": np.asarray([-1.5])}
+    some = SimpleNamespace(token_ids=[7], text="a", output=None, reasoning_tokens=0,
+                           prompt_tokens=3)
+    records = [prompt_record("empty", None, none, none, [], [], empty),
+               prompt_record("one", None, some, some, ["answer"], [False], one)]
+    s = summarize(records)
+    assert s["prompts"] == 2 and s["tokens"] == 1 and s["kl_mean"] == 0.5
+    assert s["by_category"]["answer"]["kl"]["n"] == 1
+
+
 def test_on_the_fly_mxfp4_is_the_exported_mxfp4(folders):
     """``--candidate-experts mxfp4`` builds the candidate with ``with_mxfp4_experts``: the same
     bytes as the MXFP4 folder the export path wrote (so its report is that folder's)."""
