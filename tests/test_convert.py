@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -148,6 +149,17 @@ def test_export_keeps_source_names_with_mxfp4_experts_and_takes_an_explicit_dtyp
     mx = SafetensorsCheckpoint(work / "kimi_linear_mx")
     assert others(mx) == others(src)
     assert any(n.endswith("_packed") for n in mx.names())  # the experts in MXFP4
+    # a compressed-tensors loader quantizes every Linear its ignore list does not name: each
+    # float Linear written must be named (the dense FFN, saved as block_sparse_moe.*_proj by
+    # transformers 5.18, was not; the embedding and the router are not Linears)
+    ignore = json.loads((work / "kimi_linear_mx" / "config.json").read_text())[
+        "quantization_config"]["ignore"]
+    linears = [n[:-len(".weight")] for n in mx.names() if n.endswith(".weight")
+               and len(mx.info(n).shape) == 2 and not n.endswith(("embed_tokens.weight",
+                                                                  "block_sparse_moe.gate.weight"))]
+    unnamed = [m for m in linears if not any(
+        re.fullmatch(p[3:], m) if p.startswith("re:") else p == m for p in ignore)]
+    assert linears and not unnamed, unnamed
     convert.orbax_to_hf(dst, work / "kimi_linear_f32", dtype="float32", progress=False)
     f32 = SafetensorsCheckpoint(work / "kimi_linear_f32")
     assert {f32.info(n).dtype for n in f32.names()} == {"F32"}
@@ -258,6 +270,27 @@ def test_mxfp4_experts_model(work, micro):
     lq, lf = logits(q), logits(src)
     rel = np.sqrt(np.mean((lq - lf) ** 2) / np.mean(lf ** 2))
     assert 1e-3 < rel < 0.3, rel
+
+
+def test_nan_mxfp4_scales_are_refused(work, micro):
+    """An E8M0 scale byte 0xFF (NaN) in a source is an error naming the tensor and where, both
+    when the packed bytes are kept and when they are dequantised (it was passed through, and
+    every token routed to that expert got NaN)."""
+    _, hf = micro
+    convert.hf_to_orbax(hf, work / "nan_q", experts="mxfp4", progress=False)
+    convert.orbax_to_hf(work / "nan_q", work / "nan_q_hf", progress=False)
+    name = next(n for n in SafetensorsCheckpoint(work / "nan_q_hf").names()
+                if n.endswith("w1.weight_scale"))
+
+    def nan_at_2_0(a):
+        a[2, 0] = 0xFF
+        return a
+
+    bad = _copy_without(work / "nan_q_hf", work / "nan_bad", change={name: nan_at_2_0})
+    for experts in ("mxfp4", "bf16"):
+        with pytest.raises(ValueError, match=rf"{name}: E8M0 scale 0xFF \(NaN\) in row 2, block 0"):
+            convert.hf_to_orbax(bad, work / f"nan_out_{experts}", experts=experts,
+                                progress=False)
 
 
 # ----------------------------------------------------------------------------- MoE pieces

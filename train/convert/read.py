@@ -150,6 +150,10 @@ def _one(p: Param, src: SafetensorsCheckpoint, layout: mp.Layout, r: int | None,
         return (packed if p.part == "packed" else scales), [base + ".weight"]
     names = [base + ".weight_packed", base + ".weight_scale"]
     packed, scale = src.tensor(names[0]), src.tensor(names[1])
+    if p.part != "packed" and (np.asarray(scale) == 0xFF).any():  # (1/16 of the packed bytes)
+        row, block = np.argwhere(np.asarray(scale) == 0xFF)[0]
+        raise ValueError(f"{names[1]}: E8M0 scale 0xFF (NaN) in row {row}, block {block}: "
+                         f"every token routed to this expert would get NaN")
     if p.part != "float":
         return (packed, names[:1]) if p.part == "packed" else (scale, names[1:])
     return dequantize_rows(packed, scale, np.float32).T, names          # [K, N]

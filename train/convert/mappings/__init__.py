@@ -249,6 +249,8 @@ def base_hf_config(config: ModelConfig, experts: str, dtype: str) -> dict:
                             "scale_dtype": "torch.uint8"}}},
             "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
                        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "lm_head",
+                       # the dense FFN as transformers 5.18 saves it (kimi_linear.py)
+                       "re:.*block_sparse_moe\\.(gate|up|down)_proj.*",
                        "re:.*vision_tower.*", "re:.*mm_projector.*",
                        # the other Linears we write in the float dtype: lm_head under the VL
                        # wrapper's prefix, the latent-MoE projections, Block AttnRes scores
