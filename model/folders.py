@@ -219,8 +219,15 @@ def replace_folder(tmp: Path, path: Path) -> None:
     ``path`` is always either the old or the new folder, a crash included. Elsewhere it is
     moved aside first (``NAME.kdsa-old``) and removed after: a crash between the two renames
     leaves the old folder there. The caller has checked ``path`` (``check_destination``); a
-    symbolic link there is replaced, not followed."""
+    symbolic link there is replaced, not followed.
+
+    Every file and folder under ``tmp`` is synced to disk first, and the parent folder after
+    the rename, before the old folder is removed: a machine crash (not only a killed process)
+    soon after a replace cannot leave the new name on empty or torn files with the old ones
+    gone (file systems may commit a rename before the data it names)."""
+    sync_tree(tmp)
     if os.path.lexists(path) and _exchange(tmp, path):
+        _fsync(path.parent)
         _remove(tmp)  # now the old folder
         return
     old = None
@@ -234,8 +241,29 @@ def replace_folder(tmp: Path, path: Path) -> None:
         if old is not None:
             os.rename(old, path)
         raise
+    _fsync(path.parent)
     if old is not None:
         _remove(old)
+
+
+def sync_tree(root: Path) -> None:
+    """``fsync`` every regular file and folder under ``root``, and ``root`` itself."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            f = os.path.join(folder, name)
+            if not os.path.islink(f):
+                _fsync(f)
+        _fsync(folder)
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system that cannot sync a folder (some network ones)
+        pass
+    finally:
+        os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:

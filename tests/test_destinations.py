@@ -251,6 +251,32 @@ def test_replace_folder_swaps_in_one_step(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "model"]
 
 
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_folder_syncs_the_new_files_before_the_rename(tmp_path, monkeypatch, exchange):
+    """Every file and folder of the new tree is synced before it takes the name, and the parent
+    folder after, before the old folder is removed (nothing was synced: a machine crash could
+    leave the new name on empty files with the old ones gone)."""
+    from kdsa.model import folders
+
+    if not exchange:
+        monkeypatch.setattr(folders, "_exchange", lambda a, b: False)
+    old, new = tmp_path / "model", tmp_path / "model.kdsa-tmp"
+    (old / "d").mkdir(parents=True), (new / "d").mkdir(parents=True)
+    for f in (old / "x", new / "x", new / "d" / "y"):
+        f.write_text(f.parent.name)
+    events, fsync, remove = [], os.fsync, folders._remove
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(
+        ("sync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(folders, "_remove", lambda p: events.append(("remove", str(p)))
+                        or remove(p))
+    folders.replace_folder(new, old)
+    synced = [p for kind, p in events if kind == "sync"]
+    assert {str(new / "x"), str(new / "d" / "y"), str(new / "d"), str(new)} <= set(synced)
+    last = max(i for i, (kind, p) in enumerate(events) if kind == "sync" and p == str(tmp_path))
+    assert last < max(i for i, (kind, _) in enumerate(events) if kind == "remove")  # the old
+    assert (old / "d" / "y").read_text() == "d"
+
+
 def test_replace_folder_without_the_exchange_restores_the_old_folder(tmp_path, monkeypatch):
     """Where no atomic exchange exists, the old folder moves aside and the new one takes its
     name; when that second rename fails, the old folder is put back and the error raised."""
