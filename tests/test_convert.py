@@ -272,15 +272,25 @@ def test_mxfp4_experts_model(work, micro):
     assert 1e-3 < rel < 0.3, rel
 
 
-def test_nan_mxfp4_scales_are_refused(work, micro):
-    """An E8M0 scale byte 0xFF (NaN) in a source is an error naming the tensor and where, both
-    when the packed bytes are kept and when they are dequantised (it was passed through, and
-    every token routed to that expert got NaN)."""
+def test_mxfp4_scales_as_f8_e8m0_and_nan_scales(work, micro):
+    """Scales stored as ``F8_E8M0`` (the same bytes under their own dtype name) convert as
+    ``U8`` ones do (they were refused). An E8M0 scale byte 0xFF (NaN) is an error naming the
+    tensor and where, both when the packed bytes are kept and when they are dequantised (it
+    was passed through, and every token routed to that expert got NaN)."""
     _, hf = micro
     convert.hf_to_orbax(hf, work / "nan_q", experts="mxfp4", progress=False)
     convert.orbax_to_hf(work / "nan_q", work / "nan_q_hf", progress=False)
-    name = next(n for n in SafetensorsCheckpoint(work / "nan_q_hf").names()
-                if n.endswith("w1.weight_scale"))
+    names = SafetensorsCheckpoint(work / "nan_q_hf").names()
+    e8m0 = _copy_without(work / "nan_q_hf", work / "e8m0", change={
+        n: (lambda a: a.view(ml_dtypes.float8_e8m0fnu)) for n in names if n.endswith("_scale")})
+    convert.hf_to_orbax(e8m0, work / "e8m0_q", progress=False)
+    config = ckpt.read_info(work / "nan_q")[0]
+    keys = [k for k in ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
+            if k.endswith("experts.w2_scale")]
+    for (_, a), (_, b) in zip(ckpt.iter_params(work / "nan_q", config, keys),
+                              ckpt.iter_params(work / "e8m0_q", config, keys)):
+        np.testing.assert_array_equal(a, b)
+    name = next(n for n in names if n.endswith("w1.weight_scale"))
 
     def nan_at_2_0(a):
         a[2, 0] = 0xFF

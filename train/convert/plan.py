@@ -153,8 +153,10 @@ def check_source(params: list[Param], layout: mp.Layout, config: ModelConfig,
                     exp = want or mp.hf_shape(p.rule.kind, p.shape[1:] if p.layers else p.shape)
                     bad.append(f"{name}: expected shape {list(exp)}, found {list(info.shape)}")
                 float_ok = info.dtype in FLOATS
-                if (part == "float") != float_ok or (part != "float" and info.dtype != "U8"):
-                    wanted = "a float type" if part == "float" else "U8"
+                allowed = ("U8", "F8_E8M0") if part == "scale" else ("U8",)  # E8M0: the same
+                if (part == "float") != float_ok or (part != "float" and  # bytes, named
+                                                     info.dtype not in allowed):
+                    wanted = "a float type" if part == "float" else " or ".join(allowed)
                     bad.append(f"{name}: expected dtype {wanted}, found {info.dtype}")
                 dtypes.setdefault(dtype_key(p, part), info.dtype)
     ignored, unexpected = [], []
