@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+
 LOG_DIR_ENV = "KDSA_COMPILE_PROFILE_DIR"
 _LINE = re.compile(r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation of) "
                    r"(.*?) (?:for jit )?in ([0-9.]+) sec")
@@ -117,7 +119,7 @@ def main(argv: list[str]) -> int:
                   pytest_exit=rc, wall_s=round(time.perf_counter() - t0, 1),
                   load_average=os.getloadavg())
     out = root / "bench" / "results" / "compile_profile.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps({**result, "machine": machine()}, indent=1) + "\n")
     t = result["totals"]
     print(f"{t['compiles']} XLA compiles, {t['xla_s']} s XLA, {t['lower_s']} s lowering, "
           f"{t['trace_s']} s tracing, {t['eager_s']} s op by op -> {out}")

@@ -63,7 +63,7 @@ from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache  # noqa: E402
-from timing import matmul_flops, seconds  # noqa: E402  (bench/timing.py)
+from timing import machine, matmul_flops, seconds  # noqa: E402  (bench/timing.py)
 
 
 
@@ -371,7 +371,7 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"dsa{suffix}.json" if not wide else f"dsa_{args.preset}{suffix}.json")
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
     print(f"wrote {out}")
 
 

@@ -42,6 +42,7 @@ from flax import nnx  # noqa: E402
 from kdsa.model.kda import kda_chunked  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache, kda_gate  # noqa: E402
 from kdsa.model.presets import small  # noqa: E402
+from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
 
 H, K, LB = 4, 64, -5.0
 
@@ -208,7 +209,7 @@ def main():
     }
     path = Path(__file__).parent / "results" / "kda.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
     print(f"wrote {path}")
 
 

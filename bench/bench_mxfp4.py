@@ -34,7 +34,7 @@ from kdsa.kernels_pallas.mxfp4_matmul import (mxfp4_grouped_matmul_prepared,  # 
                                               mxfp4_grouped_matmul_ref, mxfp4_matmul_prepared,
                                               mxfp4_matmul_ref, prepare_mxfp4_weights)
 from kdsa.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from timing import seconds  # noqa: E402  (bench/timing.py)
+from timing import machine, seconds  # noqa: E402  (bench/timing.py)
 
 
 
@@ -116,7 +116,7 @@ def main() -> None:
               if on_cpu else "speedup_vs_bf16 = bf16 matmul time / MXFP4 kernel time"}
     out = Path(__file__).parent / "results" / "mxfp4.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
     print(f"wrote {out}")
 
 
