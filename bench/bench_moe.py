@@ -33,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 from kdsa.model.activations import gated_activation  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.experts_cpu import experts_batched, experts_blocked  # noqa: E402
-from kdsa.model.moe import experts_one_hot, experts_ragged, experts_routed, route  # noqa: E402
+from kdsa.model.moe import experts_one_hot, experts_ragged, experts_routed  # noqa: E402
+from kdsa.model.routing import route  # noqa: E402
 from timing import seconds, write_results  # noqa: E402
 
 

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from kdsa.model import moe as moe_lib
+from kdsa.model import routing
 from kdsa.model.activations import gated_activation, silu, situ_gate, situ_up
 from kdsa.model.config import get_preset
 from kdsa.model.ffn import DenseFFN
@@ -209,7 +210,7 @@ def test_dense_ffn_shapes_axes_and_values():
 # Router
 # ---------------------------------------------------------------------------------------------
 
-_route = jax.jit(moe_lib.route, static_argnums=3)
+_route = jax.jit(routing.route, static_argnums=3)
 
 
 def router_inputs(c, n=16, seed=0):
@@ -274,9 +275,9 @@ def test_bias_chooses_but_weights_come_from_unbiased_scores():
 def test_route_rejects_bad_shapes():
     x, w, bias = router_inputs(TINY)
     with pytest.raises(ValueError, match="router_weight"):
-        moe_lib.route(x, w[:, :4], bias, TINY)
+        routing.route(x, w[:, :4], bias, TINY)
     with pytest.raises(ValueError, match="routing bias"):
-        moe_lib.route(x, w, bias[:4], TINY)
+        routing.route(x, w, bias[:4], TINY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def test_expert_load_counts_and_token_mask():
 
 def test_moe_parameter_tree_and_errors():
     m = make_moe(TINY)
-    assert isinstance(m.gate.e_score_correction_bias, moe_lib.RoutingBias)
+    assert isinstance(m.gate.e_score_correction_bias, routing.RoutingBias)
     assert not isinstance(m.gate.e_score_correction_bias, nnx.Param)
     assert m.gate.weight.axes == ("embed", None)
     assert m.experts.w1.axes == ("experts", "expert_embed", "expert_mlp")
@@ -394,12 +395,12 @@ def test_full_size_shapes_abstract(preset, latent):
 def test_update_routing_bias_sign_rule():
     bias = jnp.array([0.5, 0.0, -0.25, 0.0], jnp.float32)
     load = jnp.array([4.0, 0.0, 2.0, 2.0])  # mean 2
-    new = moe_lib.update_routing_bias(bias, load, 0.1)
+    new = routing.update_routing_bias(bias, load, 0.1)
     np.testing.assert_allclose(new, [0.4, 0.1, -0.25, 0.0], rtol=1e-6)
     with pytest.raises(ValueError, match="must both be"):
-        moe_lib.update_routing_bias(bias, load[:3], 0.1)
+        routing.update_routing_bias(bias, load[:3], 0.1)
     with pytest.raises(ValueError, match="rate"):
-        moe_lib.update_routing_bias(bias, load, -0.1)
+        routing.update_routing_bias(bias, load, -0.1)
 
 
 def test_bias_update_balances_a_skewed_load():
@@ -412,9 +413,9 @@ def test_bias_update_balances_a_skewed_load():
     @jax.jit
     def simulate(bias):
         def step(b, _):
-            idx, _, _ = moe_lib.route(x, w, b, c)
-            load = moe_lib.expert_load(idx, c.num_experts)
-            return moe_lib.update_routing_bias(b, load, 0.02), moe_lib.max_load_ratio(load)
+            idx, _, _ = routing.route(x, w, b, c)
+            load = routing.expert_load(idx, c.num_experts)
+            return routing.update_routing_bias(b, load, 0.02), routing.max_load_ratio(load)
         return jax.lax.scan(step, bias, None, length=30)
 
     bias, ratios = simulate(jnp.zeros(c.num_experts, jnp.float32))

@@ -49,7 +49,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from kdsa.model.dsa_layer import indexer_stage_params
-from kdsa.model.moe import max_load_ratio, update_routing_bias
+from kdsa.model.routing import max_load_ratio, update_routing_bias
 from kdsa.model.outputs import Collect
 from kdsa.model.vision.assemble import batch_image_inputs
 from kdsa.model.partitioning import constrain, current
