@@ -122,6 +122,32 @@ def test_sigterm_then_resume(tmp_path):
     assert all(np.isfinite(rest.losses[s]) for s in rest.losses)
 
 
+def test_sigterm_while_the_last_checkpoint_is_written(tmp_path, monkeypatch):
+    """A SIGTERM while the final checkpoint is written (after the last step; minutes on a large
+    model) waits for the write: it came after the stop flag had given the signals back, so the
+    default handler killed the process mid-write. The run reports ``stopped`` with the
+    checkpoint complete and leaves ``RUN_DIR/model`` to ``--resume``, which writes it without
+    taking a step."""
+    real, fired, messages = Checkpointer.wait, [], []
+
+    def wait(self):  # the trainer's wait for the last save
+        if not fired:
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+
+    monkeypatch.setattr(Checkpointer, "wait", wait)
+    a = run_training(small_config(), TC, tmp_path, progress=False, log=messages.append)
+    assert fired and a.stopped and a.final_step == TC.steps
+    assert any("while the last checkpoint was written" in m for m in messages), messages
+    assert Checkpointer(tmp_path / "checkpoints", every=3, keep=3).all_steps()[-1] == TC.steps
+    assert not (tmp_path / "model").exists()
+    monkeypatch.setattr(Checkpointer, "wait", real)
+    b = run_training(small_config(), TC, tmp_path, progress=False, resume=True)
+    assert b.resumed_from == TC.steps and not b.stopped and not b.losses
+    assert (tmp_path / "model").is_dir()
+
+
 def test_cli_exit_code_after_sigterm(tmp_path, monkeypatch):
     """``kdsa train`` exits 143 (128 + SIGTERM) when the run was stopped by the signal."""
     from kdsa.cli.main import main

@@ -253,6 +253,15 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                     stopped = True
                     break
                 ckpt.save(step, state, meta, force=step == tc.steps)
+            # the last save is written while the stop flag still holds the signals: a SIGTERM
+            # or Ctrl-C now waits for it (the default handlers killed it mid-write); the
+            # export is left to --resume, as a stop before the end would leave it
+            ckpt.wait()
+            late = None if stopped else stop_reason(flag, None, step, tc.steps)
+            if late:
+                log(f"\n{late} while the last checkpoint was written; it is complete in "
+                    f"{ckpt.directory / str(step)}; --resume writes RUN_DIR/model")
+                stopped = True
     except Exception:  # the checkpoint in flight finishes, the metrics reach their files
         close_after_error(ckpt, writer, bar)
         raise
