@@ -148,6 +148,29 @@ def test_sigterm_while_the_last_checkpoint_is_written(tmp_path, monkeypatch):
     assert (tmp_path / "model").is_dir()
 
 
+def test_resume_refuses_other_data(tmp_path):
+    """A checkpoint records its data's fingerprint (kind, packed rows, a hash of them): a resume
+    on an edited file, or without ``--data`` (synthetic rows), is refused by name, since its
+    data index would point into other rows (it went on silently); the same file resumes, also
+    after a move."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * (5 + i)}) + "\n"
+                            for i in range(12)))
+    run = tmp_path / "run"
+    first = run_training(small_config(), TC, run, data_path=docs, progress=False, stop_at=2)
+    assert first.stopped and first.final_step == 2
+    original = docs.read_text()
+    docs.write_text(original + json.dumps({"text": "one more document"}) + "\n")
+    for data in (docs, None):
+        with pytest.raises(ValueError, match=r"was trained on other data \(jsonl rows="):
+            run_training(small_config(), TC, run, data_path=data, progress=False, resume=True)
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(original)
+    rest = run_training(small_config(), TC, run, data_path=moved, progress=False, resume=True,
+                        stop_at=3)
+    assert rest.resumed_from == 2 and rest.final_step == 3
+
+
 def test_cli_exit_code_after_sigterm(tmp_path, monkeypatch):
     """``kdsa train`` exits 143 (128 + SIGTERM) when the run was stopped by the signal."""
     from kdsa.cli.main import main

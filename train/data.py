@@ -20,6 +20,7 @@ seed, a fresh permutation per epoch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class SyntheticData:
             raise ValueError(f"synthetic data needs vocab_size >= 2, got {vocab_size}")
         self.vocab_size, self.batch_size, self.seq_len, self.seed = (
             vocab_size, batch_size, seq_len, seed)
+
+    fingerprint = "synthetic"  # what a checkpoint records of its data (``data_fingerprint``)
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng([self.seed, index])
@@ -67,12 +70,24 @@ class PackedJsonlData:
                              f"fewer than batch_size={batch_size}")
         self.batch_size, self.seed = batch_size, seed
         self.batches_per_epoch = len(self.tokens) // batch_size
+        self.fingerprint = data_fingerprint("jsonl", self.tokens, self.segments)
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
         epoch, k = divmod(index, self.batches_per_epoch)
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.tokens))
         rows = perm[k * self.batch_size:(k + 1) * self.batch_size]
         return _from_rows(self.tokens[rows], self.segments[rows])
+
+
+def data_fingerprint(kind: str, *arrays: np.ndarray) -> str:
+    """``"KIND rows=N sha256=..."`` of a data source's packed rows: what a checkpoint records so
+    that ``--resume`` refuses other data (an edited or regenerated file, another tokenizer, a
+    forgotten ``--data``), whose rows the checkpoint's data index would point into elsewhere.
+    Content, not the path: a moved file resumes."""
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return f"{kind} rows={len(arrays[0])} sha256={h.hexdigest()[:16]}"
 
 
 def _read_jsonl(path: Path, eos_id: int | None, tokenizer=None):

@@ -197,9 +197,15 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     if restored is None and resume and ckpt.all_steps():
         raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     origin = init_from_path(init_from)  # recorded in every checkpoint (orbax-to-hf reads it)
+    fingerprint = getattr(data, "fingerprint", None)  # the rows the data index points into
     if restored is not None:
         start, state, meta = restored
         data_index = int(meta["data_index"])
+        if None not in (fingerprint, meta.get("data")) and meta["data"] != fingerprint:
+            raise ValueError(f"--resume: {ckpt.directory / str(start)} was trained on other "
+                             f"data ({meta['data']}; now {fingerprint}): its data index would "
+                             f"point into other rows. Resume with the same data (the same "
+                             f"file, tokenized the same way), or use another --run-dir")
         origin = meta.get("init_from") or origin  # the weights descend from the first start
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
@@ -243,7 +249,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                 writer.write(step, m)
                 _show_step(bar, step, m)
                 meta = {"data_index": data_index, "train_config": tc.to_dict(),
-                        "model_config": config.to_hf_config(), "init_from": origin}
+                        "model_config": config.to_hf_config(), "init_from": origin,
+                        "data": fingerprint}
                 why = stop_reason(flag, stop_at, step, tc.steps)
                 if why:
                     ckpt.save(step, state, meta, force=True)

@@ -34,6 +34,7 @@ from kdsa.infer.chat import Message, messages_from_openai
 from kdsa.model.vision.assemble import batch_arrays, check_placeholders, pack_images
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.train.chat_rows import conversation_row
+from kdsa.train.data import data_fingerprint
 
 
 def render_example(messages: list[Message], chat_format) -> tuple[list[int], int]:
@@ -92,6 +93,8 @@ class ImageSftData:
         self.feature_size = None if vision is None else 3 * vision.patch_size ** 2
         self.batch_size, self.seed = batch_size, seed
         self.batches_per_epoch = n // batch_size
+        self.fingerprint = data_fingerprint("chat", self.tokens, self.answer, self.valid, *(
+            im.patches for ims in images for im in ims))
 
     def batch(self, index: int) -> dict[str, np.ndarray]:
         epoch, k = divmod(index, self.batches_per_epoch)
