@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, Sharding
 
+from kdsa.sharding.mesh import device_array
 from kdsa.sharding.rules import state_shardings
 
 
@@ -149,24 +150,27 @@ def _chunks(leaves, targets, chunk_bytes: int) -> list[list[int]]:
 def _per_process_mesh(local: Mesh, devices) -> Mesh:
     """A mesh over ``devices`` (the source arrays' device set: JAX moves arrays across hosts
     only within one set) shaped ``[process, copies, *local.shape]``: each process's block is
-    laid out as its own ``local`` mesh (every process's local mesh: its first devices by id,
-    in the same shape, as ``Sampler`` builds them), then its other devices as further copies
-    (one copy per device of the block; with the generate mesh over every local device there
-    is one)."""
+    its first devices by id arranged as ``make_mesh`` arranges them into ``local``'s shape (as
+    ``Sampler`` builds every process's local mesh; on TPU that order follows the torus, not the
+    ids), then its other devices, arranged alike, as further copies (one copy per device of the
+    block; with the generate mesh over every local device there is one)."""
     n = local.devices.size
+    sizes = dict(zip(local.axis_names, local.devices.shape))
     by_process: dict[int, list] = collections.defaultdict(list)
     for d in sorted(devices, key=lambda d: d.id):
         by_process[d.process_index].append(d)
-    mine = [d for d in sorted(jax.local_devices(), key=lambda d: d.id)][:n]
-    if list(local.devices.flat) != mine:
-        raise ValueError(f"a local target mesh must hold this process's first {n} devices in "
-                         f"id order, got {[d.id for d in local.devices.flat]}")
-    if any(len(v) % n or v[:n] != sorted(v, key=lambda d: d.id)[:n] for v in by_process.values()) \
+    mine = sorted(jax.local_devices(), key=lambda d: d.id)[:n]
+    if list(local.devices.flat) != list(device_array(sizes, mine).flat):
+        raise ValueError(f"a local target mesh must be this process's first {n} devices as "
+                         f"make_mesh arranges them, got {[d.id for d in local.devices.flat]}")
+    counts = {p: len(v) for p, v in by_process.items()}
+    if any(c % n for c in counts.values()) or len(set(counts.values())) > 1 \
             or set(mine) - set(by_process[jax.process_index()]):
-        raise ValueError(f"the arrays' devices do not hold every process's first {n} devices "
-                         f"in equal numbers; cannot gather them onto a local mesh")
-    blocks = [np.asarray(by_process[p], dtype=object).reshape((-1,) + local.devices.shape)
-              for p in sorted(by_process)]
+        raise ValueError(f"the arrays' devices ({counts} per process) do not hold every "
+                         f"process's first {n} devices in equal numbers; cannot gather them "
+                         f"onto a local mesh")
+    blocks = [np.stack([device_array(sizes, v[i:i + n]) for i in range(0, len(v), n)])
+              for v in (by_process[p] for p in sorted(by_process))]
     return Mesh(np.stack(blocks), ("process", "copies") + tuple(local.axis_names))
 
 
