@@ -201,7 +201,7 @@ def fit_layout(config, layout: str, *, preset: str | None = None,
         check_layout(config, sizes, layout, batch=batch, seq=seq)
         return make_mesh(sizes, devices=devices)
     top = len(devices) // fixed
-    error = None
+    error, fallback = None, None
     for f in [f for f in range(top, 0, -1) if top % f == 0]:
         sizes = dict(want, **{free[0]: f})
         try:
@@ -209,13 +209,46 @@ def fit_layout(config, layout: str, *, preset: str | None = None,
         except ValueError as e:
             error = error or e
             continue
-        use = _spread(devices, fixed * f)
-        if f < top and log is not None:
-            log(f"{layout} layout: {_fmt(sizes)} on {len(use)} of {len(devices)} devices "
-                f"(the model or batch does not split {top}-way over {free[0]}; pass --mesh "
-                f"to choose)")
-        return make_mesh(sizes, devices=use)
-    raise error
+        replicated = replicated_weight_dims(config, sizes, layout)
+        if replicated:  # fits, but whole weights on every device: a smaller size, if any, first
+            fallback = fallback or (f, sizes, replicated)
+            continue
+        return _fitted(sizes, devices, fixed * f, f < top, layout, top, free[0], log)
+    if fallback is None:
+        raise error
+    f, sizes, replicated = fallback
+    if log is not None:
+        log(f"{layout} layout: {_fmt(sizes)} keeps {'; '.join(replicated)}; these weights are "
+            f"whole on every device (no smaller size avoids it; pass --mesh to choose)")
+    return _fitted(sizes, devices, fixed * f, f < top, layout, top, free[0], log)
+
+
+def _fitted(sizes, devices, n, fewer, layout, top, axis, log) -> Mesh:
+    use = _spread(devices, n)
+    if fewer and log is not None:
+        log(f"{layout} layout: {_fmt(sizes)} on {len(use)} of {len(devices)} devices "
+            f"(the model, its weights or the batch do not split {top}-way over {axis}; pass "
+            f"--mesh to choose)")
+    return make_mesh(sizes, devices=use)
+
+
+def replicated_weight_dims(config, sizes: Mapping[str, int], layout: str) -> list[str]:
+    """The weight dims sharded by ``layout`` that take none of their mesh axes under ``sizes``:
+    the first axis of their rule does not divide them, so the rules' prefix fallback keeps the
+    whole weight on every device (K3's hidden 7168 over ``fsdp=24``: its 57.5B non-expert
+    parameters and their optimizer state whole on each of 1,536 devices)."""
+    from kdsa.sharding.rules import get_rules
+
+    rules = get_rules(layout)
+    dims = [("embed", "hidden_size", config.hidden_size),
+            ("q_lora", "q_lora_rank", getattr(config, "q_lora_rank", None)),
+            ("kv_lora", "kv_lora_rank", getattr(config, "kv_lora_rank", None))]
+    out = []
+    for logical, what, dim in dims:
+        axes = [a for a in (rules.get(logical) or ()) if sizes.get(a, 1) > 1]
+        if dim and axes and dim % sizes[axes[0]]:
+            out.append(f"{what}={dim} unsplit by {axes[0]}={sizes[axes[0]]}")
+    return out
 
 
 def _spread(devices: list, n: int) -> list:

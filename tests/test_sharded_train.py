@@ -130,6 +130,13 @@ def test_fit_layout_defaults_and_errors():
     mesh = fit_layout(cfg, "train", preset="tiny", batch=2, seq=16, log=notes.append)
     assert dict(mesh.shape)["fsdp"] == 2 and mesh.size == 2
     assert "fsdp=2 on 2 of 8 devices" in notes[0]
+    # a size whose first weight axis leaves a weight dim whole on every device is passed over
+    # for a smaller one (fsdp=8 kept the 12-wide kv_lora weights whole on each device)
+    notes = []
+    mesh = fit_layout(cfg.replace(kv_lora_rank=12), "train", preset="tiny", batch=8, seq=16,
+                      log=notes.append)
+    assert dict(mesh.shape)["fsdp"] == 4 and mesh.size == 4, notes
+    assert "fsdp=4 on 4 of 8 devices" in notes[0] and "weights" in notes[0]
     mesh = fit_layout(cfg, "generate", preset="tiny", override="data=4,tensor=2", batch=4)
     assert dict(mesh.shape)["tensor"] == 2
     with pytest.raises(ValueError, match=r"the batch size=4 is not divisible by mesh axes "
