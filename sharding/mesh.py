@@ -16,6 +16,7 @@ expert parallelism uses ``shard_map`` with explicit specs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 
@@ -164,10 +165,20 @@ def device_array(sizes: Mapping[str, int] | str | None, devices: Sequence,
         ici = resolve_sizes(sizes, len(devices) // n_slices)
         return mesh_utils.create_hybrid_device_mesh(ici, dcn_sizes, devices)
     ici = resolve_sizes(sizes, len(devices))
-    try:
-        return mesh_utils.create_device_mesh(ici, devices)
-    except (AssertionError, ValueError, NotImplementedError):
-        return np.asarray(devices).reshape(ici)
+    # TPU: devices by their place in the torus; a shape that does not map onto whole physical
+    # axes may split one (K3's generate expert=32,tensor=8 on v5p:8x8x16: each tensor group an
+    # 8-chip ring, each expert group 2 x 16 chips); a plain reshape of the device list, the last
+    # resort (CPU and GPU lists are in order), scattered groups over the torus
+    for split in (False, True):
+        try:
+            return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=split)
+        except (AssertionError, ValueError, NotImplementedError):
+            continue
+    if devices and devices[0].platform == "tpu":
+        logging.getLogger("kdsa.mesh").warning(
+            "mesh %s: no arrangement follows the TPU torus; devices taken in list order "
+            "(slower collectives)", _fmt(dict(zip(AXES, ici))))
+    return np.asarray(devices).reshape(ici)
 
 
 def make_mesh(sizes: Mapping[str, int] | str | None = None, *,

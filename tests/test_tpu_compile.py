@@ -333,3 +333,23 @@ def test_mxfp4_expert_kernel_compiles_on_a_data_mesh(capsys):
     assert rc == 0
     assert {step: c["kernels"] for step, c in out["compiled"].items()} == {
         "prefill": {"mxfp4_grouped_matmul": 3}, "decode": {"mxfp4_grouped_matmul": 3}}
+
+
+def test_k3_generate_mesh_keeps_each_tensor_group_on_one_ring():
+    """K3's generate layout (``expert=32,tensor=8,data=-1``) on ``v5p:8x8x16``: JAX's torus-aware
+    arrangement refuses the shape unless it may split a physical axis; with that allowed each
+    tensor group is 8 chips along one axis (a ring). It fell back to the device list in order,
+    which scattered the groups over the torus (slower collectives; ``kdsa plan --compile``
+    measured that order too)."""
+    import numpy as np
+
+    from kdsa.sharding.mesh import AXES, device_array, layout_sizes
+    from kdsa.train.aot import topology_devices
+
+    arr = device_array(layout_sizes("k3-2.8t", "generate"), topology_devices("v5p:8x8x16"))
+    groups = np.moveaxis(arr, AXES.index("tensor"), -1).reshape(-1, 8)
+    for group in groups[::97]:
+        coords = np.array([d.coords for d in group])  # [8, 3]
+        moving = [a for a in range(3) if len(set(coords[:, a])) > 1]
+        assert len(moving) == 1 and sorted(coords[:, moving[0]]) == list(range(
+            min(coords[:, moving[0]]), min(coords[:, moving[0]]) + 8)), coords
