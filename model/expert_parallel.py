@@ -250,7 +250,9 @@ def ragged_exchange_plan(counts_all: jax.Array, me: jax.Array, rows: int):
     """
     before = jnp.cumsum(counts_all, axis=0) - counts_all               # rows from lower sources
     fits = jnp.clip(rows - before, 0, counts_all)                      # [src, dst] accepted
-    return fits[me], before[me], fits[:, me], before[:, me]
+    # a full receiver's offset would point past its buffer (with 0 rows sent): kept in bounds
+    at = jnp.minimum(before, rows)
+    return fits[me], at[me], fits[:, me], at[:, me]
 
 
 def _ragged_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_axes, tok_axes,

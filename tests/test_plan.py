@@ -86,6 +86,17 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     assert set(gen.communication) == {"expert", "tensor"}
 
 
+def test_weight_gathers_over_expert_are_counted(tiny_abstract):
+    """In the train layout the non-expert weights shard over ``fsdp`` x ``expert``: their
+    gathers move as many bytes over ``expert=8`` as over ``fsdp=8`` (the ``expert`` part was
+    not counted: ``expert=8`` reported only the token all-to-all)."""
+    kw = dict(device_memory=GiB, batch=8, seq=32, model=tiny_abstract)
+    by_fsdp = make_plan(TINY, "train", dict(fsdp=8), **kw).communication
+    by_expert = make_plan(TINY, "train", dict(expert=8), **kw).communication
+    gathers = lambda c: c.get("fsdp", 0.0)  # noqa: E731  (weight gathers are reported there)
+    assert gathers(by_fsdp) > 0 and gathers(by_expert) > 0.5 * gathers(by_fsdp)
+
+
 def test_gathered_weights_term(tiny_abstract, k3_abstract):
     """Nothing sharded over fsdp / expert: nothing gathered. Sharded: at least the vocabulary
     projection whole three times (forward, backward, unsharded gradient); K3's largest unit

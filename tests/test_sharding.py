@@ -211,6 +211,13 @@ def test_ragged_exchange_plan_matches_a_numpy_all_to_all():
             assert (buffers[me][recv_off[src]:recv_off[src] + recv[src]] == src).all()
         want = min(rows, counts[:, me].sum())  # senders fill in order until the buffer is full
         assert (buffers[me] >= 0).sum() == want
+    # every offset lies in its buffer, a full receiver's too (sending 0 rows there): four
+    # sources of 6 rows each for one 9-row buffer put sources 2 and 3 past its end
+    full = jnp.full((ep, ep), 6, jnp.int32)
+    for me in range(ep):
+        send, out_off, recv, recv_off = map(np.asarray, ragged_exchange_plan(full, me, rows))
+        assert (out_off <= rows).all() and (recv_off <= rows).all(), (out_off, recv_off)
+        assert send[0] == (6 if me == 0 else 3 if me == 1 else 0)
 
 
 def test_ragged_collective_lowers_for_accelerators(moe_inputs):
