@@ -61,6 +61,8 @@ def bounded_block(c_len: int, gate_lower_bound: float | None) -> int | None:
     if not lb < 0.0:
         raise ValueError(f"gate_lower_bound must be negative, got {gate_lower_bound!r}")
     b = min(c_len, int(2 * _MAX_EXPONENT / -lb))
+    if b < 8:  # (a bound below -2 * _MAX_EXPONENT gave b = 0: a ZeroDivisionError below)
+        return None
     while c_len % b:
         b -= 1
     return b if b >= 8 else None

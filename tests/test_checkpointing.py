@@ -53,6 +53,22 @@ def test_resume_is_bit_exact(full_run, tmp_path):
     assert list(tmp_path.glob("events.out.tfevents.*"))
 
 
+def test_train_refuses_to_resume_an_rl_run(full_run, tmp_path):
+    """``kdsa train --resume`` into a ``kdsa rl`` run folder (whose checkpoints hold a task
+    counter, not a data index) is refused by name (a KeyError traceback before)."""
+    import shutil
+
+    run_dir, _ = full_run
+    shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")
+    for step in (3, 6):
+        meta_file = tmp_path / "checkpoints" / str(step) / "meta" / "data.json"
+        meta = json.loads(meta_file.read_text())
+        meta["task_counter"], meta["rl_config"] = meta.pop("data_index"), {"steps": 6}
+        meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="not a kdsa train checkpoint .*kdsa rl --resume"):
+        run_training(small_config(), TC, tmp_path, progress=False, resume=True)
+
+
 def test_corrupted_latest_falls_back(full_run, tmp_path):
     run_dir, _ = full_run
     import shutil

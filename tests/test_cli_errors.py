@@ -132,6 +132,25 @@ def test_read_only_or_full_run_dir_is_one_line_before_compiling(tmp_path, capsys
     assert message in _one_error_line(capsys, "train")
 
 
+def test_a_run_dir_check_failing_on_one_process_fails_on_every_process(tmp_path, monkeypatch):
+    """In a job of several processes the run-dir check is agreed: the process whose own check
+    passed raises too when another's failed (it went on into the first collective and waited
+    there). The collective is stood in for by its answer: process 0 failed, this one did
+    not."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from kdsa.train import run_dir
+
+    monkeypatch.setattr(run_dir.jax, "process_count", lambda: 2)
+    seen = []
+    monkeypatch.setattr(multihost_utils, "process_allgather",
+                        lambda x: seen.append(int(x)) or np.asarray([1, int(x)]))
+    with pytest.raises(ValueError, match=r"the check failed on process\(es\) \[0\]"):
+        run_dir.check_run_dir(tmp_path / "run", 1, keep=1)
+    assert seen == [0]  # this process's own check passed
+
+
 def test_documents_of_the_wrong_type_are_refused(tmp_path):
     for line, what in (('{"text": 42}', "'text' must be a string, got 42"),
                        ('{"tokens": "abc"}', "'tokens' must be a list of integers"),

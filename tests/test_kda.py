@@ -296,3 +296,12 @@ def test_chunked_backward_recomputes_piece_intermediates():
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(q, k, v, g, beta).compile()
     intermediates = (9 * dk + 5 * dv + 4 * c + dk * dv / c) * 4 * b * t * h
     assert compiled.memory_analysis().temp_size_in_bytes < intermediates  # 0.4x; 3x saved
+
+
+def test_row_block_for_very_negative_gate_bounds():
+    """A gate bound below -80 leaves no row block whose exponents stay bounded: the strips
+    (None), not a ZeroDivisionError (``bounded_block`` divided by a zero block size)."""
+    from kdsa.model.kda_chunk import bounded_block
+
+    assert bounded_block(64, -5.0) == 16 and bounded_block(64, -30.0) is None
+    assert bounded_block(64, -100.0) is None and bounded_block(1, -81.0) is None

@@ -44,8 +44,25 @@ def _folder_bytes(path: Path) -> int:
 def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
                   checkpoints: str = "checkpoints") -> None:
     """Raise ``ValueError`` unless ``run_dir`` is writable and has room for ``keep + 1``
-    checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room)."""
-    run_dir = Path(run_dir)
+    checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room). In a
+    job of several processes every process raises when any one's check failed (one process
+    alone exiting left the others waiting in the job's first collective)."""
+    error = None
+    try:
+        _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
+    except ValueError as e:
+        error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
+        if error is None and failed.any():
+            raise ValueError(f"run dir {run_dir}: the check failed on process(es) "
+                             f"{np.flatnonzero(failed).tolist()} (their error says why)")
+    if error is not None:
+        raise error
+
+
+def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"run dir {run_dir} is a file, not a folder")
     try:

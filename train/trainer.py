@@ -200,6 +200,11 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     fingerprint = getattr(data, "fingerprint", None)  # the rows the data index points into
     if restored is not None:
         start, state, meta = restored
+        if "data_index" not in meta:  # an RL run's checkpoints hold a task counter instead
+            raise ValueError(f"--resume: {ckpt.directory / str(start)} is not a kdsa train "
+                             f"checkpoint (no data index{'; a kdsa rl run: resume it with '
+                             'kdsa rl --resume' if 'rl_config' in meta else ''}); use another "
+                             f"--run-dir")
         data_index = int(meta["data_index"])
         if None not in (fingerprint, meta.get("data")) and meta["data"] != fingerprint:
             raise ValueError(f"--resume: {ckpt.directory / str(start)} was trained on other "
