@@ -46,7 +46,8 @@ def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
     """Raise ``ValueError`` unless ``run_dir`` is writable and has room for ``keep + 1``
     checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room). In a
     job of several processes every process raises when any one's check failed (one process
-    alone exiting left the others waiting in the job's first collective)."""
+    alone exiting left the others waiting in the job's first collective): every process must
+    call it, with ``checkpoint_bytes`` 0 where another process asks for the room."""
     error = None
     try:
         _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)

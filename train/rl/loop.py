@@ -154,8 +154,9 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
-    if writes:  # writable, room for the checkpoints (and the reference): before compiling
-        check_run_dir(run_dir, state_bytes(template), tc.keep_checkpoints + 1)
+    # writable, room for the checkpoints (and the reference): before compiling; every process
+    # takes part (the verdict is agreed), process 0 asks for the room
+    check_run_dir(run_dir, state_bytes(template) if writes else 0, tc.keep_checkpoints + 1)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     layout = abstract.segment_layout
