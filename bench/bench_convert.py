@@ -38,9 +38,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
-
 RESULTS = Path(__file__).parent / "results" / "convert.json"
+
+
+def _machine() -> dict:
+    """``timing.machine()``, imported only here: the raw-read child processes must not pay for
+    importing JAX (``timing`` imports it)."""
+    from timing import machine  # (bench/timing.py; the script's folder)
+
+    return machine()
 
 
 def bench_config(quick: bool):
@@ -334,7 +340,7 @@ def main() -> None:
             out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
             if io:
                 out["safetensors_io"] = dict(io, quick=args.quick, source_bytes=total)
-            RESULTS.write_text(json.dumps({**out, "machine": machine()}, indent=2) + "\n")
+            RESULTS.write_text(json.dumps({**out, "machine": _machine()}, indent=2) + "\n")
             print(f"wrote {RESULTS}")
             return
         r = {"raw_read": run_child("raw_read", src=hf),
@@ -370,7 +376,7 @@ def main() -> None:
               f"{out['ratio_orbax_to_hf_vs_raw_write']:.3f}")
         print(f"MXFP4 expert tensors / bf16: {ratio_mxfp4:.4f} (4.25/16 = 0.2656)")
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({**out, "machine": machine()}, indent=2) + "\n")
+        RESULTS.write_text(json.dumps({**out, "machine": _machine()}, indent=2) + "\n")
         print(f"wrote {RESULTS}")
     finally:
         if args.dir is None:

@@ -83,7 +83,9 @@ class ThinkingBudget:
             return list(self.end_marker) + list(self.after)
         return []
 
-    def observe(self, token_id: int, text: str = "") -> list[int]:
+    def observe(self, token_id: int, text: str = "", partial: bool = False) -> list[int]:
+        """``partial``: the output so far ends inside a character (the decoder holds bytes of
+        it): no close there, or the reasoning would end in half a character."""
         if not self.in_reasoning:
             return []
         self._recent = (self._recent + [token_id])[-len(self.end_marker):]
@@ -100,8 +102,8 @@ class ThinkingBudget:
             self._boundary = True
         elif stripped:
             self._boundary = stripped[-1] in BOUNDARY_CHARS
-        elif not text:  # part of a character (its bytes so far decode to nothing): no close
-            self._boundary = False  # here, or the reasoning would end in a broken character
+        if partial:
+            self._boundary = False
         if self.cap is None or self.reasoning_tokens < self.cap:
             return []
         if self._boundary or self.reasoning_tokens >= self.cap + self.grace:

@@ -183,8 +183,9 @@ def messages_from_openai(raw, image_loader=None) -> list[Message]:
                              f"a list of parts), got null")
         content = _text(m.get("content"), where) if role != "user" else None
         if role == "assistant":
-            reasoning = m.get("reasoning_content") or m.get("reasoning", m.get(
-                "reasoning_content"))  # (an empty reasoning_content hides no reasoning)
+            reasoning = m.get("reasoning_content")
+            if reasoning is None or reasoning == "":  # (an empty one hides no reasoning)
+                reasoning = m.get("reasoning", reasoning)
             if reasoning is not None and not isinstance(reasoning, str):
                 raise ValueError(f"{where}.reasoning_content must be a string")
             calls = []

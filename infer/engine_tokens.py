@@ -100,8 +100,8 @@ class TokenStep:
         a.top.append(top)
         self.stats["generated_tokens"] += 1
         piece = "" if self.tok.is_special(token) else a.raw.decode(self.tok.token_bytes(token))
-        if a.budget is not None:
-            a.forced.extend(a.budget.observe(token, piece))
+        if a.budget is not None:  # (partial: the decoder holds bytes of an unfinished char)
+            a.forced.extend(a.budget.observe(token, piece, partial=bool(a.raw.getstate()[0])))
             if a.open_answer and not a.budget.in_reasoning:  # reasoning closed: open the answer
                 a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
                                 + a.prefix)

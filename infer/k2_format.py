@@ -72,6 +72,7 @@ class K2Format(ChatFormat):
         tx = lambda s: (s, tok.encode(s))  # noqa: E731
         answered = check_history(messages)  # tool message index -> the call it answers
         shown: dict[tuple[int, int], str] = {}  # (turn, index) -> the call's id as rendered
+        free = 0  # past every N shown so far (a kept functions.f:1 and a renamed call: no clash)
         out = []
 
         def turn(opener, role, body):
@@ -110,7 +111,8 @@ class K2Format(ChatFormat):
                 if m.tool_calls:
                     out.append(sp(SEC_BEGIN))
                     for j, c in enumerate(m.tool_calls):
-                        shown[(i, j)] = k2_call_id(c, len(shown))
+                        shown[(i, j)] = k2_call_id(c, free)
+                        free = max(free, int(shown[(i, j)].rpartition(":")[2]) + 1)
                         out.extend([sp(CALL_BEGIN), tx(shown[(i, j)]), sp(ARG_BEGIN),
                                     tx(c.arguments), sp(CALL_END)])
                     out.append(sp(SEC_END))
@@ -126,8 +128,8 @@ class K2Format(ChatFormat):
 
 
 def k2_call_id(call: ToolCall, index: int) -> str:
-    """The id K2 sees for ``call``, the conversation's ``index``-th: its own when it is
-    ``functions.NAME:N`` of its name, else ``functions.NAME:index``. K2 reads the function's
+    """The id K2 sees for ``call``: its own when it is ``functions.NAME:N`` of its name, else
+    ``functions.NAME:index`` (``index`` past every N shown before it). K2 reads the function's
     name only from the id, and clients send their own ids (``call_abc``, ``toolu_...``): shown
     as they are, the history would lose which function was called."""
     head, _, tail = call.id.rpartition(":")

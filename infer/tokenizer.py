@@ -247,12 +247,15 @@ def _bytes_to_unicode() -> dict[int, str]:
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json`` (any model type) via the ``tokenizers`` package.
 
-    Specials are all the added tokens, whether marked ``special`` or not: DeepSeek's
-    ``<think>`` is added with ``"special": false``, which ``tokenizers`` would still match in
-    user text (a user could open a reasoning span). They are loaded marked special, so text is
-    encoded with none of them (``encode_special_tokens``). ``token_bytes`` maps a byte-level
-    vocabulary entry back through GPT-2's byte table, and a SentencePiece one (``▁`` for a
-    space, ``<0xNN>`` byte pieces) by its piece; other decoders decode the single id.
+    Specials are the added tokens marked ``special`` and those that look like markup
+    (``<...>`` without spaces): DeepSeek's ``<think>`` is added with ``"special": false``, which
+    ``tokenizers`` would still match in user text (a user could open a reasoning span). They
+    are loaded marked special, so text is encoded with none of them (``encode_special_tokens``).
+    Other added tokens (a run of spaces in GPT-NeoX's vocabulary) stay text tokens, matched in
+    text as the model was trained. ``token_bytes`` maps a byte-level vocabulary entry back
+    through GPT-2's byte table, and a SentencePiece one (``▁`` for a space, ``<0xNN>`` byte
+    pieces) by its piece, so a text segment starts with the space its first piece carries
+    (Hugging Face's decoder strips it); other decoders decode the single id.
     """
 
     def __init__(self, path: str | Path):
@@ -261,11 +264,12 @@ class HFTokenizer(Tokenizer):
         path = Path(path)
         spec = json.loads(path.read_text())
         for added in spec.get("added_tokens") or ():
-            added["special"] = True
+            if re.fullmatch(r"<[^\s<>]+>", added.get("content", "")):
+                added["special"] = True
         self._tok = _Tok.from_str(json.dumps(spec))
         self._tok.encode_special_tokens = True  # added tokens in text stay text
         self.special_tokens = {t.content: i for i, t in
-                               self._tok.get_added_tokens_decoder().items()}
+                               self._tok.get_added_tokens_decoder().items() if t.special}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         decoder = spec.get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel"

@@ -306,11 +306,6 @@ def _train_info(step: Path) -> tuple[ModelConfig, dict, dict[str, str]]:
     return _train_info_cached(str(step), (step / "_CHECKPOINT_METADATA").stat().st_mtime_ns)
 
 
-def stored_names(step: Path) -> dict[str, str]:
-    """A training checkpoint's ``{model key: state key}`` (``params.KEY`` or ``rest.KEY``)."""
-    return _train_info(Path(step))[2]
-
-
 # the training checkpoint's ``meta`` item (JSON): Orbax v1's JsonHandler writes data.json; steps
 # written before kdsa's training checkpoints moved to the v1 API (v0 JsonSave) hold "metadata"
 META_FILES = ("data.json", "metadata")

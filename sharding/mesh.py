@@ -213,7 +213,8 @@ def fit_layout(config, layout: str, *, preset: str | None = None,
         return make_mesh(sizes, devices=devices)
     top = len(devices) // fixed
     error, fallback = None, None
-    for f in [f for f in range(top, 0, -1) if top % f == 0]:
+    procs = len({d.process_index for d in devices})  # a subset takes as many from each
+    for f in [f for f in range(top, 0, -1) if top % f == 0 and (fixed * f) % procs == 0]:
         sizes = dict(want, **{free[0]: f})
         try:
             check_layout(config, sizes, layout, batch=batch, seq=seq)

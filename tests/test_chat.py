@@ -85,6 +85,12 @@ def test_call_ids_of_clients_reused_and_trimmed():
     text = K2F.render_text(again)
     assert ("## Return of functions.alpha:0\nfirst" in text
             and "## Return of functions.beta:1\nsecond" in text)
+    # a renamed call after a kept id takes the next free N, not one already shown
+    kept = [Message("user", "u"), Message("assistant", "", "", (
+        ToolCall("functions.f:1", "f", "{}"), ToolCall("call_b", "f", "{}")))]
+    text = K2F.render_text(kept)
+    assert "functions.f:1<|tool_call_argument_begin|>" in text
+    assert "functions.f:2<|tool_call_argument_begin|>" in text
     trimmed = [Message("user", "u"), Message("assistant", "", "", (
         ToolCall("functions.x:2", "x", "{}"), ToolCall("functions.x:3", "x", "{}")))]
     assert next_call_index(trimmed) == 4 and next_call_index(msgs) == 6

@@ -194,15 +194,19 @@ def test_budget_not_forced_below_cap_and_thinking_off():
 
 
 def test_budget_does_not_close_inside_a_character():
-    """A sentence end, then the first byte of a two-byte character (its text so far ""): the
-    cap is reached there, but the close waits (it used to come at once, after the sentence
-    end, and left half a character, U+FFFD, at the end of the reasoning)."""
+    """A sentence end, then the first byte of a two-byte character (its text so far "", the
+    decoder holding a byte): the cap is reached there, but the close waits (it used to come at
+    once, after the sentence end, and left half a character, U+FFFD, at the end of the
+    reasoning); so for a piece that ends a sentence and starts a character."""
     from kdsa.infer.budget import ThinkingBudget
 
     b = ThinkingBudget(cap=2, grace=5, end_marker=(99,))
-    assert b.observe(1, "x.") == [] and b.observe(2, "") == []
+    assert b.observe(1, "x.") == [] and b.observe(2, "", partial=True) == []
     assert b.observe(3, "\u00e9") == [] and b.observe(4, " y.") == [99]
     assert b.forced_close and b.reasoning_tokens == 4
+    # a piece that ends a sentence and starts a character (b".\xf0\x9f" decodes to ".")
+    b = ThinkingBudget(cap=1, grace=5, end_marker=(99,))
+    assert b.observe(1, ".", partial=True) == [] and b.observe(2, "\U0001f600.") == [99]
 
 
 def test_zero_cap_closes_at_once():

@@ -129,11 +129,14 @@ def test_sft_and_rl_steps_run_one_compiled_step(full_run, tmp_path):
     assert step_fn._cache_size() == compiled
 
 
-def test_sft_steps_take_the_micro_batches_of_rl_updates(full_run, tmp_path, monkeypatch):
-    """With ``minibatches_per_step=2`` an SFT step's rows (a whole rollout batch) go through the
-    update in twice ``accum_steps`` micro-batches, so each holds the rows of an RL mini-batch's
-    micro-batch, the size ``kdsa plan`` and the layout check allowed for (it was 2x that).
-    The step is recorded, not run."""
+@pytest.mark.parametrize("k, prompts, micro", [(2, 4, 8), (3, 3, 4)])
+def test_sft_steps_take_the_micro_batches_of_rl_updates(full_run, tmp_path, monkeypatch, k,
+                                                        prompts, micro):
+    """With ``minibatches_per_step=k`` an SFT step's rows (a whole rollout batch) go through the
+    update in k x ``accum_steps`` micro-batches, so each holds the rows of an RL mini-batch's
+    micro-batch, the size ``kdsa plan`` and the layout check allowed for (it was k x that);
+    k = 3 with ``train.batch_size`` 8 (unused by RL, not divisible by 3 x 2) used to fail
+    TrainConfig's check. The step is recorded, not run."""
     from kdsa.train.rl import loop
 
     seen = []
@@ -146,11 +149,12 @@ def test_sft_steps_take_the_micro_batches_of_rl_updates(full_run, tmp_path, monk
         raise Recorded
 
     monkeypatch.setattr(loop, "rl_step_with_options", lambda options: record)
-    rc, tc = RC.replace(steps=1, sft_steps=1, minibatches_per_step=2), TC.replace(accum_steps=2)
+    rc = RC.replace(steps=1, sft_steps=1, minibatches_per_step=k, prompts_per_step=prompts)
+    tc = TC.replace(accum_steps=2)
     with pytest.raises(Recorded):
         run_rl(CONFIG, tc, rc, tmp_path, progress=False, evaluate_heldout=False,
                compiler_options=FAST, sampler=full_run.sampler)
-    assert seen == [rc.rows_per_micro_batch(tc.accum_steps)] == [8]
+    assert seen == [rc.rows_per_micro_batch(tc.accum_steps)] == [micro]
 
 
 def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, tmp_path,

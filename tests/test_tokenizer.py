@@ -198,6 +198,13 @@ def test_hf_added_tokens_not_marked_special_stay_text(hf_file, tmp_path):
     assert think not in ids and not any(map(tok.is_special, ids))
     assert tok.decode(ids) == "a <think> b"
     assert think in tok.encode_markup("a<think>b")
+    # an added token that is no markup (GPT-NeoX's runs of spaces) stays a text token
+    tk.add_tokens([AddedToken("    ", special=False)])
+    tk.save(str(path))
+    spaces = tk.token_to_id("    ")
+    tok = HFTokenizer(path)
+    assert tok.encode("    x")[0] == spaces and not tok.is_special(spaces)
+    assert tok.decode(tok.encode("    x")) == "    x"
 
 
 def test_hf_sentencepiece_pieces_keep_their_spaces_and_bytes(tmp_path):

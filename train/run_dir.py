@@ -53,6 +53,9 @@ def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
         _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
     except ValueError as e:
         error = e
+    except OSError as e:  # (a stale mount, a missing permission: every process must hear)
+        error = ValueError(f"run dir {run_dir} cannot be checked "
+                           f"({e.strerror or type(e).__name__})")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))

@@ -2,7 +2,7 @@
 
 :class:`Loader` restores one parameter at a time (Orbax partial load) and keeps only it (plus
 the scale of a packed expert weight, whose pair is needed together): one stacked parameter
-resident; routed experts are read one layer's expert at a time (TensorStore). :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
+resident. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
 safetensors writer calls the producers in order, so only one HF tensor is materialised beyond
 the resident parameter.
 
@@ -41,47 +41,13 @@ def _partner(key: str) -> str | None:
 
 
 class Loader:
-    """Restores parameters one at a time; keeps the last one and its packed/scale partner.
-    Routed experts are read one ``[layer, expert]`` slice at a time (:meth:`slice`)."""
+    """Restores parameters one at a time; keeps the last one and its packed/scale partner."""
 
     def __init__(self, path: Path, config: ModelConfig):
         self.path, self.cache, self.bytes = path, {}, 0
         self.abstract = ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
         self.device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
         self.collector = CycleCollector()  # Orbax's restore leaves reference cycles
-        self.arrays: dict = {}  # key -> an open TensorStore array (False: not stored that way)
-        self.slices_read = 0
-
-    def slice(self, key: str, index: tuple[int, ...]) -> np.ndarray:
-        """``param[index]`` (its leading axes: a layer, an expert) read with TensorStore from
-        the Orbax checkpoint's OCDBT / zarr3 array: only that slice's chunks. Restoring the
-        whole parameter held a K3 segment's expert stack in memory to export one expert (22
-        layers x 896 experts of ``[3072, 1792]`` packed bytes: 108 GB). An array not stored
-        that way is restored whole (:meth:`get`)."""
-        array = self._tensorstore(key)
-        if array is False:
-            return self.get(key)[index]
-        out = np.asarray(array[index].read().result())
-        self.bytes += out.nbytes
-        self.slices_read += 1
-        return out
-
-    def _tensorstore(self, key: str):
-        if key not in self.arrays:
-            import tensorstore as ts  # (Orbax's own storage library)
-
-            path, training = ckpt.locate(self.path)
-            name = ckpt.stored_names(path)[key] if training else f"params.{key}"
-            spec = {"driver": "zarr3", "kvstore": {
-                "driver": "ocdbt", "base": f"file://{path / 'state'}/", "path": f"{name}/"}}
-            v = self.abstract[key]
-            try:
-                array = ts.open(spec, open=True, read=True).result()
-                ok = tuple(array.shape) == tuple(v.shape) and array.dtype.numpy_dtype == v.dtype
-            except Exception:  # noqa: BLE001 - another layout: the whole-parameter restore
-                ok = False
-            self.arrays[key] = array if ok else False
-        return self.arrays[key]
 
     def get(self, key: str) -> np.ndarray:
         if key not in self.cache:
@@ -157,7 +123,7 @@ def export_specs(params: list[Param], layout: mp.Layout, config: ModelConfig, lo
 
 def _export_expert(p: Param, r: int, e: int, part: str, d: np.dtype, loader: Loader,
                    stash: dict) -> np.ndarray:
-    a = loader.slice(p.key, (r, e))
+    a = loader.get(p.key)[r, e]
     if p.part in ("packed", "scale") and part == p.part:
         return np.asarray(a)                                               # packed/scale bytes
     if p.part == "float" and part == "float":
@@ -168,5 +134,5 @@ def _export_expert(p: Param, r: int, e: int, part: str, d: np.dtype, loader: Loa
             stash[(p.key, r, e)] = scales
             return packed
         return stash.pop((p.key, r, e))
-    scale = loader.slice(_partner(p.key), (r, e))                          # dequantise
+    scale = loader.get(_partner(p.key))[r, e]                              # dequantise
     return dequantize_rows(a, scale, d)

@@ -218,9 +218,12 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
 
     kw = dict(tc=tc, tx=tx, loss_cfg=loss_cfg, layout=layout)
     # an SFT step's rows (a rollout batch) in as many micro-batches as an RL mini-batch update
-    # takes of them all: the micro-batch kdsa plan and the layout check sized, one update
-    sft_kw = dict(kw, tc=dataclasses.replace(tc, accum_steps=tc.accum_steps
-                                             * rc.minibatches_per_step))
+    # takes of them all: the micro-batch kdsa plan and the layout check sized, one update (a
+    # second compile of the step; train.batch_size, which RL does not use, set to the rows so
+    # that TrainConfig's divisibility check holds)
+    k = rc.minibatches_per_step
+    sft_kw = kw if k == 1 or not rc.sft_steps else dict(kw, tc=dataclasses.replace(
+        tc, accum_steps=tc.accum_steps * k, batch_size=rc.rollouts_per_step))
     try:
         with _StopFlag() as flag:
             while step < total:
@@ -231,7 +234,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
                                             start_index=counter)
                     counter += rows
                     batch = sft_batch(sampler.fmt, envs, tasks, rows, T)
-                    if rc.routing_replay:  # same batch structure as RL steps: one compile
+                    if rc.routing_replay:  # the RL steps' batch structure (one compile when
+                        # minibatches_per_step is 1)
                         batch["expert_ids"] = ro.no_routing(rows, T, _routing_dims(config))
                     with place.rules():
                         state, m = step_fn(graphdef, state, place.batch(batch), 1.0,

@@ -108,10 +108,11 @@ def finalize(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
 def kl_per_token(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
                  mask: jax.Array | None = None) -> jax.Array:
     """Per-token estimate of KL(policy || reference) from ``d = logp - ref_logp``; 0 outside
-    ``mask``. k3 (``exp(-d) + d - 1``, Schulman's low-variance estimator) takes ``d`` clipped to
-    [-20, 20]: a position the loss never counts (a prompt token, padding) with the policy 89
-    nats below the reference made ``exp`` overflow, and ``inf x 0`` spoiled the step with NaN;
-    a counted one gets a finite value (at most e^20) and no gradient past the clip."""
+    ``mask``. k3 (``exp(-d) + d - 1``, Schulman's low-variance estimator) takes ``d`` at least
+    -20: a position the loss never counts (a prompt token, padding) with the policy 89 nats
+    below the reference made ``exp`` overflow, and ``inf x 0`` spoiled the step with NaN; a
+    counted one gets a finite value (at most e^20) and no gradient below -20. Above the
+    reference k3 is about ``d - 1``: finite, and its gradient is kept."""
     d = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)
     if mask is not None:
         d = jnp.where(mask > 0, d, 0.0)  # before exp: a masked inf would be NaN in the gradient
@@ -120,7 +121,7 @@ def kl_per_token(logp: jax.Array, ref_logp: jax.Array, kind: str = "k3",
     if kind == "k2":
         return 0.5 * d * d
     if kind == "k3":
-        d = jnp.clip(d, -20.0, 20.0)
+        d = jnp.maximum(d, -20.0)
         return jnp.exp(-d) + d - 1.0
     raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kind!r}")
 

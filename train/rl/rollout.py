@@ -218,7 +218,7 @@ def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
             queue.pop(0)
             forced.add(i)
         piece = "" if engine.tok.is_special(t) else raw.decode(engine.tok.token_bytes(t))
-        queue += b.observe(t, piece)
+        queue += b.observe(t, piece, partial=bool(raw.getstate()[0]))  # as the engine does
     return forced, queue, b
 
 
