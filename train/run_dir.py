@@ -5,8 +5,9 @@ instead of an error deep inside an asynchronous checkpoint write minutes into th
 ``check_run_dir(run_dir, checkpoint_bytes, keep)`` creates ``run_dir`` if needed, writes and
 removes a probe file (a read-only file system or a missing permission fails here), and asks
 for free space of ``(keep + 1) * checkpoint_bytes``: the kept checkpoints plus the one being
-written into its temporary folder. Space already taken by this run's own checkpoints counts
-as available, so a resumed run that will prune old steps is not refused.
+written into its temporary folder. Space already taken by this run's own step folders counts
+as available, so a resumed run that will prune old steps is not refused; unfinished saves of
+interrupted runs and steps set aside as corrupt do not (nothing removes them).
 """
 
 from __future__ import annotations
@@ -78,10 +79,19 @@ def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) ->
         raise ValueError(f"run dir {run_dir} is not writable "
                          f"({e.strerror or type(e).__name__})") from None
     need = (keep + 1) * checkpoint_bytes
-    own = _folder_bytes(run_dir / checkpoints)
+    # room the run gets back: its step folders (pruned as it saves); not the unfinished saves
+    # of interrupted runs (N.orbax-checkpoint-tmp-...) or steps set aside (N.corrupt), which
+    # nothing removes
+    own = leftovers = 0
+    folder = run_dir / checkpoints
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        size = _folder_bytes(p) if p.is_dir() else p.lstat().st_size
+        own, leftovers = (own + size, leftovers) if p.name.isdigit() else (own, leftovers + size)
     free = shutil.disk_usage(run_dir).free
     if free + own < need:
+        extra = (f"; {_mb(leftovers)} of it in {folder} is unfinished saves and set-aside "
+                 f"steps, which may be removed" if leftovers else "")
         raise ValueError(f"run dir {run_dir}: {_mb(free)} free, but {keep} kept checkpoints "
                          f"plus the one being written need {_mb(need)} "
                          f"({_mb(checkpoint_bytes)} each; lower train.keep_checkpoints or "
-                         f"free some space)")
+                         f"free some space{extra})")
