@@ -319,3 +319,20 @@ def test_params_json_reports_the_cache_at_context(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["decode_cache_bytes_at_context"] == (100 * d["cache_bytes_per_token"]
                                                   + d["cache_bytes_per_sequence"]) > 0
+
+
+def test_a_moved_start_folder_is_taken_from_init_from(tmp_path):
+    """A resumed run takes its start folder from its checkpoint (the weights descend from it),
+    unless that folder is gone and ``--init-from`` names another: the final export reads the
+    layout and tokenizer there (the recorded path always won, and the export failed on every
+    resume after a move)."""
+    from kdsa.train.init_from import resumed_origin
+
+    notes = []
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "first").mkdir()
+    gone, moved, first = (str(tmp_path / n) for n in ("gone", "moved", "first"))
+    assert resumed_origin(gone, moved, notes.append) == moved and "is gone" in notes[0]
+    assert resumed_origin(first, moved, notes.append) == first and len(notes) == 1
+    assert resumed_origin(gone, None, notes.append) == gone
+    assert resumed_origin(None, moved, notes.append) == moved

@@ -115,6 +115,17 @@ def init_from_path(init_from: str | os.PathLike | None) -> str | None:
     return None if init_from is None else str(Path(init_from).absolute())
 
 
+def resumed_origin(recorded: str | None, given: str | None, log) -> str | None:
+    """The start folder of a resumed run: the one its checkpoint recorded (the weights descend
+    from the first start), or, when that folder is gone and ``--init-from`` names another one,
+    the given one (moved: the run's final export reads its layout and tokenizer there; the
+    recorded path used to win and the export failed on every resume)."""
+    if recorded and given and recorded != given and not Path(recorded).exists():
+        log(f"the run's start folder {recorded} is gone; --init-from {given} stands in for it")
+        return given
+    return recorded or given
+
+
 def same_architecture(a: ModelConfig, b: ModelConfig) -> bool:
     """Whether ``a`` and ``b`` compute the same model (training fields and the routed experts'
     storage format aside)."""

@@ -36,7 +36,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
-from kdsa.train.init_from import export_run, init_from_path, initial_state
+from kdsa.train.init_from import export_run, init_from_path, initial_state, resumed_origin
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter, mfu
 from kdsa.train.optim import make_optimizer
@@ -211,7 +211,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                              f"data ({meta['data']}; now {fingerprint}): its data index would "
                              f"point into other rows. Resume with the same data (the same "
                              f"file, tokenized the same way), or use another --run-dir")
-        origin = meta.get("init_from") or origin  # the weights descend from the first start
+        origin = resumed_origin(meta.get("init_from"), origin, log)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
         if resume:

@@ -56,7 +56,8 @@ from kdsa.model.outputs import layers_of
 from kdsa.sharding.mesh import check_layout, fit_layout
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
-from kdsa.train.init_from import export_run, init_from_path, initial_state, tokenizer_folder
+from kdsa.train.init_from import (export_run, init_from_path, initial_state, resumed_origin,
+                                   tokenizer_folder)
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter
 from kdsa.train.placement import Placement
@@ -171,7 +172,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     if restored is not None:
         start, state, meta = restored
         meta0 = {k: meta.get(k) for k in meta0} | {  # the weights descend from the first start
-            "init_from": meta.get("init_from") or meta0["init_from"]}
+            "init_from": resumed_origin(meta.get("init_from"), meta0["init_from"], log)}
         if place.mesh is None:
             state = jax.device_put(state, place.device)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
