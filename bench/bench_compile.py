@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 
 from kdsa.model.config import LinearAttnConfig, get_preset  # noqa: E402
 from kdsa.model.transformer import Transformer  # noqa: E402
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+from timing import write_results  # noqa: E402  (bench/timing.py; the script's folder)
 
 
 REPEATS = 2
@@ -105,8 +105,7 @@ def main() -> None:
                   f"(the step itself {r['first_step_time_s']:.1f} s with its compile); "
                   f"2 steps done after {r['total_s']:.1f} s", flush=True)
         out = Path(__file__).parent / "results" / "compile_first_step.json"
-        out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
-        print(f"wrote {out}")
+        write_results(out, result)
         return
     rows = {}
     for scan in (True, False):
@@ -130,8 +129,7 @@ def main() -> None:
         print(f"K3-like scan: 128/32 layers compile-time ratio "
               f"{result['k3like_ratio_128_over_32']:.2f}x")
     out = Path(__file__).parent / "results" / "compile.json"
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ are not seen. Numbers from 2026-12-06: docs/performance.md (session 26).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+from timing import write_results  # noqa: E402  (bench/timing.py; the script's folder)
 
 LOG_DIR_ENV = "KDSA_COMPILE_PROFILE_DIR"
 _LINE = re.compile(r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation of) "
@@ -119,7 +118,7 @@ def main(argv: list[str]) -> int:
                   pytest_exit=rc, wall_s=round(time.perf_counter() - t0, 1),
                   load_average=os.getloadavg())
     out = root / "bench" / "results" / "compile_profile.json"
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=1) + "\n")
+    write_results(out, result)
     t = result["totals"]
     print(f"{t['compiles']} XLA compiles, {t['xla_s']} s XLA, {t['lower_s']} s lowering, "
           f"{t['trace_s']} s tracing, {t['eager_s']} s op by op -> {out}")

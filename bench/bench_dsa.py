@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -63,7 +62,7 @@ from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
 from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache  # noqa: E402
-from timing import machine, matmul_flops, seconds  # noqa: E402  (bench/timing.py)
+from timing import matmul_flops, seconds, write_results  # noqa: E402  (bench/timing.py)
 
 
 
@@ -370,9 +369,7 @@ def main() -> None:
     suffix = "_prefill" if args.prefill_only else ""
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
         f"dsa{suffix}.json" if not wide else f"dsa_{args.preset}{suffix}.json")
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, result)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -42,7 +41,7 @@ from flax import nnx  # noqa: E402
 from kdsa.model.kda import kda_chunked  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache, kda_gate  # noqa: E402
 from kdsa.model.presets import small  # noqa: E402
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+from timing import write_results  # noqa: E402  (bench/timing.py; the script's folder)
 
 H, K, LB = 4, 64, -5.0
 
@@ -208,9 +207,7 @@ def main():
                   "all functions of one T interleaved call by call; decode: median",
     }
     path = Path(__file__).parent / "results" / "kda.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_results(path, result)
 
 
 if __name__ == "__main__":

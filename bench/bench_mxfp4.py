@@ -18,7 +18,6 @@ Writes bench/results/mxfp4.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from kdsa.kernels_pallas.mxfp4_matmul import (mxfp4_grouped_matmul_prepared,  # 
                                               mxfp4_grouped_matmul_ref, mxfp4_matmul_prepared,
                                               mxfp4_matmul_ref, prepare_mxfp4_weights)
 from kdsa.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
-from timing import machine, seconds  # noqa: E402  (bench/timing.py)
+from timing import seconds, write_results  # noqa: E402  (bench/timing.py)
 
 
 
@@ -115,9 +114,7 @@ def main() -> None:
                        "compare the XLA reference with dense matmuls, not the target")
               if on_cpu else "speedup_vs_bf16 = bf16 matmul time / MXFP4 kernel time"}
     out = Path(__file__).parent / "results" / "mxfp4.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, result)
 
 
 if __name__ == "__main__":

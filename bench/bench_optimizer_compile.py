@@ -30,7 +30,7 @@ from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.train.config import TrainConfig  # noqa: E402
 from kdsa.train.step import train_step  # noqa: E402
 from kdsa.train.trainer import prepare  # noqa: E402
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+from timing import write_results  # noqa: E402  (bench/timing.py; the script's folder)
 
 
 def _compile(fn, *args) -> dict:
@@ -74,7 +74,7 @@ def main() -> None:
         result[name] = _compile(update, params, opt_state, params)
     result["command"] = f"python bench/bench_optimizer_compile.py --preset {args.preset}"
     result["load_average"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps({**result, "machine": machine()}, indent=1) + "\n")
+    write_results(Path(args.out), result)
     print(json.dumps(result, indent=1))
 
 

@@ -21,7 +21,6 @@ paths, not interconnects.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from kdsa.model.count import abstract_model  # noqa: E402
 from kdsa.sharding.mesh import make_mesh  # noqa: E402
 from kdsa.sharding.reshard import reshard  # noqa: E402
 from kdsa.sharding.rules import place, state_shardings  # noqa: E402
-from timing import machine  # noqa: E402  (bench/timing.py; the script's folder)
+from timing import write_results  # noqa: E402  (bench/timing.py; the script's folder)
 
 
 def build(preset: str, mesh):
@@ -116,9 +115,7 @@ def main() -> None:
           f"{report.target_device_bytes / 2**20:.2f})")
     print(f"  train -> generate -> train bit-exact: {exact}; all paths agree: {same}")
     out = Path(__file__).parent / "results" / "reshard.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({**result, "machine": machine()}, indent=2))
-    print(f"wrote {out}")
+    write_results(out, result)
 
 
 if __name__ == "__main__":

@@ -298,17 +298,19 @@ def check_history(messages: list[Message]) -> dict[int, tuple[int, int, ToolCall
     return answered
 
 
+def call_number(call_id: str, name: str | None = None) -> int | None:
+    """``N`` of a call id ``functions.NAME:N`` (of ``name`` when given), else None."""
+    head, _, tail = call_id.rpartition(":")
+    ok = head == f"functions.{name}" if name is not None else head.startswith("functions.")
+    return int(tail) if ok and tail.isdigit() else None
+
+
 def next_call_index(messages: list[Message]) -> int:
     """``N`` for the next generated call's id ``functions.NAME:N``: past every call in the
     history and past the largest ``N`` of its ids of that form, so a history whose old turns
     were trimmed does not get an id it still holds."""
-    n = sum(len(m.tool_calls) for m in messages)
-    for m in messages:
-        for c in m.tool_calls:
-            head, _, tail = c.id.rpartition(":")
-            if head.startswith("functions.") and tail.isdigit():
-                n = max(n, int(tail) + 1)
-    return n
+    numbers = [call_number(c.id) for m in messages for c in m.tool_calls]
+    return max([len(numbers)] + [n + 1 for n in numbers if n is not None])
 
 
 # ---- the format interface ------------------------------------------------------------------

@@ -25,7 +25,8 @@ import json
 
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (AssistantOutput, ChatFormat, MalformedOutputError, Message,
-                             OutputParser, Tool, check_history, ToolCall, media_span)
+                             OutputParser, Tool, ToolCall, call_number, check_history,
+                             media_span)
 
 SYS, USER, ASST, MID, END = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>",
                              "<|im_middle|>", "<|im_end|>")
@@ -112,7 +113,7 @@ class K2Format(ChatFormat):
                     out.append(sp(SEC_BEGIN))
                     for j, c in enumerate(m.tool_calls):
                         shown[(i, j)] = k2_call_id(c, free)
-                        free = max(free, int(shown[(i, j)].rpartition(":")[2]) + 1)
+                        free = max(free, call_number(shown[(i, j)]) + 1)
                         out.extend([sp(CALL_BEGIN), tx(shown[(i, j)]), sp(ARG_BEGIN),
                                     tx(c.arguments), sp(CALL_END)])
                     out.append(sp(SEC_END))
@@ -132,8 +133,7 @@ def k2_call_id(call: ToolCall, index: int) -> str:
     ``functions.NAME:index`` (``index`` past every N shown before it). K2 reads the function's
     name only from the id, and clients send their own ids (``call_abc``, ``toolu_...``): shown
     as they are, the history would lose which function was called."""
-    head, _, tail = call.id.rpartition(":")
-    if head == f"functions.{call.name}" and tail.isdigit():
+    if call_number(call.id, call.name) is not None:
         return call.id
     return f"functions.{call.name}:{index}"
 

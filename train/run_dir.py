@@ -86,7 +86,10 @@ def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) ->
     folder = run_dir / checkpoints
     for p in sorted(folder.iterdir()) if folder.is_dir() else ():
         size = _folder_bytes(p) if p.is_dir() else p.lstat().st_size
-        own, leftovers = (own + size, leftovers) if p.name.isdigit() else (own, leftovers + size)
+        if p.name.isdigit():
+            own += size
+        else:
+            leftovers += size
     free = shutil.disk_usage(run_dir).free
     if free + own < need:
         extra = (f"; {_mb(leftovers)} of it in {folder} is unfinished saves and set-aside "

@@ -151,8 +151,9 @@ def _one(p: Param, src: SafetensorsCheckpoint, layout: mp.Layout, r: int | None,
     names = [base + ".weight_packed", base + ".weight_scale"]
     packed, scale = src.tensor(names[0]), src.tensor(names[1])
     scale = scale.view(np.uint8) if scale.dtype != np.uint8 else scale  # F8_E8M0: same bytes
-    if p.part != "packed" and (np.asarray(scale) == 0xFF).any():  # (1/16 of the packed bytes)
-        row, block = np.argwhere(np.asarray(scale) == 0xFF)[0]
+    nan = np.argwhere(np.asarray(scale) == 0xFF) if p.part != "packed" else ()  # (1/16 of
+    if len(nan):  # the packed bytes)
+        row, block = nan[0]
         raise ValueError(f"{names[1]}: E8M0 scale 0xFF (NaN) in row {row}, block {block}: "
                          f"every token routed to this expert would get NaN")
     if p.part != "float":
