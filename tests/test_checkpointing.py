@@ -258,7 +258,7 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
 
 def test_process_local_saves_prunes_and_falls_back(tmp_path):
     """``process_local`` (Orbax v1's free functions, this process alone): steps saved, the meta
-    item stored as JSON, keep-N pruning in save order, an unfinished save reported and ignored,
+    item stored as JSON, keep-N pruning in save order, an unfinished save reported, ignored and removed by the next save,
     a corrupt newest step falls back and is set aside, state restored onto this process's
     device."""
     template = jax.eval_shape(lambda: _tiny_state(0.0))
@@ -285,6 +285,8 @@ def test_process_local_saves_prunes_and_falls_back(tmp_path):
     ck.close()
     ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
     assert ck.all_steps() == [4, 6] and (tmp_path / "ck" / "6.corrupt").is_dir()
+    assert not (tmp_path / "ck" / "8.orbax-checkpoint-tmp").exists()  # removed by the save
+    assert any("removed unfinished save 8.orbax-checkpoint-tmp" in m for m in messages)
     step, state, _ = ck.restore_latest(template)
     assert step == 6 and float(state["w"][0]) == 60.0
     ck.close()

@@ -151,10 +151,10 @@ def test_a_run_dir_check_failing_on_one_process_fails_on_every_process(tmp_path,
     assert seen == [0]  # this process's own check passed
 
 
-def test_unfinished_saves_do_not_count_as_room(tmp_path, monkeypatch):
-    """The space check counts the run's step folders as room it gets back (pruning), not the
-    unfinished saves of interrupted runs or set-aside steps, which nothing removes (each
-    preemption mid-save left a full copy that still counted as room); the error names them."""
+def test_set_aside_steps_do_not_count_as_room(tmp_path, monkeypatch):
+    """The space check counts as room the run gets back its step folders (pruning) and the
+    unfinished saves of interrupted runs (its first save removes them), not steps set aside as
+    corrupt, which nothing removes (each used to count as room); the error names them."""
     import shutil
     from collections import namedtuple
 
@@ -166,10 +166,10 @@ def test_unfinished_saves_do_not_count_as_room(tmp_path, monkeypatch):
         (ckpts / name / "data").write_bytes(b"x" * 4000)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 0, 5000))
-    run_dir.check_run_dir(tmp_path / "run", 4500, keep=1)  # 5000 free + 4000 in step 3
-    with pytest.raises(ValueError, match=r"0\.0 MiB of it in .* is unfinished saves"):
-        run_dir.check_run_dir(tmp_path / "run", 5000, keep=1)  # 10,000 > 9,000: the 8,000 in
-        # the unfinished save and the set-aside step used to count as room
+    run_dir.check_run_dir(tmp_path / "run", 6500, keep=1)  # 5000 free + 4000 + 4000 >= 13,000
+    with pytest.raises(ValueError, match=r"0\.0 MiB of it in .* is steps set aside as corrupt"):
+        run_dir.check_run_dir(tmp_path / "run", 7000, keep=1)  # 14,000 > 13,000: the 4,000 in
+        # the set-aside step is not room
 
 
 def test_documents_of_the_wrong_type_are_refused(tmp_path):

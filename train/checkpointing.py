@@ -26,7 +26,9 @@ instead (:class:`_LocalSteps`): the training ``Checkpointer`` always asks its v0
 
 Saves are asynchronous (Orbax copies the arrays off the device, then writes in a background
 thread; ``wait()`` joins). Orbax writes into a temporary directory and renames it when complete,
-so a partial save is never listed as a step; leftovers are reported. On restore the newest step
+so a partial save is never listed as a step; leftovers of an interrupted run are reported at
+restore and removed by the first save after it (process 0, the others wait: no save of this run
+has started yet, and a save it would redo is written anew). On restore the newest step
 is read and its checksums recomputed; if reading fails or a checksum differs (corrupted
 bytes), the reason is printed to stderr (one line; Orbax's own logging is kept quiet) and the
 previous step is tried.
@@ -124,6 +126,7 @@ class Checkpointer:
         self.async_save = async_save
         self.process_local = process_local
         self.skipped: list[int] = []  # steps restore_latest found unreadable, set aside at save
+        self.unfinished: list[Path] = []  # interrupted saves restore_latest found, removed at save
         self._log = _stderr
         ctx = _context(process_local)
         if process_local:
@@ -142,7 +145,7 @@ class Checkpointer:
         """Start saving ``state`` at ``step`` (if due, or ``force``); returns whether it does."""
         if not force and step % self.every:
             return False
-        if self.skipped:
+        if self.skipped or self.unfinished:
             self._set_aside(self.skipped)
         if step in self.all_steps():
             return False
@@ -162,8 +165,12 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename the unreadable ``steps`` to ``N.corrupt`` (process 0; the others wait), so
-        Orbax neither lists nor prunes nor skips them."""
+        Orbax neither lists nor prunes nor skips them, and remove the unfinished saves found at
+        restore (partial writes of steps this run redoes; they held disk space nothing freed)."""
         if self.process_local or jax.process_index() == 0:
+            for p in self.unfinished:
+                shutil.rmtree(p, ignore_errors=True)
+                self._log(f"checkpoint: removed unfinished save {p.name}")
             for step in steps:
                 src = self.directory / str(step)
                 if not src.is_dir():
@@ -176,7 +183,7 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("kdsa_checkpoint_set_aside")
-        self.skipped = []
+        self.skipped, self.unfinished = [], []
         self.manager.reload()
 
     def wait(self) -> None:
@@ -196,7 +203,8 @@ class Checkpointer:
             raise ValueError(f"{self.directory.parent} already holds checkpoints (steps "
                              f"{steps}); pass --resume to continue that run, or choose "
                              f"another --run-dir")
-        if not steps:
+        if not steps:  # an interrupted first save may have left its folder: removed at save
+            self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
             return None
         return self.restore_latest(template, log=log,
                                    check=config_check(model_config, train_config, rl_config))
@@ -214,8 +222,10 @@ class Checkpointer:
         """
         log = log or _stderr
         self._log = log
-        for p in sorted(self.directory.glob("*.orbax-checkpoint-tmp*")):
-            log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing)")
+        self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        for p in self.unfinished:
+            log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing; "
+                f"removed at the next save)")
         abstract = {k: _abstract(v) for k, v in flatten_state(template).items()}
         local = None
         if self.process_local:  # read as NumPy, then onto this process's first device

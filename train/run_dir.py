@@ -6,8 +6,9 @@ instead of an error deep inside an asynchronous checkpoint write minutes into th
 removes a probe file (a read-only file system or a missing permission fails here), and asks
 for free space of ``(keep + 1) * checkpoint_bytes``: the kept checkpoints plus the one being
 written into its temporary folder. Space already taken by this run's own step folders counts
-as available, so a resumed run that will prune old steps is not refused; unfinished saves of
-interrupted runs and steps set aside as corrupt do not (nothing removes them).
+as available, so a resumed run that will prune old steps is not refused; so do the unfinished saves
+of interrupted runs (the run's first save removes them before it writes); steps set aside as
+corrupt do not (nothing removes them).
 """
 
 from __future__ import annotations
@@ -79,21 +80,21 @@ def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) ->
         raise ValueError(f"run dir {run_dir} is not writable "
                          f"({e.strerror or type(e).__name__})") from None
     need = (keep + 1) * checkpoint_bytes
-    # room the run gets back: its step folders (pruned as it saves); not the unfinished saves
-    # of interrupted runs (N.orbax-checkpoint-tmp-...) or steps set aside (N.corrupt), which
-    # nothing removes
+    # room the run gets back: its step folders (pruned as it saves) and the unfinished saves
+    # of interrupted runs (N.orbax-checkpoint-tmp-..., removed by its first save); not steps
+    # set aside (N.corrupt) or anything else, which nothing removes
     own = leftovers = 0
     folder = run_dir / checkpoints
     for p in sorted(folder.iterdir()) if folder.is_dir() else ():
         size = _folder_bytes(p) if p.is_dir() else p.lstat().st_size
-        if p.name.isdigit():
+        if p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name:
             own += size
         else:
             leftovers += size
     free = shutil.disk_usage(run_dir).free
     if free + own < need:
-        extra = (f"; {_mb(leftovers)} of it in {folder} is unfinished saves and set-aside "
-                 f"steps, which may be removed" if leftovers else "")
+        extra = (f"; {_mb(leftovers)} of it in {folder} is steps set aside as corrupt and "
+                 f"other files, which may be removed" if leftovers else "")
         raise ValueError(f"run dir {run_dir}: {_mb(free)} free, but {keep} kept checkpoints "
                          f"plus the one being written need {_mb(need)} "
                          f"({_mb(checkpoint_bytes)} each; lower train.keep_checkpoints or "
