@@ -11,8 +11,10 @@ From ``kimi_k3.md`` 6 (K2 / K2.5 / K2-Thinking template)::
 
 Tool declarations are a ``tool_declare`` system turn (the OpenAI tool list as JSON); a tool
 result is ``<|im_system|>tool<|im_middle|>## Return of ID\\nRESULT<|im_end|>``. Across turns
-(K2-Thinking) reasoning is kept for the assistant turns after the last user message (the tool
-loop in progress); older turns get an empty ``<think></think>``. Ours where the template has
+(K2-Thinking) reasoning is kept for the assistant turns after the last assistant turn without
+tool calls (the tool loop in progress, which a user message inside it, such as the text beside
+an Anthropic ``tool_result``, does not end); that turn and older ones get an empty
+``<think></think>`` (the published template's ``last_non_tool_call_assistant_msg``). Ours where the template has
 nothing: the effort level as a ``thinking_effort`` system turn, ``tool_choice`` and
 ``response_format`` as system turns of those names, and the generation prompt ends with
 ``<think>`` when thinking (so the output starts inside the reasoning, as with XTML).
@@ -89,7 +91,8 @@ class K2Format(ChatFormat):
             turn(SYS, "response_format", json.dumps(response_format, ensure_ascii=False))
         if thinking:
             turn(SYS, "thinking_effort", check_effort(effort))
-        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+        answered_last = max((i for i, m in enumerate(messages)  # the last final answer
+                             if m.role == "assistant" and not m.tool_calls), default=-1)
         for i, m in enumerate(messages):
             if m.parts:  # a user message with images (media_span) in order
                 out.extend([sp(USER), tx(m.role), sp(MID)])
@@ -105,7 +108,7 @@ class K2Format(ChatFormat):
             else:
                 out.extend([sp(ASST), tx("assistant"), sp(MID)])
                 if thinking:
-                    keep = i > last_user
+                    keep = i > answered_last
                     out.extend([sp(THINK), tx((m.reasoning or "") if keep else ""),
                                 sp(UNTHINK)])
                 out.append(tx(m.content))

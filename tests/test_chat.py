@@ -58,6 +58,13 @@ def test_k2_exact_render_and_history_rule():
     assert K2F.render(msgs, effort="high") == K2.encode_markup(want)
     # XTML keeps every turn's reasoning (K3: thinking on, all turns carry think)
     assert "old thoughts" in XTML.render_text(msgs)
+    # a user message inside the tool loop (the text beside an Anthropic tool_result) does not
+    # end it: the loop's reasoning stays until an assistant turn answers without calls
+    loop = msgs + [Message("user", "note: be brief")]
+    assert "<think>new thoughts</think>" in K2F.render_text(loop)
+    done = loop + [Message("assistant", "It is sunny.", "final thoughts"), Message("user", "Q3")]
+    assert "new thoughts" not in K2F.render_text(done)
+    assert "final thoughts" not in K2F.render_text(done)
 
 
 def test_call_ids_of_clients_reused_and_trimmed():
