@@ -88,6 +88,20 @@ def test_update_scale(setup):
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(d(full))) > 1e-3
 
 
+def test_sft_steps_skip_the_reference_forward(setup):
+    """With a KL term, an SFT step (``sft_weight`` 1) does not run the reference policy (its
+    term has weight 0 there): reference parameters of NaN leave it finite, while an RL step of
+    the same compiled program reads them (NaN loss)."""
+    graphdef, state0, tx, layout, batch = setup
+    rc = RLConfig(envs=("rg:basic_arithmetic",), kl_coef=0.1)
+    nan_ref = jax.tree.map(lambda a: np.full(a.shape, np.nan, a.dtype), state0.params)
+    kw = dict(tc=TC, tx=tx, loss_cfg=rc.loss_config(), layout=layout)
+    _, sft = STEP(graphdef, state0, batch, 1.0, nan_ref, 1.0, **kw)
+    _, rl = STEP(graphdef, state0, batch, 0.0, nan_ref, 1.0, **kw)
+    assert np.isfinite(float(sft["loss"])) and float(sft["kl"]) == 0.0, sft
+    assert np.isnan(float(rl["loss"])), rl
+
+
 def test_padding_does_not_steer_the_routing_biases(setup):
     """RL batches mark their right padding with ``segment_ids`` 0, so the MoE's expert load,
     which updates the routing biases, counts real tokens only: two batches that differ only in

@@ -136,12 +136,17 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         old = mb["old_logp"] if "old_logp" in mb else jax.lax.stop_gradient(logp)
         ref_logp = None
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
-            ref = nnx.merge(graphdef, ref_params, state.rest)
-            ref_logp = jax.lax.stop_gradient(
-                token_logprobs(tempered(ref.forward(
+            def reference():
+                ref = nnx.merge(graphdef, ref_params, state.rest)
+                return token_logprobs(tempered(ref.forward(
                     mb["inputs"], segment_ids=mb.get("segment_ids"),
                     images=batch_image_inputs(ref, mb)).logits, loss_cfg.temperature),
-                    mb["targets"]))
+                    mb["targets"])
+
+            # an SFT step (w = 1) skips the reference's forward: the KL term it feeds has
+            # weight 0 there (and the loop passes the policy itself as the reference: KL 0)
+            ref_logp = jax.lax.stop_gradient(jax.lax.cond(
+                w < 1.0, reference, lambda: jax.lax.stop_gradient(logp)))
         pg_num, _, pm = policy_loss(loss_cfg, logp, old, mk, mb["advantages"],
                                     sampler_logp=mb["sampler_logp"], ref_logp=ref_logp)
         d = (old - mb["sampler_logp"]) * mk
