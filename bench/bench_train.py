@@ -110,7 +110,7 @@ def memory_report(config, tc: TrainConfig, compiled) -> dict:
     import resource
 
     plan = make_plan(config, "train", {}, device_memory=1 << 40, batch=tc.batch_size,
-                     seq=tc.seq_len)
+                     seq=tc.seq_len, accum_steps=tc.accum_steps)
     return {"compiled": compiled.to_dict(), "plan": plan.memory, "plan_total": plan.total,
             "compiled_peak_over_plan": compiled.peak / plan.total,
             "process_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -41,6 +41,9 @@ def register(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=None,
                    help="global batch (train: sequences per step; generate: concurrent "
                         "sequences); default: the data-parallel degree")
+    p.add_argument("--accum-steps", type=positive_int, default=1,
+                   help="train: micro-batches per step (train.accum_steps); activations are "
+                        "one micro-batch's, --batch / --accum-steps sequences")
     p.add_argument("--seq", type=positive_int, default=8192,
                    help="tokens per sequence (generate: the context the caches hold)")
     p.add_argument("--prefill-chunk", type=positive_int, default=4096)
@@ -84,7 +87,8 @@ def run(args) -> int:
     hbm = _device_memory(args)
     plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,
-                     moe_capacity_factor=args.moe_capacity_factor)
+                     moe_capacity_factor=args.moe_capacity_factor,
+                     accum_steps=args.accum_steps)
     compiled, refused = _compile(args, config, sizes, batch) if args.compile else ({}, {})
     if args.json:
         out = plan.to_json()
@@ -135,7 +139,8 @@ def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
                                        paged=args.paged)
     else:
         steps = {"train step": lambda: compile_train_step(
-            config, TrainConfig(steps=1), args.topology, sizes, batch=batch, seq=args.seq,
+            config, TrainConfig(steps=1, batch_size=batch, accum_steps=args.accum_steps), args.topology, sizes,
+            batch=batch, seq=args.seq,
             moe_capacity_factor=args.moe_capacity_factor)}
     compiled, refused = {}, {}
     for name, compile_step in steps.items():

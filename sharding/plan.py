@@ -24,8 +24,8 @@ Memory terms (bytes on the busiest device):
   ``expert=16,fsdp=4`` the same slice's report holds each of a MoE layer's gathered
   ``bf16[56, 3584, 3072]`` expert matrices about twice, and its temporaries grew by 2.69 GiB
   over ``expert=64`` where this term grew by 2.68.
-* ``activations`` (train): ``B_l = batch / |act_batch|`` rows of ``T_l = seq / |act_seq|``
-  tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
+* ``activations`` (train): ``B_l = batch / accum_steps / |act_batch|`` rows (one
+  micro-batch) of ``T_l = seq / |act_seq|`` tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
   its input carry, ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is
   recomputed at a time (2x its activations: values and their gradients). Without remat
   (``none``/``dots_saveable``) every layer's activations stay. A layer's activations per token
@@ -210,17 +210,24 @@ def layer_activation_elements(c: ModelConfig, mixer: str, ffn: str, tp: int) -> 
 
 def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device_memory: int,
               batch: int, seq: int, prefill_chunk: int = 4096,
-              moe_capacity_factor: float | None = None, model=None) -> Plan:
+              moe_capacity_factor: float | None = None, accum_steps: int = 1,
+              model=None) -> Plan:
     """The plan for ``config`` under ``layout`` on a mesh of resolved ``sizes`` (no ``-1``).
 
-    Raises ``ValueError`` (from ``mesh.check_layout``) when an axis product does not divide a
-    model, batch or sequence dimension. ``model``: a prebuilt abstract model (tests reuse it).
+    ``accum_steps`` (train): micro-batches per step; the activation terms are one micro-batch's
+    (``batch / accum_steps`` sequences), as the train step runs them. Raises ``ValueError``
+    (from ``mesh.check_layout``) when an axis product does not divide a model, micro-batch or
+    sequence dimension. ``model``: a prebuilt abstract model (tests reuse it).
     """
     if any(sizes.get(a, 1) < 1 for a in AXES):
         raise ValueError(f"plan needs explicit axis sizes (no -1), got {sizes}")
     sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     if batch < 1 or seq < 1:
         raise ValueError(f"--batch and --seq must be >= 1, got {batch}, {seq}")
+    if accum_steps < 1 or batch % accum_steps:
+        raise ValueError(f"--accum-steps {accum_steps} must be >= 1 and divide --batch {batch}")
+    if layout == "train":
+        batch //= accum_steps  # the micro-batch: what one forward and backward hold
     check_layout(config, sizes, layout, batch=batch, seq=seq)
     rules = get_rules(layout)
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)

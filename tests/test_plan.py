@@ -71,6 +71,10 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     one = make_plan(TINY, "train", sizes, batch=8, **kw)
     two = make_plan(TINY, "train", sizes, batch=16, **kw)
     assert two.memory["activations"] == 2 * one.memory["activations"]  # linear in tokens
+    accum = make_plan(TINY, "train", sizes, batch=16, accum_steps=2, **kw)  # micro-batch 8
+    assert accum.memory == one.memory
+    with pytest.raises(ValueError, match="--accum-steps 3 must be >= 1 and divide --batch 16"):
+        make_plan(TINY, "train", sizes, batch=16, accum_steps=3, **kw)
     kinds = list(zip(TINY.mixer_kinds, TINY.ffn_kinds))
     per_token = sum(layer_activation_elements(TINY, m, f, 2) for m, f in kinds)
     assert one.memory["activations"] == per_token * (8 // 4) * 32 * 4  # no remat: all layers
