@@ -77,8 +77,12 @@ def causal_depthwise_conv(x, weight, *, history=None, seg=None):
     x [B, T, *C] (any channel axes: the layer's [3, H*K]); weight [*C, W] (tap W-1 multiplies
     the current token, as PyTorch ``conv1d`` with left padding W-1); history [B, W-1, *C] (the
     previous inputs, zeros if None). With ``seg`` [B, T] (document numbers, packed training) a
-    tap reading another document contributes 0. Computed in float32; returns float32 [B, T, *C].
+    tap reading another document contributes 0 (so ``seg`` and ``history`` do not combine: a
+    cache continues one document). Computed in float32; returns float32 [B, T, *C].
     """
+    if history is not None and seg is not None:
+        raise ValueError("causal_depthwise_conv takes history (a cache) or seg (packed "
+                         "documents), not both: the history would read as another document")
     b, t, *c = x.shape
     w = weight.shape[-1]
     if history is None:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdsa.model.kda_layer import KDA, KDACache, init_kda_cache, kda_cache_bytes_per_sequence
+from kdsa.model.kda_layer import (KDA, KDACache, causal_depthwise_conv, init_kda_cache,
+                                  kda_cache_bytes_per_sequence)
 from kdsa.model.presets import tiny
 
 K3 = tiny()
@@ -221,3 +222,6 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="KDACache"):
         layer(inputs(2, 4), cache=init_kda_cache(layer.config, 1))
     assert isinstance(init_kda_cache(layer.config, 1), KDACache)
+    x, w = jnp.zeros((1, 4, 3)), jnp.zeros((3, 4))
+    with pytest.raises(ValueError, match="history .* or seg .*, not both"):
+        causal_depthwise_conv(x, w, history=jnp.zeros((1, 3, 3)), seg=jnp.ones((1, 4), jnp.int32))
