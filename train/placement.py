@@ -49,6 +49,13 @@ class Placement:
         from kdsa.sharding.train_state import init_sharded
         return init_sharded(build, self.shardings, compiler_options)
 
+    def restored(self, state):
+        """A restored state where the update runs: on one device it is read as host arrays and
+        put there, committed like the step-0 state (uncommitted inputs would compile the step a
+        second time: XLA is then free to choose their placement); on a mesh it is read in the
+        layout already."""
+        return jax.device_put(state, self.device) if self.mesh is None else state
+
     def batch(self, batch: dict) -> dict:
         """Host batch (the same on every process) -> rows over the batch axes."""
         if self.mesh is None:

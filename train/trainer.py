@@ -200,6 +200,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     fingerprint = getattr(data, "fingerprint", None)  # the rows the data index points into
     if restored is not None:
         start, state, meta = restored
+        state = place.restored(state)
         if "data_index" not in meta:  # an RL run's checkpoints hold a task counter instead
             raise ValueError(f"--resume: {ckpt.directory / str(start)} is not a kdsa train "
                              f"checkpoint (no data index{'; a kdsa rl run: resume it with '

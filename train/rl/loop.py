@@ -173,8 +173,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         start, state, meta = restored
         meta0 = {k: meta.get(k) for k in meta0} | {  # the weights descend from the first start
             "init_from": resumed_origin(meta.get("init_from"), meta0["init_from"], log)}
-        if place.mesh is None:
-            state = jax.device_put(state, place.device)
+        state = place.restored(state)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     elif init_from is not None:  # published weights, restored into the update's layout
         start = 0
