@@ -65,6 +65,13 @@ def test_k2_exact_render_and_history_rule():
     done = loop + [Message("assistant", "It is sunny.", "final thoughts"), Message("user", "Q3")]
     assert "new thoughts" not in K2F.render_text(done)
     assert "final thoughts" not in K2F.render_text(done)
+    # a training row ends with the turn it trains: its reasoning is kept, and the loop's with
+    # it, so the row renders its prefix unchanged (prefix-stable)
+    row = loop[:-1]
+    answer = Message("assistant", "It is sunny.", "final thoughts")
+    without = K2F.render_text(row, add_generation_prompt=False)
+    with_answer = K2F.render_text(row + [answer], add_generation_prompt=False)
+    assert with_answer.startswith(without) and "<think>final thoughts</think>" in with_answer
 
 
 def test_call_ids_of_clients_reused_and_trimmed():
