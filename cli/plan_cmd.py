@@ -139,8 +139,8 @@ def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
                                        paged=args.paged)
     else:
         steps = {"train step": lambda: compile_train_step(
-            config, TrainConfig(steps=1, batch_size=batch, accum_steps=args.accum_steps), args.topology, sizes,
-            batch=batch, seq=args.seq,
+            config, TrainConfig(steps=1, batch_size=batch, accum_steps=args.accum_steps),
+            args.topology, sizes, batch=batch, seq=args.seq,
             moe_capacity_factor=args.moe_capacity_factor)}
     compiled, refused = {}, {}
     for name, compile_step in steps.items():

@@ -25,9 +25,10 @@ Memory terms (bytes on the busiest device):
   ``bf16[56, 3584, 3072]`` expert matrices about twice, and its temporaries grew by 2.69 GiB
   over ``expert=64`` where this term grew by 2.68.
 * ``activations`` (train): ``B_l = batch / accum_steps / |act_batch|`` rows (one
-  micro-batch) of ``T_l = seq / |act_seq|`` tokens per device. With remat (``full``/``nothing_saveable``) each scanned layer group keeps
-  its input carry, ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is
-  recomputed at a time (2x its activations: values and their gradients). Without remat
+  micro-batch) of ``T_l = seq / |act_seq|`` tokens per device. With remat
+  (``full``/``nothing_saveable``) each scanned layer group keeps its input carry,
+  ``(1 + NB) * B_l * T_l * D`` (residual + AttnRes blocks), and one group is recomputed at a
+  time (2x its activations: values and their gradients). Without remat
   (``none``/``dots_saveable``) every layer's activations stay. A layer's activations per token
   are the tensors listed in :func:`layer_activation_elements` (heads and FFN hidden divided by
   the tensor axes), in the compute dtype.
@@ -118,6 +119,7 @@ class Plan:
     memory: dict[str, int]  # term -> bytes per device
     communication: dict[str, int]  # mesh axis -> bytes sent per device per step
     notes: tuple[str, ...]
+    accum_steps: int = 1  # train: micro-batches per step (activations are one micro-batch's)
 
     @property
     def total(self) -> int:
@@ -215,7 +217,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
     """The plan for ``config`` under ``layout`` on a mesh of resolved ``sizes`` (no ``-1``).
 
     ``accum_steps`` (train): micro-batches per step; the activation terms are one micro-batch's
-    (``batch / accum_steps`` sequences), as the train step runs them. Raises ``ValueError``
+    (``batch / accum_steps`` sequences), as the train step runs them, and the communication all
+    of theirs (each pass gathers the weights and reduces its gradients). Raises ``ValueError``
     (from ``mesh.check_layout``) when an axis product does not divide a model, micro-batch or
     sequence dimension. ``model``: a prebuilt abstract model (tests reuse it).
     """
@@ -226,8 +229,9 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         raise ValueError(f"--batch and --seq must be >= 1, got {batch}, {seq}")
     if accum_steps < 1 or batch % accum_steps:
         raise ValueError(f"--accum-steps {accum_steps} must be >= 1 and divide --batch {batch}")
-    if layout == "train":
-        batch //= accum_steps  # the micro-batch: what one forward and backward hold
+    if accum_steps > 1 and layout != "train":
+        raise ValueError("--accum-steps is the train layout's (micro-batches of a train step)")
+    global_batch, batch = batch, batch // accum_steps  # a pass holds one micro-batch
     check_layout(config, sizes, layout, batch=batch, seq=seq)
     rules = get_rules(layout)
     mesh = AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
@@ -333,15 +337,22 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         comm["tensor"] += len(kinds) * 2 * 2 * (t - 1) / t * b_l * d * cb
         notes.append(f"generate: {b_l} sequences per device of up to {seq:,} tokens; "
                      f"communication is per decode step")
-    return Plan(layout=layout, mesh=sizes, devices=math.prod(sizes.values()), batch=batch,
+    if accum_steps > 1:  # every micro-batch's pass gathers, exchanges and reduces again
+        comm = {a: v * accum_steps for a, v in comm.items()}
+        notes.append(f"{accum_steps} micro-batches of {batch} sequences per step: activations "
+                     f"are one micro-batch's, communication all of theirs")
+    return Plan(layout=layout, mesh=sizes, devices=math.prod(sizes.values()), batch=global_batch,
                 seq=seq, device_memory=device_memory, memory={k: int(v) for k, v in mem.items()},
-                communication={a: int(v) for a, v in comm.items() if v}, notes=tuple(notes))
+                communication={a: int(v) for a, v in comm.items() if v}, notes=tuple(notes),
+                accum_steps=accum_steps)
 
 
 def format_plan(p: Plan, preset: str = "") -> str:
     mesh = ",".join(f"{a}={n}" for a, n in p.mesh.items() if n > 1) or "single device"
     lines = [f"plan: {preset} layout={p.layout} mesh={mesh} ({p.devices} devices) "
-             f"batch={p.batch} seq={p.seq:,}",
+             f"batch={p.batch}"
+             + (f" in {p.accum_steps} micro-batches" if p.accum_steps > 1 else "")
+             + f" seq={p.seq:,}",
              f"{'memory per device':<24}{'GiB':>12}"]
     for name, n in p.memory.items():
         if n:

@@ -72,7 +72,10 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     two = make_plan(TINY, "train", sizes, batch=16, **kw)
     assert two.memory["activations"] == 2 * one.memory["activations"]  # linear in tokens
     accum = make_plan(TINY, "train", sizes, batch=16, accum_steps=2, **kw)  # micro-batch 8
-    assert accum.memory == one.memory
+    assert accum.memory == one.memory and accum.batch == 16  # one micro-batch's activations
+    assert accum.communication == {a: 2 * v for a, v in one.communication.items()}  # 2 passes
+    with pytest.raises(ValueError, match="--accum-steps is the train layout's"):
+        make_plan(TINY, "generate", sizes, batch=16, accum_steps=2, **kw)
     with pytest.raises(ValueError, match="--accum-steps 3 must be >= 1 and divide --batch 16"):
         make_plan(TINY, "train", sizes, batch=16, accum_steps=3, **kw)
     kinds = list(zip(TINY.mixer_kinds, TINY.ffn_kinds))
