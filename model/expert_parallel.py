@@ -242,17 +242,39 @@ def _padded_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
 def ragged_exchange_plan(counts_all: jax.Array, me: jax.Array, rows: int):
     """Offsets for ``ragged_all_to_all`` from the ``[ep(src), ep(dst)]`` count matrix.
 
-    Senders fill each receiver's ``rows``-row buffer in source order; what does not fit is
-    dropped. Returns, for device ``me``: ``send [ep]`` (rows it sends to each destination),
-    ``out_off [ep]`` (where they land there), ``recv [ep]`` (rows it receives from each
-    source) and ``recv_off [ep]`` (where those sit in its buffer). Pure; tested against a
-    NumPy emulation of the collective.
+    A receiver whose ``rows``-row buffer cannot hold every sender's rows shares it max-min
+    fairly (:func:`fair_shares`): no device's tokens are dropped first because of where it sits
+    on the mesh. Senders' rows lie in the buffer in source order. Returns, for device ``me``:
+    ``send [ep]`` (rows it sends to each destination), ``out_off [ep]`` (where they land there),
+    ``recv [ep]`` (rows it receives from each source) and ``recv_off [ep]`` (where those sit in
+    its buffer). Pure; tested against a NumPy emulation of the collective.
     """
-    before = jnp.cumsum(counts_all, axis=0) - counts_all               # rows from lower sources
-    fits = jnp.clip(rows - before, 0, counts_all)                      # [src, dst] accepted
-    # a full receiver's offset would point past its buffer (with 0 rows sent): kept in bounds
-    at = jnp.minimum(before, rows)
+    fits = fair_shares(counts_all, rows)                               # [src, dst] accepted
+    at = jnp.cumsum(fits, axis=0) - fits                               # after lower sources
     return fits[me], at[me], fits[:, me], at[:, me]
+
+
+def fair_shares(counts: jax.Array, rows: int) -> jax.Array:
+    """Max-min fair shares ``[src, dst]`` of each destination's ``rows`` among the sources'
+    ``counts [src, dst]``: everything when it fits; else every source gets ``min(count, L)``
+    for the largest level ``L`` that fits, and the rows left (fewer than the sources above
+    ``L``) go one each to the lowest-numbered sources above it. Each column sums to
+    ``min(rows, total)``."""
+    ep = counts.shape[0]
+    c = jnp.sort(counts, axis=0)                                       # ascending per column
+    below = jnp.cumsum(c, axis=0) - c                                  # rows of smaller ones
+    left = jnp.arange(ep, 0, -1, dtype=counts.dtype)[:, None]          # sources from i on
+    over = c * left + below > rows                                     # level c_i overflows
+    first = jnp.argmax(over, axis=0)                                   # [dst] first such i
+    level = jnp.where(jnp.any(over, axis=0),
+                      (rows - jnp.take_along_axis(below, first[None], 0)[0])
+                      // jnp.take_along_axis(left, first[None], 0)[0],
+                      jnp.max(counts, axis=0))                         # [dst]
+    share = jnp.minimum(counts, level)
+    spare = jnp.maximum(rows - jnp.sum(share, axis=0), 0)              # < sources above level
+    above = counts > level
+    extra = above & (jnp.cumsum(above, axis=0) <= spare)               # one each, in order
+    return share + extra.astype(counts.dtype)
 
 
 def _ragged_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_axes, tok_axes,

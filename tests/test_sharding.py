@@ -20,7 +20,7 @@ from kdsa.model.transformer import Transformer
 from kdsa.model import sequence_parallel as cp
 from kdsa.model.partitioning import constrain, current
 from kdsa.sharding.constrain import use_sharding
-from kdsa.model.expert_parallel import experts_sharded, ragged_exchange_plan
+from kdsa.model.expert_parallel import experts_sharded, fair_shares, ragged_exchange_plan
 from kdsa.sharding.mesh import check_layout, device_array, layout_sizes, make_mesh
 from kdsa.sharding.reshard import reshard, reshard_state
 from kdsa.sharding.rules import shard_model, state_shardings
@@ -209,15 +209,39 @@ def test_ragged_exchange_plan_matches_a_numpy_all_to_all():
         for src in range(ep):
             assert recv[src] == plans[src][0][me]  # recv_sizes agree with the senders
             assert (buffers[me][recv_off[src]:recv_off[src] + recv[src]] == src).all()
-        want = min(rows, counts[:, me].sum())  # senders fill in order until the buffer is full
+        want = min(rows, counts[:, me].sum())  # the buffer full, or every row in it
         assert (buffers[me] >= 0).sum() == want
-    # every offset lies in its buffer, a full receiver's too (sending 0 rows there): four
-    # sources of 6 rows each for one 9-row buffer put sources 2 and 3 past its end
+    # four sources of 6 rows each for one 9-row buffer: 3 + 2 + 2 + 2 (max-min fair), where
+    # filling in source order gave 6 + 3 and dropped every row of sources 2 and 3
     full = jnp.full((ep, ep), 6, jnp.int32)
     for me in range(ep):
         send, out_off, recv, recv_off = map(np.asarray, ragged_exchange_plan(full, me, rows))
         assert (out_off <= rows).all() and (recv_off <= rows).all(), (out_off, recv_off)
-        assert send[0] == (6 if me == 0 else 3 if me == 1 else 0)
+        assert send[0] == (3 if me == 0 else 2)
+
+
+def _round_robin_shares(counts: np.ndarray, rows: int) -> np.ndarray:
+    """Max-min fair shares by hand: one row at a time to each source that still has rows, in
+    source order, round after round, until the buffer is full."""
+    out = np.zeros_like(counts)
+    for dst in range(counts.shape[1]):
+        free = rows
+        while free and (out[:, dst] < counts[:, dst]).any():
+            for src in range(counts.shape[0]):
+                if free and out[src, dst] < counts[src, dst]:
+                    out[src, dst] += 1
+                    free -= 1
+    return out
+
+
+def test_fair_shares_equal_round_robin():
+    rng = np.random.default_rng(1)
+    shares = jax.jit(fair_shares)  # one compile per source count (rows traced)
+    for _ in range(200):
+        ep, rows = int(rng.integers(1, 7)), int(rng.integers(0, 30))
+        counts = rng.integers(0, int(rng.integers(1, 15)), size=(ep, ep)).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(shares(counts, np.int32(rows))),
+                                      _round_robin_shares(counts, rows), err_msg=str(counts))
 
 
 def test_ragged_collective_lowers_for_accelerators(moe_inputs):
