@@ -262,8 +262,8 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
 
 def test_process_local_saves_prunes_and_falls_back(tmp_path):
     """``process_local`` (Orbax v1's free functions, this process alone): steps saved, the meta
-    item stored as JSON, keep-N pruning in save order, an unfinished save reported, ignored and removed by the next save,
-    a corrupt newest step falls back and is set aside, state restored onto this process's
+    item stored as JSON, keep-N pruning in save order, an unfinished save reported, ignored and
+    removed by the next save, a corrupt newest step falls back and is set aside, state restored onto this process's
     device."""
     template = jax.eval_shape(lambda: _tiny_state(0.0))
     ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
@@ -294,6 +294,19 @@ def test_process_local_saves_prunes_and_falls_back(tmp_path):
     step, state, _ = ck.restore_latest(template)
     assert step == 6 and float(state["w"][0]) == 60.0
     ck.close()
+    # without a corrupt step too, and in a folder with no step (an interrupted first save)
+    for folder, steps in ((tmp_path / "ck", [4, 6]), (tmp_path / "fresh", [])):
+        (folder / "9.orbax-checkpoint-tmp").mkdir(parents=True)
+        messages = []
+        ck = Checkpointer(folder, every=2, keep=2, process_local=True)
+        got = ck.restore_run(template, resume=bool(steps), model_config={}, train_config={},
+                             log=messages.append) if not steps else ck.restore_latest(
+                                 template, log=messages.append)
+        assert (got is None) == (not steps) and ck.skipped == []
+        assert any("ignoring unfinished save 9.orbax-checkpoint-tmp" in m for m in messages)
+        assert ck.save(8, _tiny_state(8), {"data_index": 8})
+        ck.close()
+        assert not (folder / "9.orbax-checkpoint-tmp").exists(), messages
 
 
 def test_checkpoints_written_with_orbax_v0_still_read(full_run, tmp_path):

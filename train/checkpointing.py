@@ -126,7 +126,8 @@ class Checkpointer:
         self.async_save = async_save
         self.process_local = process_local
         self.skipped: list[int] = []  # steps restore_latest found unreadable, set aside at save
-        self.unfinished: list[Path] = []  # interrupted saves restore_latest found, removed at save
+        self.unfinished: list[Path] = []  # interrupted saves found at restore, removed at save
+        self._tidy = False  # the next save sets aside / removes first (every process agrees)
         self._log = _stderr
         ctx = _context(process_local)
         if process_local:
@@ -145,7 +146,7 @@ class Checkpointer:
         """Start saving ``state`` at ``step`` (if due, or ``force``); returns whether it does."""
         if not force and step % self.every:
             return False
-        if self.skipped or self.unfinished:
+        if self.skipped or self._tidy:
             self._set_aside(self.skipped)
         if step in self.all_steps():
             return False
@@ -183,7 +184,7 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("kdsa_checkpoint_set_aside")
-        self.skipped, self.unfinished = [], []
+        self.skipped, self.unfinished, self._tidy = [], [], False
         self.manager.reload()
 
     def wait(self) -> None:
@@ -191,6 +192,21 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+    def find_unfinished(self, log) -> None:
+        """Note the unfinished saves here (Orbax's temporary folders of an interrupted save) for
+        the next save to remove. Process 0's list decides: every process learns whether it has
+        any, so all of them take that save's barrier (``_set_aside``) or none does."""
+        self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        for p in self.unfinished:
+            log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing; "
+                f"the next save into this folder removes it)")
+        found = bool(self.unfinished)
+        if not self.process_local and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        self._tidy = self._tidy or found
 
     def restore_run(self, template, *, resume: bool, model_config: dict, train_config: dict,
                     rl_config: dict | None = None, log=None) -> tuple[int, Any, dict] | None:
@@ -204,7 +220,8 @@ class Checkpointer:
                              f"{steps}); pass --resume to continue that run, or choose "
                              f"another --run-dir")
         if not steps:  # an interrupted first save may have left its folder: removed at save
-            self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+            self._log = log or _stderr
+            self.find_unfinished(self._log)
             return None
         return self.restore_latest(template, log=log,
                                    check=config_check(model_config, train_config, rl_config))
@@ -222,10 +239,7 @@ class Checkpointer:
         """
         log = log or _stderr
         self._log = log
-        self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
-        for p in self.unfinished:
-            log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing; "
-                f"removed at the next save)")
+        self.find_unfinished(log)
         abstract = {k: _abstract(v) for k, v in flatten_state(template).items()}
         local = None
         if self.process_local:  # read as NumPy, then onto this process's first device

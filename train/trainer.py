@@ -198,8 +198,10 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     origin = init_from_path(init_from)  # recorded in every checkpoint (orbax-to-hf reads it)
     fingerprint = getattr(data, "fingerprint", None)  # the rows the data index points into
+    resumed_from = None
     if restored is not None:
         start, state, meta = restored
+        restored, resumed_from = None, start  # no reference left to the host copy
         state = place.restored(state)
         if "data_index" not in meta:  # an RL run's checkpoints hold a task counter instead
             raise ValueError(f"--resume: {ckpt.directory / str(start)} is not a kdsa train "
@@ -285,7 +287,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         export_run(run_dir, config, graphdef, state, step=step, init_from=origin,
                    export_experts=export_experts, log=log)
     return RunResult(losses=losses, final_step=step, stopped=stopped,
-                     resumed_from=None if restored is None else start)
+                     resumed_from=resumed_from)
 
 
 def _show_step(bar: Progress, step: int, m: dict) -> None:

@@ -169,8 +169,10 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict(),
                                 rl_config=json.loads(json.dumps(rc.to_dict())))
+    resumed_from = None
     if restored is not None:
         start, state, meta = restored
+        restored, resumed_from = None, start  # no reference left to the host copy
         meta0 = {k: meta.get(k) for k in meta0} | {  # the weights descend from the first start
             "init_from": resumed_origin(meta.get("init_from"), meta0["init_from"], log)}
         state = place.restored(state)
@@ -188,7 +190,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     ref_params, ref_ckpt = None, None
     if loss_cfg.kl_beta > 0:  # the reference policy: the weights after SFT, saved once
         ref_ckpt, ref_params = open_reference(
-            run_dir, place.template(template).params, resumed=restored is not None,
+            run_dir, place.template(template).params, resumed=resumed_from is not None,
             past_sft=start > rc.sft_steps, device=None if place.mesh else place.device, log=log)
     if sampler is None:
         sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed,
@@ -334,7 +336,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         sft_writer.close()
     bar.close()
     result = RLResult(rewards, lines, before, after, before_d, after_d, step, stopped,
-                      None if restored is None else start)
+                      resumed_from)
     result.sampler, result.state, result.graphdef, result.envs = sampler, state, graphdef, envs
     return result
 

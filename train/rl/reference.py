@@ -33,6 +33,7 @@ def open_reference(run_dir: Path, template_params, *, resumed: bool, past_sft: b
         _set_aside(folder, log)
     ckpt = Checkpointer(folder, every=1, keep=1, async_save=False)
     if not ckpt.all_steps():
+        ckpt.find_unfinished(log)  # an interrupted save of it: removed when it is saved
         if resumed and past_sft:
             raise ValueError(f"--resume: rl.kl_coef > 0 needs the reference policy (the weights "
                              f"after SFT) in {folder}, which this run never saved (kl_coef "
