@@ -83,7 +83,8 @@ def run(args) -> int:
         resolve_sizes(sizes, args.devices)  # raises: which product does not match
     batch = args.batch
     if batch is None:
-        batch = _prod(sizes[a] for a in (get_rules(args.layout)["act_batch"] or ()))
+        batch = _prod(sizes[a] for a in (get_rules(args.layout)["act_batch"] or ())) * (
+            args.accum_steps if args.layout == "train" else 1)  # one row per device per pass
     hbm = _device_memory(args)
     plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,

@@ -15,10 +15,11 @@ result is ``<|im_system|>tool<|im_middle|>## Return of ID\\nRESULT<|im_end|>``. 
 tool calls (the tool loop in progress, which a user message inside it, such as the text beside
 an Anthropic ``tool_result``, does not end); that turn and older ones get an empty
 ``<think></think>`` (the published template's ``last_non_tool_call_assistant_msg``). A trailing
-assistant turn (a training row's turn, ``add_generation_prompt=False``) is the turn in progress
-and keeps its reasoning. Ours where the template has nothing: the effort level as a ``thinking_effort`` system turn, ``tool_choice`` and
-``response_format`` as system turns of those names, and the generation prompt ends with
-``<think>`` when thinking (so the output starts inside the reasoning, as with XTML).
+assistant turn without a generation prompt (a training row's turn) is the turn in progress
+and keeps its reasoning. Ours where the template has nothing: the effort level as a
+``thinking_effort`` system turn, ``tool_choice`` and ``response_format`` as system turns of
+those names, and the generation prompt ends with ``<think>`` when thinking (so the output
+starts inside the reasoning, as with XTML).
 """
 
 from __future__ import annotations
@@ -92,9 +93,12 @@ class K2Format(ChatFormat):
             turn(SYS, "response_format", json.dumps(response_format, ensure_ascii=False))
         if thinking:
             turn(SYS, "thinking_effort", check_effort(effort))
-        # the last final answer before the turn in progress (a trailing assistant turn, as a
-        # training row ends, is in progress: its own reasoning, and its loop's, are kept)
-        done = messages[:-1] if messages and messages[-1].role == "assistant" else messages
+        # the last final answer before the turn in progress (a trailing assistant turn of a
+        # render without a generation prompt, as a training row ends, is in progress: its own
+        # reasoning, and its loop's, are kept)
+        trailing = (not add_generation_prompt and messages
+                    and messages[-1].role == "assistant")
+        done = messages[:-1] if trailing else messages
         answered_last = max((i for i, m in enumerate(done)
                              if m.role == "assistant" and not m.tool_calls), default=-1)
         for i, m in enumerate(messages):

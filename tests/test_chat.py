@@ -72,6 +72,8 @@ def test_k2_exact_render_and_history_rule():
     without = K2F.render_text(row, add_generation_prompt=False)
     with_answer = K2F.render_text(row + [answer], add_generation_prompt=False)
     assert with_answer.startswith(without) and "<think>final thoughts</think>" in with_answer
+    # with a generation prompt it is history, a final answer: blanked, as the template does
+    assert "final thoughts" not in K2F.render_text(row + [answer])
 
 
 def test_call_ids_of_clients_reused_and_trimmed():

@@ -263,8 +263,8 @@ def test_corrupt_newest_is_replaced_and_pruning_keeps_the_readable_one(tmp_path)
 def test_process_local_saves_prunes_and_falls_back(tmp_path):
     """``process_local`` (Orbax v1's free functions, this process alone): steps saved, the meta
     item stored as JSON, keep-N pruning in save order, an unfinished save reported, ignored and
-    removed by the next save, a corrupt newest step falls back and is set aside, state restored onto this process's
-    device."""
+    removed by the next save, a corrupt newest step falls back and is set aside, state restored
+    onto this process's device."""
     template = jax.eval_shape(lambda: _tiny_state(0.0))
     ck = Checkpointer(tmp_path / "ck", every=2, keep=2, process_local=True)
     assert not ck.save(1, _tiny_state(1), {"data_index": 1})  # not due

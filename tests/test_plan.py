@@ -162,6 +162,10 @@ def test_plan_cli_exit_codes(capsys):
     assert "num_experts=8 is not divisible by mesh axes expert=3" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--layout", "generate"]) == 2
     assert "give --devices" in capsys.readouterr().err
+    # the default batch with --accum-steps: a row per device in each micro-batch
+    assert main(["plan", "--preset", "tiny", "--mesh", "fsdp=2,expert=2", "--accum-steps", "3",
+                 "--seq", "64"]) == 0
+    assert "batch=12 in 3 micro-batches" in capsys.readouterr().out
 
 
 def test_plan_compile_reports_a_program_xla_refuses(capsys, monkeypatch):

@@ -255,8 +255,16 @@ class Checkpointer:
                     meta = self.manager.load_checkpointables(step, {"meta": None})["meta"]
                 if not isinstance(meta, dict):
                     raise ValueError(f"the meta item is a {type(meta).__name__}, not a dict")
+                unread = None
             except Exception as e:  # noqa: BLE001 - an unreadable meta item: a corrupt step
-                self._skip(step, e, log)
+                unread = e
+            # agreed, as the state's read below: one process skipping alone would leave the
+            # others waiting in that read's collective
+            if not self.process_local and not _all_processes_ok(unread is None):
+                unread = unread or RuntimeError("another process of the job could not read "
+                                                "its meta item")
+            if unread is not None:
+                self._skip(step, unread, log)
                 continue
             if check is not None:
                 check(self.directory / str(step), meta)
