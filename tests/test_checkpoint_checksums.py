@@ -99,11 +99,14 @@ def test_a_step_with_the_old_float_fingerprint_still_checks(tmp_path):
     assert any("step 2" in m and "checksum" in m for m in messages), messages
 
 
-def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fails,why", [(1, "could not read its meta item"),
+                                       (2, "could not read it")], ids=["meta", "state"])
+def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypatch, fails,
+                                                               why):
     """In a job of several processes each reads its own shards; a step one of them cannot read
-    is skipped by every process (else the others would go on into the checksums' collective
-    while it falls back). The vote is ``_all_processes_ok``, faked here: the other process
-    fails step 2."""
+    is skipped by every process (else the others would go on into the next collective while it
+    falls back). The votes are ``_all_processes_ok``, faked here: the other process fails step
+    2's meta item (the first vote) or its state (the second)."""
     from kdsa.train import checkpointing
 
     state = {"w": _on(_values(), 8)}
@@ -115,7 +118,7 @@ def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypa
 
     def vote(ok: bool) -> bool:
         votes.append(ok)
-        return ok and len(votes) > 1
+        return ok and len(votes) != fails
 
     monkeypatch.setattr(checkpointing, "_all_processes_ok", vote)
     template = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=state["w"].sharding)}
@@ -123,8 +126,10 @@ def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypa
     ck = Checkpointer(tmp_path, every=1, keep=3)
     got = ck.restore_latest(template, log=messages.append)
     ck.close()
-    assert got is not None and got[0] == 1 and ck.skipped == [2] and votes == [True, True]
-    assert any("step 2" in m and "another process" in m for m in messages), messages
+    # step 2: its meta vote (and its state vote unless that failed); step 1: both
+    assert got is not None and got[0] == 1 and ck.skipped == [2]
+    assert votes == [True] * (fails + 2), votes
+    assert any("step 2" in m and "another process" in m and why in m for m in messages), messages
 
 
 def test_the_kl_reference_belongs_to_the_run_beside_it(tmp_path):
