@@ -8,7 +8,9 @@ boundary (the last non-space character one of ``.!?`` and their full-width forms
 then forces the format's end-of-thinking marker (XTML: ``<|close|>think<|sep|>`` followed by
 ``<|open|>response<|sep|>``; K2: ``</think>``) and lets the model answer. So a request's
 reasoning never exceeds ``cap + grace`` tokens. A marker the model had started (a prefix of it
-at the end of the output) is completed rather than repeated.
+at the end of the output) is completed rather than repeated. A format's exit token (K2's
+tool-call section opened inside the reasoning, which its parser reads as the reasoning's end)
+ends the reasoning too: nothing is forced after it.
 
 The same controller serves RL rollouts and the server: one cap per level, configurable.
 """
@@ -58,17 +60,21 @@ class ThinkingBudget:
     tokens must be forced next.
 
     ``end_marker``: the token ids closing the reasoning span; ``after``: ids forced after a
-    forced close (the answer opener); ``in_reasoning``: whether the prompt opened the span.
+    forced close (the answer opener); ``in_reasoning``: whether the prompt opened the span;
+    ``exits``: ids that end the span without the marker (``ChatFormat.reasoning_exit_ids``).
     Call :meth:`observe` with every generated token (sampled or forced) and its text; it returns
     the ids to force next (empty when nothing is to be forced).
     """
 
     def __init__(self, *, cap: int | None, grace: int, end_marker: tuple[int, ...],
-                 after: tuple[int, ...] = (), in_reasoning: bool = True):
+                 after: tuple[int, ...] = (), in_reasoning: bool = True,
+                 exits: tuple[int, ...] = ()):
         if not end_marker:
             raise ValueError("a thinking budget needs a non-empty end-of-thinking marker")
         self.cap, self.grace = cap, grace
         self.end_marker, self.after = tuple(end_marker), tuple(after)
+        self.exits = frozenset(exits)
+        self.exited = False  # the reasoning ended at an exit token (no answer opened)
         self.in_reasoning = in_reasoning
         self.reasoning_tokens = 0
         self.forced_close = False
@@ -87,6 +93,9 @@ class ThinkingBudget:
         """``partial``: the output so far ends inside a character (the decoder holds bytes of
         it): no close there, or the reasoning would end in half a character."""
         if not self.in_reasoning:
+            return []
+        if token_id in self.exits and not self._closing:  # e.g. straight into a tool call
+            self.in_reasoning, self.exited = False, True
             return []
         self._recent = (self._recent + [token_id])[-len(self.end_marker):]
         if tuple(self._recent) == self.end_marker:

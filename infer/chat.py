@@ -351,6 +351,12 @@ class ChatFormat:
         raise NotImplementedError
 
     @property
+    def reasoning_exit_ids(self) -> tuple[int, ...]:
+        """Ids that end the reasoning without its end marker, as the format's parser reads
+        them (K2: a tool-call section opened inside the reasoning); none by default."""
+        return ()
+
+    @property
     def stop_ids(self) -> tuple[int, ...]:
         raise NotImplementedError
 

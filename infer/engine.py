@@ -65,6 +65,7 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         self.budgets = budgets or BudgetConfig()
         self.reasoning_end_ids = tuple(chat_format.reasoning_end_ids) if chat_format else ()
         self.after_reasoning_ids = tuple(chat_format.after_reasoning_ids) if chat_format else ()
+        self.reasoning_exit_ids = tuple(chat_format.reasoning_exit_ids) if chat_format else ()
         self.eos_ids = set(chat_format.stop_ids) if chat_format else {tokenizer.eos_id}
         self.num_top = max_top_logprobs
         self.max_banned = max_banned_tokens

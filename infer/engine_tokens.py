@@ -103,8 +103,9 @@ class TokenStep:
         if a.budget is not None:  # (partial: the decoder holds bytes of an unfinished char)
             a.forced.extend(a.budget.observe(token, piece, partial=bool(a.raw.getstate()[0])))
             if a.open_answer and not a.budget.in_reasoning:  # reasoning closed: open the answer
-                a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
-                                + a.prefix)
+                if not a.budget.exited:  # (exited: the model went into a tool call itself)
+                    a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
+                                    + a.prefix)
                 a.prefix, a.open_answer = (), False
         deltas: list[tuple[str, object]] = []
         if req.parser is not None:

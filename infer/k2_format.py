@@ -59,6 +59,10 @@ class K2Format(ChatFormat):
         return ()
 
     @property
+    def reasoning_exit_ids(self):  # the parser leaves the reasoning for a tool-call section
+        return (self.tok.special(SEC_BEGIN),)
+
+    @property
     def stop_ids(self):
         return (self.tok.special(END),)
 

@@ -127,7 +127,8 @@ class _Active:
         if engine.reasoning_end_ids and req.in_reasoning:
             self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
                                          end_marker=engine.reasoning_end_ids,
-                                         after=engine.after_reasoning_ids, in_reasoning=True)
+                                         after=engine.after_reasoning_ids, in_reasoning=True,
+                                         exits=engine.reasoning_exit_ids)
             self.forced.extend(self.budget.start())
         # tool_choice: ids forced once the answer starts (at once when the prompt opened it)
         self.prefix = tuple(req.answer_prefix)

@@ -209,6 +209,48 @@ def test_budget_does_not_close_inside_a_character():
     assert b.observe(1, ".", partial=True) == [] and b.observe(2, "\U0001f600.") == [99]
 
 
+class _CallInsideReasoning(ScriptedRunner):
+    """A K2 model that thinks a little, then opens a tool-call section without ``</think>``
+    (which K2's parser reads as the end of the reasoning), then ends its message."""
+
+    def __init__(self, tok, fmt, *, script: list[int], **kw):
+        super().__init__(tok, fmt, answer_ids=[], **kw)
+        self.script = script
+
+    def _next(self, slot: int) -> int:
+        g = self.seen[slot][self.prompt_len[slot]:]
+        return self.script[len(g)] if len(g) < len(self.script) else self.eos
+
+
+def test_a_tool_call_opened_inside_the_reasoning_ends_it_for_the_budget():
+    """K2: the budget's cap falls inside the call (3 reasoning tokens, cap 5, no grace). The
+    section ends the reasoning for the budget as for the parser, so nothing is forced into the
+    call (a ``</think>`` was, at the cap: the call came out broken); the RL budget replay
+    agrees (nothing forced, out of the reasoning)."""
+    from kdsa.train.rl.rollout import _budget_replay
+
+    tok = ByteTokenizer(384, "k2")
+    fmt = get_format("k2", tok)
+    sp = lambda name: tok.special(name)  # noqa: E731
+    section = ([sp("<|tool_calls_section_begin|>"), sp("<|tool_call_begin|>")]
+               + tok.encode("functions.get_weather:0") + [sp("<|tool_call_argument_begin|>")]
+               + tok.encode('{"city": "Paris"}')
+               + [sp("<|tool_call_end|>"), sp("<|tool_calls_section_end|>")])
+    runner = _CallInsideReasoning(tok, fmt, script=tok.encode("Hm.") + section)
+    eng = Engine(runner, tok, chat_format=fmt,
+                 budgets=BudgetConfig(caps={"low": 5, "high": 5, "max": 5}, grace=0))
+    prompt = fmt.render([Message("user", "Weather in Paris?")], effort="low")
+    c = eng.generate([Request(prompt, SamplingParams(temperature=0.0, max_tokens=100),
+                              reasoning_cap=5, in_reasoning=True,
+                              parser=fmt.parser(thinking=True))])[0]
+    out = c.output
+    assert not c.forced_close and out.reasoning == "Hm." and out.complete, out
+    assert [(t.name, t.arguments) for t in out.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    forced, queue, b = _budget_replay(eng, fmt, 5, list(c.token_ids))
+    assert forced == set() and queue == [] and not b.in_reasoning and b.exited
+
+
 def test_zero_cap_closes_at_once():
     eng = Engine(ScriptedRunner(TOK, FMT, answer_ids=_answer_ids()), TOK, chat_format=FMT,
                  budgets=BudgetConfig(caps={"low": 0, "high": 1, "max": 2}, grace=0))

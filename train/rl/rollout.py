@@ -207,7 +207,8 @@ def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
     ``(forced positions, ids still to force, budget)``."""
     b = ThinkingBudget(cap=cap, grace=engine.budgets.grace,
                        end_marker=tuple(fmt.reasoning_end_ids),
-                       after=tuple(fmt.after_reasoning_ids), in_reasoning=True)
+                       after=tuple(fmt.after_reasoning_ids), in_reasoning=True,
+                       exits=tuple(fmt.reasoning_exit_ids))
     queue, forced = list(b.start()), set()
     raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for i, t in enumerate(tokens):
