@@ -53,11 +53,13 @@ Memory terms (bytes on the busiest device):
 Communication per step, bytes sent per device on each mesh axis of size n (ring estimates;
 ``passes`` = 3 with remat (forward, recompute, backward), else 2):
 
-* ``fsdp``: each parameter sharded over it (and, for the train layout's non-expert weights,
-  over ``expert`` too) is all-gathered for the forward and again for remat/backward and its
-  gradient reduce-scattered: ``3 (n-1)/n * S`` (n = the product of those axes, S = its bytes on
-  that group; the ``expert`` part was left out before: K3's ``expert=64,fsdp=16`` at 8K
-  tokens per device reported 234.7 GiB per device per step, now 543.3).
+* ``fsdp`` / ``expert``: each parameter sharded over ``fsdp`` (and, for the train layout's
+  non-expert weights, over ``expert`` too) is all-gathered for the forward and again for
+  remat/backward and its gradient reduce-scattered: ``3 (F-1)/F * S`` in all (F = the product
+  of those axes' sizes, S = the whole weight's bytes), as a gather over ``expert`` and then over
+  ``fsdp`` within it: ``3 (f_e-1)/f_e * S`` under ``expert``, ``3 (f_f-1)/F * S`` under
+  ``fsdp`` (until 2026-12-07 all of it was reported under ``fsdp``, and before that the
+  ``expert`` part was left out).
 * ``data`` / ``fsdp`` / ``expert`` / ``sequence``, gradient all-reduce over every batch-like
   axis that does not shard the parameter: ``2 (n-1)/n * g`` (g = local gradient bytes).
 * ``expert``: token all-to-all per MoE layer, dispatch + combine per pass:
@@ -157,15 +159,15 @@ def _shard_elements(shape, spec, sizes) -> int:
     return n
 
 
-def _gather_factor(logical, spec, sizes) -> int:
-    """How many times larger a weight is once gathered for its matmul: the product of the
-    ``fsdp`` and ``expert`` sizes sharding it, except ``expert`` on its ``experts`` dimension
+def _gather_factors(logical, spec, sizes) -> dict[str, int]:
+    """How many times larger a weight is once gathered for its matmul, per axis: the ``fsdp``
+    and ``expert`` sizes sharding it, except ``expert`` on its ``experts`` dimension
     (expert-parallel weights stay where they are)."""
-    f = 1
+    f = {"fsdp": 1, "expert": 1}
     for name, entry in zip(logical, spec):
         for a in () if entry is None else (entry,) if isinstance(entry, str) else entry:
             if a == "fsdp" or (a == "expert" and name != "experts"):
-                f *= sizes[a]
+                f[a] *= sizes[a]
     return f
 
 
@@ -256,7 +258,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
             continue
         mem["gradients"] += elems * itemsize
         mem["optimizer"] += elems * 2 * itemsize  # AdamW's two moments, parameter dtype
-        factor = _gather_factor(logical, spec, sizes)
+        by_axis = _gather_factors(logical, spec, sizes)
+        factor = by_axis["fsdp"] * by_axis["expert"]
         if factor > 1:  # a layer repeat's weights are gathered together; others one by one
             stacked = bool(logical) and logical[0] == "layers"
             unit = tuple(path[:2]) if stacked else tuple(path)
@@ -265,8 +268,11 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
             gathered_units[unit] = gathered_units.get(unit, 0) + copies * per_unit
         used = _axes_of(spec)
         if factor > 1:  # gathered over every fsdp / expert axis sharding it (the non-expert
-            # weights over fsdp x expert in train): forward, backward, gradient reduce-scatter
-            comm["fsdp"] += 3 * (factor - 1) / factor * elems * factor * itemsize
+            # weights over fsdp x expert in train): forward, backward, gradient reduce-scatter.
+            # As a gather over expert, then over fsdp within it: (F-1)/F of the whole in all
+            full, fe = elems * factor * itemsize, by_axis["expert"]
+            comm["expert"] += 3 * (fe - 1) / fe * full
+            comm["fsdp"] += 3 * (by_axis["fsdp"] - 1) / factor * full
         for a in batch_like:
             n = sizes[a]
             if n > 1 and a not in used:
