@@ -20,7 +20,7 @@ preservation policy; :meth:`Checkpointer.save` decides which steps are saved and
 ``should_save`` answers: Orbax's own check would also refuse a step at or below the newest one,
 and the re-done step after a corrupt one is exactly that). ``process_local`` (this process
 alone, no barriers) runs on v1's ``save_checkpointables_async`` / ``load_checkpointables``
-instead (:class:`_LocalSteps`): the training ``Checkpointer`` always asks its v0
+instead (``train/local_steps.py``): the training ``Checkpointer`` always asks its v0
 ``CheckpointManager`` to create the root directory, which Orbax refuses with
 ``active_processes`` set.
 
@@ -64,6 +64,7 @@ from orbax.checkpoint.experimental import v1 as ocp
 
 from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
 from kdsa.train.checksums import checksums, mismatched
+from kdsa.train.local_steps import LocalSteps
 
 # TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
 STATE_FIELDS = ("optimizer", "indexer_stage")
@@ -131,7 +132,7 @@ class Checkpointer:
         self._log = _stderr
         ctx = _context(process_local)
         if process_local:
-            self.manager = _LocalSteps(self.directory, keep, ctx)
+            self.manager = LocalSteps(self.directory, keep, ctx)
         else:
             self.manager = ocp.training.Checkpointer(
                 self.directory, context=ctx,
@@ -301,60 +302,6 @@ class Checkpointer:
         nxt = f"falling back to step {older[-1]}" if older else "no older checkpoint"
         log(f"checkpoint: step {step} in {self.directory} is corrupted or unreadable "
             f"({orbax_reason(e)}); {nxt}; it is moved to {step}.corrupt at the next save")
-
-
-class _LocalSteps:
-    """``process_local``'s step manager: the calls :class:`Checkpointer` makes of Orbax's v1
-    ``training.Checkpointer``, on v1's ``save_checkpointables_async`` / ``load_checkpointables``
-    into ``directory/<step>`` (Orbax's temporary directory and atomic rename; a step is a folder
-    named by its number holding ``_CHECKPOINT_METADATA``). Orbax's training ``Checkpointer``
-    cannot do this: it always creates its root directory through a v0 ``CheckpointManager``,
-    which raises ``NotImplementedError`` with ``active_processes`` set. Pruning is the same
-    ``LatestN``: after each save completes, the oldest saves beyond ``keep`` are removed (in save
-    order after the steps found on disk, as Orbax orders them)."""
-
-    def __init__(self, directory: Path, keep: int, context: ocp.Context):
-        self.directory, self.keep, self.context = directory, keep, context
-        directory.mkdir(parents=True, exist_ok=True)
-        self._saving = None
-        self.reload()
-
-    @property
-    def checkpoints(self) -> list[ocp.training.CheckpointMetadata]:
-        return [ocp.training.CheckpointMetadata(s, path=self.directory / str(s), metadata=None)
-                for s in sorted(self._order)]
-
-    def reload(self) -> None:
-        self._order = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()
-                             and (p / "_CHECKPOINT_METADATA").is_file())
-
-    def save_checkpointables_async(self, step: int, checkpointables: dict, *, force: bool):
-        self.wait()
-        with self.context:
-            self._saving = ocp.save_checkpointables_async(self.directory / str(step),
-                                                          checkpointables)
-        self._order.append(step)
-        return self._saving
-
-    def wait(self) -> None:
-        saving, self._saving = self._saving, None
-        if saving is None:
-            return
-        try:
-            saving.result()
-        except BaseException:
-            self.reload()  # the failed step is not listed
-            raise
-        for step in self._order[:-self.keep]:
-            shutil.rmtree(self.directory / str(step), ignore_errors=True)
-        self._order = self._order[-self.keep:]
-
-    def load_checkpointables(self, step: int, abstract: dict) -> dict:
-        with self.context:
-            return ocp.load_checkpointables(self.directory / str(step), abstract)
-
-    def close(self) -> None:
-        self.wait()
 
 
 def _stderr(msg: str) -> None:
