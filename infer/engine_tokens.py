@@ -4,7 +4,8 @@ sampled token to its request.
 
 Per token the engine applies, in order: forced tokens (thinking-budget close, ``budget.py``;
 ``Request.answer_prefix``, forced once the answer starts: the tool-call opening of
-``tool_choice``),
+``tool_choice``; when the model ends its reasoning by opening a tool call itself, a format's
+exit token such as K2's section opener, the rest of that opening),
 banned tokens (``Request.banned_token_ids``: masked to ``-inf`` in the jitted sampler, a fixed
 ``[slots, max_banned_tokens]`` array so nothing recompiles; ``tool_choice: "none"`` bans the
 format's call opener; with bans or a prefix the engine also forces the format's answer opening
@@ -103,9 +104,11 @@ class TokenStep:
         if a.budget is not None:  # (partial: the decoder holds bytes of an unfinished char)
             a.forced.extend(a.budget.observe(token, piece, partial=bool(a.raw.getstate()[0])))
             if a.open_answer and not a.budget.in_reasoning:  # reasoning closed: open the answer
-                if not a.budget.exited:  # (exited: the model went into a tool call itself)
+                if not a.budget.exited:
                     a.forced.extend((() if a.budget.forced_close else self.after_reasoning_ids)
                                     + a.prefix)
+                elif a.prefix[:1] == (token,):  # the model opened the tool call itself (an
+                    a.forced.extend(a.prefix[1:])  # exit token): tool_choice's rest follows
                 a.prefix, a.open_answer = (), False
         deltas: list[tuple[str, object]] = []
         if req.parser is not None:

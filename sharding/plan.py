@@ -56,10 +56,10 @@ Communication per step, bytes sent per device on each mesh axis of size n (ring 
 * ``fsdp`` / ``expert``: each parameter sharded over ``fsdp`` (and, for the train layout's
   non-expert weights, over ``expert`` too) is all-gathered for the forward and again for
   remat/backward and its gradient reduce-scattered: ``3 (F-1)/F * S`` in all (F = the product
-  of those axes' sizes, S = the whole weight's bytes), as a gather over ``expert`` and then over
-  ``fsdp`` within it: ``3 (f_e-1)/f_e * S`` under ``expert``, ``3 (f_f-1)/F * S`` under
-  ``fsdp`` (until 2026-12-07 all of it was reported under ``fsdp``, and before that the
-  ``expert`` part was left out).
+  of those axes' sizes, S = the whole weight's bytes), as a gather over ``fsdp`` (to ``S /
+  f_e`` per device) and then over ``expert``: ``3 (f_f-1)/F * S`` under ``fsdp``, ``3
+  (f_e-1)/f_e * S`` under ``expert`` (until 2026-12-07 all of it was reported under ``fsdp``,
+  and before that the ``expert`` part was left out).
 * ``data`` / ``fsdp`` / ``expert`` / ``sequence``, gradient all-reduce over every batch-like
   axis that does not shard the parameter: ``2 (n-1)/n * g`` (g = local gradient bytes).
 * ``expert``: token all-to-all per MoE layer, dispatch + combine per pass:
@@ -269,7 +269,7 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         used = _axes_of(spec)
         if factor > 1:  # gathered over every fsdp / expert axis sharding it (the non-expert
             # weights over fsdp x expert in train): forward, backward, gradient reduce-scatter.
-            # As a gather over expert, then over fsdp within it: (F-1)/F of the whole in all
+            # As a gather over fsdp (to 1/fe of it), then over expert: (F-1)/F of the whole
             full, fe = elems * factor * itemsize, by_axis["expert"]
             comm["expert"] += 3 * (fe - 1) / fe * full
             comm["fsdp"] += 3 * (by_axis["fsdp"] - 1) / factor * full

@@ -213,12 +213,16 @@ class _CallInsideReasoning(ScriptedRunner):
     """A K2 model that thinks a little, then opens a tool-call section without ``</think>``
     (which K2's parser reads as the end of the reasoning), then ends its message."""
 
-    def __init__(self, tok, fmt, *, script: list[int], **kw):
+    def __init__(self, tok, fmt, *, script: list[int], args: list[int], **kw):
         super().__init__(tok, fmt, answer_ids=[], **kw)
-        self.script = script
+        self.script, self.args = script, args
 
     def _next(self, slot: int) -> int:
         g = self.seen[slot][self.prompt_len[slot]:]
+        arg = self.tok.special("<|tool_call_argument_begin|>")
+        if arg in g:  # past the call header (its own or a forced one): the arguments
+            k = len(g) - g.index(arg) - 1
+            return self.args[k] if k < len(self.args) else self.eos
         return self.script[len(g)] if len(g) < len(self.script) else self.eos
 
 
@@ -232,23 +236,35 @@ def test_a_tool_call_opened_inside_the_reasoning_ends_it_for_the_budget():
     tok = ByteTokenizer(384, "k2")
     fmt = get_format("k2", tok)
     sp = lambda name: tok.special(name)  # noqa: E731
-    section = ([sp("<|tool_calls_section_begin|>"), sp("<|tool_call_begin|>")]
-               + tok.encode("functions.get_weather:0") + [sp("<|tool_call_argument_begin|>")]
-               + tok.encode('{"city": "Paris"}')
-               + [sp("<|tool_call_end|>"), sp("<|tool_calls_section_end|>")])
-    runner = _CallInsideReasoning(tok, fmt, script=tok.encode("Hm.") + section)
+    header = ([sp("<|tool_calls_section_begin|>"), sp("<|tool_call_begin|>")]
+              + tok.encode("functions.get_weather:0") + [sp("<|tool_call_argument_begin|>")])
+    args = (tok.encode('{"city": "Paris"}')
+            + [sp("<|tool_call_end|>"), sp("<|tool_calls_section_end|>")])
+    runner = _CallInsideReasoning(tok, fmt, script=tok.encode("Hm.") + header, args=args)
     eng = Engine(runner, tok, chat_format=fmt,
                  budgets=BudgetConfig(caps={"low": 5, "high": 5, "max": 5}, grace=0))
     prompt = fmt.render([Message("user", "Weather in Paris?")], effort="low")
-    c = eng.generate([Request(prompt, SamplingParams(temperature=0.0, max_tokens=100),
-                              reasoning_cap=5, in_reasoning=True,
-                              parser=fmt.parser(thinking=True))])[0]
+
+    def run(prefix=()):
+        return eng.generate([Request(prompt, SamplingParams(temperature=0.0, max_tokens=100),
+                                     reasoning_cap=5, in_reasoning=True, answer_prefix=prefix,
+                                     parser=fmt.parser(thinking=True))])[0]
+
+    c = run()
     out = c.output
     assert not c.forced_close and out.reasoning == "Hm." and out.complete, out
     assert [(t.name, t.arguments) for t in out.tool_calls] == [
         ("get_weather", '{"city": "Paris"}')]
     forced, queue, b = _budget_replay(eng, fmt, 5, list(c.token_ids))
     assert forced == set() and queue == [] and not b.in_reasoning and b.exited
+    # tool_choice naming another function: after the model's own section token, the rest of
+    # that call's opening is forced (it was dropped: the model called what it liked)
+    from kdsa.infer.openai_api import tool_call_prefix
+
+    named = tool_call_prefix(fmt, {"type": "function", "function": {"name": "lookup"}})
+    assert named[0] == sp("<|tool_calls_section_begin|>")
+    out = run(named).output
+    assert [t.name for t in out.tool_calls] == ["lookup"] and out.complete, out
 
 
 def test_zero_cap_closes_at_once():
