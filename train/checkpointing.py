@@ -66,6 +66,9 @@ from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
 from kdsa.train.checksums import checksums, mismatched
 from kdsa.train.local_steps import LocalSteps
 
+# Orbax's temporary folder of a save (``N.orbax-checkpoint-tmp...``): one left behind is an
+# interrupted save (``find_unfinished``; the run-dir space check counts it as room)
+UNFINISHED_MARK = ".orbax-checkpoint-tmp"
 # TrainConfig fields that change the state's tree (which parameters train, the optimizer state)
 STATE_FIELDS = ("optimizer", "indexer_stage")
 # ... and those that change the data stream the saved position counts in (batches of
@@ -198,7 +201,7 @@ class Checkpointer:
         """Note the unfinished saves here (Orbax's temporary folders of an interrupted save) for
         the next save to remove. Process 0's list decides: every process learns whether it has
         any, so all of them take that save's barrier (``_set_aside``) or none does."""
-        self.unfinished = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        self.unfinished = sorted(self.directory.glob(f"*{UNFINISHED_MARK}*"))
         for p in self.unfinished:
             log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing; "
                 f"the next save into this folder removes it)")

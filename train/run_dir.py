@@ -21,6 +21,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kdsa.train.checkpointing import UNFINISHED_MARK
+
 
 def state_bytes(tree) -> int:
     """Bytes of every array leaf of ``tree`` (arrays or ``jax.ShapeDtypeStruct``)."""
@@ -87,7 +89,7 @@ def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) ->
     folder = run_dir / checkpoints
     for p in sorted(folder.iterdir()) if folder.is_dir() else ():
         size = _folder_bytes(p) if p.is_dir() else p.lstat().st_size
-        if p.name.isdigit() or ".orbax-checkpoint-tmp" in p.name:
+        if p.name.isdigit() or UNFINISHED_MARK in p.name:
             own += size
         else:
             leftovers += size
