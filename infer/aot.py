@@ -45,7 +45,7 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     from jax.sharding import NamedSharding, PartitionSpec as P, make_single_device_sharding
 
     from kdsa.kernels_pallas.common import compile_target
-    from kdsa.model.transformer import Transformer
+    from kdsa.model.transformer import abstract_model
     from kdsa.sharding.constrain import use_sharding
     from kdsa.sharding.mesh import check_layout, make_mesh
     from kdsa.model.paged_cache import pages_for
@@ -54,7 +54,7 @@ def generate_step_compiles(config: ModelConfig, topology: str, sizes: dict[str, 
     if not 1 <= prefill_chunk <= max_len:
         raise ValueError(f"prefill chunk {prefill_chunk} must be in [1, --seq {max_len}]")
     devices = topology_devices(topology)
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(config)
     graphdef, state = nnx.split(model)
     if sizes is None:  # one device, no mesh
         mesh, parts, rep = None, 1, make_single_device_sharding(devices[0])

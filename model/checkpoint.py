@@ -49,6 +49,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
                                 one_line, orbax_context, orbax_reason, quiet_orbax,
                                 replace_folder, tmp_sibling)
+from kdsa.model.transformer import abstract_model  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
 DEFAULT_BATCH_BYTES = 1 << 30
@@ -66,13 +67,6 @@ def _ocp():
 def flat_key(path: tuple) -> str:
     """``('segments', 0, 'layers', 1, 'self_attn', 'q_proj', 'kernel')`` -> dotted key."""
     return ".".join(str(p) for p in path)
-
-
-def abstract_model(config: ModelConfig):
-    """The model built abstractly: every variable holds a ``ShapeDtypeStruct``."""
-    from kdsa.model.transformer import Transformer
-
-    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
 
 
 def flat_variables(state: nnx.State) -> dict[str, nnx.Variable]:

@@ -17,6 +17,7 @@ from kdsa.model.config import ModelConfig
 from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
 from kdsa.model.kda_layer import kda_cache_bytes_per_sequence
 from kdsa.model.paged_cache import PAGE_SIZE
+from kdsa.model.transformer import abstract_model  # noqa: F401 (the counting model; re-exported)
 
 COMPONENTS = (
     "embeddings_and_head", "kda", "dsa_attention", "dsa_indexer", "dense_ffn", "routed_experts",
@@ -42,12 +43,6 @@ class ParamReport:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def abstract_model(config: ModelConfig):
-    from kdsa.model.transformer import Transformer
-
-    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
 
 
 def _component(path: tuple, mixer_of_layer) -> str:

@@ -19,6 +19,8 @@ Public API::
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -293,6 +295,23 @@ class Transformer(nnx.Module):
                                           one))
             out.append(tuple(group))
         return tuple(out)
+
+
+def abstract_model(config: ModelConfig) -> Transformer:
+    """The model built abstractly: every variable holds a ``jax.ShapeDtypeStruct`` (no memory).
+
+    Tracing the constructor takes 0.2-0.6 s on 2 CPU cores, and checkpoints, plans, exports and
+    the trainer ask for the same config's abstract model again and again, so its parts are kept
+    per config (and per abstract mesh, in case a caller's context changes what is traced). Each
+    call gets its own module and ``Variable`` objects (``nnx.merge(..., copy=True)``): a caller
+    that sets a variable's value or metadata changes no other caller's model."""
+    graphdef, state = _abstract_parts(config, jax.sharding.get_abstract_mesh())
+    return nnx.merge(graphdef, state, copy=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_parts(config: ModelConfig, mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
 def per_layer_state(state: nnx.State, segment_layout: tuple[Segment, ...]) -> nnx.State:

@@ -21,6 +21,32 @@ def test_tiny_count_equals_instantiated_model():
         r.components["routed_experts"] * cfg.num_experts_per_token / cfg.num_experts)
 
 
+def test_abstract_model_is_kept_per_config_and_each_caller_gets_its_own_variables():
+    """``abstract_model`` traces the constructor once per config; later calls get fresh modules
+    and ``Variable`` objects with the same shapes, so one caller's change reaches no other."""
+    import jax
+
+    from kdsa.model.transformer import _abstract_parts, abstract_model
+
+    cfg = get_preset("tiny")
+    real = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Variable)
+    _abstract_parts.cache_clear()
+    a, b = abstract_model(cfg), abstract_model(cfg)
+    assert _abstract_parts.cache_info().misses == 1 and _abstract_parts.cache_info().hits == 1
+    flat_a, flat_b = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b] == [
+        p for p, _ in nnx.to_flat_state(real)]
+    for (_, va), (_, vb), (_, vr) in zip(flat_a, flat_b, nnx.to_flat_state(real)):
+        assert va is not vb and isinstance(va.get_value(), jax.ShapeDtypeStruct)
+        assert (va.shape, va.dtype) == (vb.shape, vb.dtype) == (vr.shape, vr.dtype)
+    a.embed_tokens.embedding.set_value(None)  # one caller's change
+    assert isinstance(abstract_model(cfg).embed_tokens.embedding.get_value(),
+                      jax.ShapeDtypeStruct)
+    other = abstract_model(cfg.replace(vocab_size=cfg.vocab_size * 2))  # another config
+    assert other.embed_tokens.embedding.shape[0] == 2 * cfg.vocab_size
+    assert _abstract_parts.cache_info().misses == 2
+
+
 def jax_leaves(state):
     import jax
     return jax.tree.leaves(state)

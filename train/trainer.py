@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from kdsa.model.config import ModelConfig
-from kdsa.model.transformer import Transformer
+from kdsa.model.transformer import Transformer, abstract_model
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
@@ -150,7 +150,7 @@ def prepare(config: ModelConfig, tc: TrainConfig):
 
     ``jax.eval_shape(build)`` is the restore template of a checkpoint.
     """
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(tc.seed)))
+    abstract = abstract_model(config)  # shapes only: the seed changes no shape
     graphdef, params_meta, _ = split_model(abstract, tc)
     tx = make_optimizer(tc, params_meta)
 
