@@ -74,6 +74,7 @@ def test_entropy_metric_and_bonus(setup):
 
     s1, m1 = _step(setup, PLAIN)
     np.testing.assert_allclose(float(m1["entropy"]), want, rtol=1e-5)
+    assert "routing_replay_agreement" not in m1  # no expert ids replayed, none reported
     s2, m2 = _step(setup, BONUS)
     np.testing.assert_allclose(float(m2["entropy"]), want, rtol=1e-5)  # measured before
     after_plain = float(_step(setup, PLAIN, state=s1)[1]["entropy"])
