@@ -43,13 +43,15 @@ def model():
     return Transformer(CFG, rngs=nnx.Rngs(0))
 
 
-@nnx.jit
-def _step(model, ids, pos, seg, cache):
+def _forward(model, ids, pos, seg, cache):
     out = model.forward(ids, pos, cache, segment_ids=seg)
     return out.logits, out.cache
 
 
-def _run(model, cache, prompts, steps=3, whole_prefill=False):
+_step = nnx.jit(_forward)
+
+
+def _run(model, cache, prompts, steps=3, whole_prefill=False, step=_step):
     """Prefill both rows (right-padded), then greedy-free decode of fixed tokens; with
     ``whole_prefill`` the prefill's logits at every position, padding included."""
     b, t = len(prompts), max(len(p) for p in prompts)
@@ -58,15 +60,15 @@ def _run(model, cache, prompts, steps=3, whole_prefill=False):
     for r, p in enumerate(prompts):
         ids[r, :len(p)], seg[r, :len(p)] = p, 1
     pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
-    logits, cache = _step(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), cache)
+    logits, cache = step(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), cache)
     if whole_prefill:
         return np.asarray(logits)
     outs = [np.asarray(logits)[r, len(p) - 1] for r, p in enumerate(prompts)]
     cur = np.asarray([len(p) for p in prompts], np.int32)
     for s in range(steps):
         tok = np.asarray([[(7 * s + r) % CFG.vocab_size] for r in range(b)], np.int32)
-        logits, cache = _step(model, jnp.asarray(tok), jnp.asarray(cur[:, None]),
-                              jnp.ones((b, 1), jnp.int32), cache)
+        logits, cache = step(model, jnp.asarray(tok), jnp.asarray(cur[:, None]),
+                             jnp.ones((b, 1), jnp.int32), cache)
         outs.append(np.asarray(logits)[:, 0])
         cur = cur + 1
     return np.concatenate([o.reshape(-1) for o in outs])
@@ -124,7 +126,6 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
 
     real = paged_attention.paged_index_scores
     monkeypatch.setattr(paged_attention, "paged_index_scores", counted)
-    jax.clear_caches()  # the other backend's run compiled the same steps: trace them again
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),
                rng.integers(0, CFG.vocab_size, 5).tolist()]
@@ -133,8 +134,9 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
         block_table=table), prompts)
     assert not calls
     kernels = Transformer(CFG.replace(attention_impl="pallas"), rngs=nnx.Rngs(0))
+    # a jit of its own: the other backend's run compiled the same steps, trace them again
     got = _run(kernels, kernels.init_paged_cache(2, num_pages=9, max_pages=3).replace(
-        block_table=table), prompts)
+        block_table=table), prompts, step=nnx.jit(_forward))
     assert calls and all(c[1] == 1 for c in calls)  # traced for the decode step only
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
