@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import copy
 import dataclasses
 import itertools
 import time
@@ -42,6 +43,10 @@ class Request:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     reasoning_cap: int | None = None  # thinking budget (None: no cap)
     in_reasoning: bool = False  # the prompt opened the reasoning span
+    # a budget to continue instead of a new one from ``reasoning_cap`` (RL's partial rollouts:
+    # a turn cut mid-way, its budget replayed over the turn so far, a grace window included);
+    # copied, and nothing is forced at the start
+    budget: ThinkingBudget | None = None
     parser: object | None = None  # a chat OutputParser (None: raw text)
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     on_event: Callable[["Event"], None] | None = None
@@ -124,7 +129,9 @@ class _Active:
         self.forced: collections.deque[int] = collections.deque()
         self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else engine.eos_ids)
         self.budget = None
-        if engine.reasoning_end_ids and req.in_reasoning:
+        if engine.reasoning_end_ids and req.in_reasoning and req.budget is not None:
+            self.budget = copy.deepcopy(req.budget)
+        elif engine.reasoning_end_ids and req.in_reasoning:
             self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
                                          end_marker=engine.reasoning_end_ids,
                                          after=engine.after_reasoning_ids, in_reasoning=True,

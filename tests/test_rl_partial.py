@@ -44,20 +44,23 @@ class _Yes(Environment):
         return Outcome(float(output.content == "Yes it is."))
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=[0, 2], ids=["grace-0", "grace-2"])
+def setup(request):
     tok = ByteTokenizer(384, flavor="k2")
     fmt = get_format("k2", tok)
     answer = tok.encode("Yes it is.") + [fmt.stop_ids[0]]
-    # caps: low 0 (closed at once, forced), high 3 (forced mid-reasoning), max 16 (the
-    # script's own close after 5 reasoning tokens)
+    # caps: low 0 (closed at once, forced), high 3 (forced mid-reasoning: at once without a
+    # grace window; with 2 tokens of grace and no sentence boundary in "Hmm, ", after 5, so a
+    # cut after 3 or 4 tokens lands inside the window), max 16 (the script's own close after 5
+    # reasoning tokens)
     rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
                   reasoning_caps={"low": 0, "high": 3, "max": 16},
                   token_budgets={"low": 60, "high": 60, "max": 60})
     runner = _SequenceScript(tok, fmt, answer_ids=answer, reasoning_tokens=5, num_slots=8,
                              max_len=rc.seq_len + 1)
     engine = Engine(runner, tok, chat_format=fmt,
-                    budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=0), seed=0)
+                    budgets=BudgetConfig(caps=dict(rc.reasoning_caps), grace=request.param),
+                    seed=0)
     env = _Yes(seed=0)
     return fmt, engine, rc, {env.domain: env}, env
 
@@ -85,6 +88,7 @@ def test_episode_split_across_steps_equals_one_go(setup, cap):
     forced = [t for t, m, i in zip(eps[1].tokens, eps[1].mask, range(len(eps[1].tokens)))
               if not m and i >= eps[1].prompt_len]
     assert forced == list(fmt.reasoning_end_ids)  # the forced close is not trained on
+    assert whole[1].reasoning_tokens == 3 + engine.budgets.grace  # no boundary in "Hmm, "
 
 
 def test_loop_carries_partial_groups_up_to_max_staleness(setup):

@@ -131,10 +131,12 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                 _truncate(e, rc)
                 continue
             calls = sum(len(m.tool_calls) for m in e.history)
-            parser, in_reasoning, cap, pre = fmt.parser(first_call_index=calls), True, \
-                rc.reasoning_caps[e.effort], ""
+            parser, budget, pre = fmt.parser(first_call_index=calls), None, ""
+            in_reasoning = True
             if e.turn_tokens:  # continue a turn cut by an earlier call's step cap
-                parser, in_reasoning, cap, pre = _resume_turn(engine, fmt, e, rc, calls)
+                parser, budget, pre = _resume_turn(engine, fmt, e, rc, calls)
+                in_reasoning = budget.in_reasoning
+                budget = budget if in_reasoning else None  # closed before the cut: none left
                 room = min(rc.token_budgets[e.effort] - e.generated, rc.seq_len - len(e.tokens))
                 if room < 1:
                     _truncate(e, rc)
@@ -147,12 +149,13 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                                 seed=(seed * 7919 + (order[id(e)] if e.index is None else
                                                      e.index) * 131 + e.turns) % (2**31 - 1))
             reqs.append((e, n < room, pre, Request(
-                list(e.tokens), sp, reasoning_cap=cap, in_reasoning=in_reasoning,
-                parser=parser, images=message_images(e.task.messages))))
+                list(e.tokens), sp, reasoning_cap=rc.reasoning_caps[e.effort],
+                in_reasoning=in_reasoning, budget=budget, parser=parser,
+                images=message_images(e.task.messages))))
         if not reqs:
             continue
         outs = engine.generate([r for *_, r in reqs])
-        for (e, capped, pre, _), c in zip(reqs, outs):
+        for (e, capped, pre, req), c in zip(reqs, outs):
             split = bool(e.turn_tokens) or (capped and c.finish_reason == "length")
             if split:  # forced tokens from the budget replayed over the whole turn
                 forced = {i - len(e.turn_tokens) for i in _budget_replay(
@@ -168,7 +171,9 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
             used[id(e)] += len(c.token_ids)
             if c.routing is not None:
                 e.routing = c.routing
-            e.reasoning_tokens += c.reasoning_tokens
+            # a continued budget counts the turn's earlier reasoning too
+            e.reasoning_tokens += c.reasoning_tokens - (req.budget.reasoning_tokens
+                                                        if req.budget else 0)
             if capped and c.finish_reason == "length":  # step cap hit: continue later
                 e.turn_tokens += [int(t) for t in c.token_ids]
                 e.paused = True
@@ -225,8 +230,11 @@ def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
 
 def _resume_turn(engine: Engine, fmt, e: Episode, rc: RLConfig, calls: int):
     """State to continue ``e``'s cut turn: ids the budget still had to force are appended (as
-    forced tokens); returns ``(parser fed with the turn so far, in_reasoning, remaining
-    reasoning cap, content so far)``."""
+    forced tokens); returns ``(parser fed with the turn so far, the turn's thinking budget
+    replayed over it, content so far)``. The budget goes on as the uncut turn's would: a cut
+    inside its grace window (past the cap, no sentence boundary yet) keeps waiting for one
+    (a fresh budget of the cap left, 0, forced the close at once, and the replay over the whole
+    turn then read that close as the model's own: trained on)."""
     cap = rc.reasoning_caps[e.effort]
     _, queue, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
     if queue:
@@ -238,8 +246,7 @@ def _resume_turn(engine: Engine, fmt, e: Episode, rc: RLConfig, calls: int):
         _, _, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
     parser = fmt.parser(first_call_index=calls)
     pre = "".join(v for t in e.turn_tokens for k, v in parser.feed(t) if k == "content")
-    left = None if cap is None else max(cap - b.reasoning_tokens, 0)
-    return parser, b.in_reasoning, left, pre
+    return parser, b, pre
 
 
 def _truncate(e: Episode, rc: RLConfig, judged: float = 0.0) -> None:
