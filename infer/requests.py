@@ -47,6 +47,9 @@ class Request:
     # a turn cut mid-way, its budget replayed over the turn so far, a grace window included);
     # copied, and nothing is forced at the start
     budget: ThinkingBudget | None = None
+    # the bytes of a character the output so far ends inside (a turn continued after a cut in
+    # the middle of one): the engine's text decoder starts holding them, as the uncut turn's did
+    pending_utf8: bytes = b""
     parser: object | None = None  # a chat OutputParser (None: raw text)
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
     on_event: Callable[["Event"], None] | None = None
@@ -144,6 +147,8 @@ class _Active:
             self.forced.extend(self.prefix)
             self.prefix = ()
         self.raw = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        if req.pending_utf8:
+            self.raw.setstate((bytes(req.pending_utf8), 0))
         self.text = ""  # content / raw text so far
         self.sent = 0  # characters of text already emitted
         self.hold = max((len(s) for s in sp.stop), default=1) - 1

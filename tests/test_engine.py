@@ -255,7 +255,7 @@ def test_a_tool_call_opened_inside_the_reasoning_ends_it_for_the_budget():
     assert not c.forced_close and out.reasoning == "Hm." and out.complete, out
     assert [(t.name, t.arguments) for t in out.tool_calls] == [
         ("get_weather", '{"city": "Paris"}')]
-    forced, queue, b = _budget_replay(eng, fmt, 5, list(c.token_ids))
+    forced, queue, b, _ = _budget_replay(eng, fmt, 5, list(c.token_ids))
     assert forced == set() and queue == [] and not b.in_reasoning and b.exited
     # tool_choice naming another function: after the model's own section token, the rest of
     # that call's opening is forced (it was dropped: the model called what it liked)

@@ -44,15 +44,15 @@ class _Yes(Environment):
         return Outcome(float(output.content == "Yes it is."))
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["grace-0", "grace-2"])
+@pytest.fixture(scope="module", params=[0, 1], ids=["grace-0", "grace-1"])
 def setup(request):
     tok = ByteTokenizer(384, flavor="k2")
     fmt = get_format("k2", tok)
     answer = tok.encode("Yes it is.") + [fmt.stop_ids[0]]
     # caps: low 0 (closed at once, forced), high 3 (forced mid-reasoning: at once without a
-    # grace window; with 2 tokens of grace and no sentence boundary in "Hmm, ", after 5, so a
-    # cut after 3 or 4 tokens lands inside the window), max 16 (the script's own close after 5
-    # reasoning tokens)
+    # grace window; with a token of grace and no sentence boundary in "Hmm,", after 4, one
+    # before the script's own close, so a cut after 3 tokens lands inside the window), max 16
+    # (the script's own close after 5 reasoning tokens)
     rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
                   reasoning_caps={"low": 0, "high": 3, "max": 16},
                   token_budgets={"low": 60, "high": 60, "max": 60})
@@ -89,6 +89,36 @@ def test_episode_split_across_steps_equals_one_go(setup, cap):
               if not m and i >= eps[1].prompt_len]
     assert forced == list(fmt.reasoning_end_ids)  # the forced close is not trained on
     assert whole[1].reasoning_tokens == 3 + engine.budgets.grace  # no boundary in "Hmm, "
+
+
+def test_a_cut_inside_a_boundary_character_continues_as_one_go():
+    """Reasoning "ab。cd..." (byte tokens: "。" is three) under a cap of 2 with 4 tokens of
+    grace: the uncut turn's close is forced right after "。", a sentence boundary (5 reasoning
+    tokens). Cut after the character's first or second byte, the continued turn's text decoder
+    holds them (``Request.pending_utf8``), so "。" completes there as well (a fresh decoder read
+    the rest as U+FFFD, no boundary: the turn reasoned on, and the replay over the whole turn
+    found a sampled token where the close was due)."""
+    tok = ByteTokenizer(384, flavor="k2")
+    fmt = get_format("k2", tok)
+    answer = tok.encode("Yes it is.") + [fmt.stop_ids[0]]
+    caps = {"low": 0, "high": 2, "max": 16}
+    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
+                  reasoning_caps=caps, token_budgets={"low": 60, "high": 60, "max": 60})
+    runner = _SequenceScript(tok, fmt, answer_ids=answer, reasoning="ab\u3002cdefgh",
+                             num_slots=8, max_len=rc.seq_len + 1)
+    engine = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=caps, grace=4),
+                    seed=0)
+    env = _Yes(seed=0)
+    envs, tasks = {env.domain: env}, [(env.task(0), "high")]
+    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
+                    temperature=0.0)
+    assert whole[0].done and whole[0].score == 1.0 and whole[0].reasoning_tokens == 5
+    for cap in (3, 4):  # cut after the first, the second byte of the character
+        eps, calls = ro.start_episodes(fmt, tasks, 1), 0
+        while not eps[0].done:
+            ro.play(engine, fmt, envs, eps, rc=rc, seed=calls, step_cap=cap, temperature=0.0)
+            calls += 1
+        assert _fields(eps[0]) == _fields(whole[0]), cap
 
 
 def test_loop_carries_partial_groups_up_to_max_staleness(setup):

@@ -132,9 +132,9 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                 continue
             calls = sum(len(m.tool_calls) for m in e.history)
             parser, budget, pre = fmt.parser(first_call_index=calls), None, ""
-            in_reasoning = True
+            in_reasoning, pending = True, b""
             if e.turn_tokens:  # continue a turn cut by an earlier call's step cap
-                parser, budget, pre = _resume_turn(engine, fmt, e, rc, calls)
+                parser, budget, pre, pending = _resume_turn(engine, fmt, e, rc, calls)
                 in_reasoning = budget.in_reasoning
                 budget = budget if in_reasoning else None  # closed before the cut: none left
                 room = min(rc.token_budgets[e.effort] - e.generated, rc.seq_len - len(e.tokens))
@@ -150,7 +150,7 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
                                                      e.index) * 131 + e.turns) % (2**31 - 1))
             reqs.append((e, n < room, pre, Request(
                 list(e.tokens), sp, reasoning_cap=rc.reasoning_caps[e.effort],
-                in_reasoning=in_reasoning, budget=budget, parser=parser,
+                in_reasoning=in_reasoning, budget=budget, pending_utf8=pending, parser=parser,
                 images=message_images(e.task.messages))))
         if not reqs:
             continue
@@ -209,7 +209,8 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
 
 def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
     """Replay the engine's thinking budget (``infer/budget.py``) over one turn's tokens:
-    ``(forced positions, ids still to force, budget)``."""
+    ``(forced positions, ids still to force, budget, the bytes of a character the turn ends
+    inside)``."""
     b = ThinkingBudget(cap=cap, grace=engine.budgets.grace,
                        end_marker=tuple(fmt.reasoning_end_ids),
                        after=tuple(fmt.after_reasoning_ids), in_reasoning=True,
@@ -225,28 +226,30 @@ def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
             forced.add(i)
         piece = "" if engine.tok.is_special(t) else raw.decode(engine.tok.token_bytes(t))
         queue += b.observe(t, piece, partial=bool(raw.getstate()[0]))  # as the engine does
-    return forced, queue, b
+    return forced, queue, b, raw.getstate()[0]
 
 
 def _resume_turn(engine: Engine, fmt, e: Episode, rc: RLConfig, calls: int):
     """State to continue ``e``'s cut turn: ids the budget still had to force are appended (as
     forced tokens); returns ``(parser fed with the turn so far, the turn's thinking budget
-    replayed over it, content so far)``. The budget goes on as the uncut turn's would: a cut
+    replayed over it, content so far, the bytes of a character the turn ends inside)``. The
+    budget goes on as the uncut turn's would (the engine's text decoder starts with those
+    bytes, so a boundary character completed after the cut counts as one): a cut
     inside its grace window (past the cap, no sentence boundary yet) keeps waiting for one
     (a fresh budget of the cap left, 0, forced the close at once, and the replay over the whole
     turn then read that close as the model's own: trained on)."""
     cap = rc.reasoning_caps[e.effort]
-    _, queue, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
+    _, queue, b, pending = _budget_replay(engine, fmt, cap, e.turn_tokens)
     if queue:
         e.tokens += queue
         e.turn_tokens += queue
         e.mask += [0.0] * len(queue)
         e.sampler_logp += [0.0] * len(queue)
         e.generated += len(queue)
-        _, _, b = _budget_replay(engine, fmt, cap, e.turn_tokens)
+        _, _, b, pending = _budget_replay(engine, fmt, cap, e.turn_tokens)
     parser = fmt.parser(first_call_index=calls)
     pre = "".join(v for t in e.turn_tokens for k, v in parser.feed(t) if k == "content")
-    return parser, b, pre
+    return parser, b, pre, pending
 
 
 def _truncate(e: Episode, rc: RLConfig, judged: float = 0.0) -> None:
