@@ -61,8 +61,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P, make_single_device_s
 
 from kdsa.infer.cache_layout import cache_shardings, rope_lanes_for, row_major
 from kdsa.infer.runner_pages import PagedSlots
-from kdsa.infer.runner_steps import (copy_page, decode_step, encode_step, prefill_batch_step,
-                                     prefill_step, restore_state, save_state, states)
+from kdsa.infer.runner_steps import (copy_page, copy_page_jit, encode_step, prefill_batch_step,
+                                     restore_state, restore_state_jit, save_state,
+                                     save_state_jit, shared_batch_step, shared_steps, states,
+                                     step_pair)
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 from kdsa.model.transformer import per_layer_state, repeated_layer_bytes
 
@@ -125,7 +127,7 @@ class ModelRunner(PagedSlots):
         cache_sh = self.cache_shardings(jax.eval_shape(make))
         if cache_sh is None:
             self.cache = make()
-            self._copy_page, self._save, self._restore = _copy_page_jit, _save_jit, _restore_jit
+            self._copy_page, self._save, self._restore = copy_page_jit, save_state_jit, restore_state_jit
         else:
             self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
@@ -152,10 +154,10 @@ class ModelRunner(PagedSlots):
             # (with a mesh or on one TPU each runner compiles its own, with its cache's
             # shardings and layouts as outputs)
             options = tuple(sorted((compiler_options or {}).items()))
-            self._prefill, self._decode = _shared_steps(self.graphdef, record_routing, options)
-            self._prefill_batch = _shared_batch_step(self.graphdef, options)
+            self._prefill, self._decode = shared_steps(self.graphdef, record_routing, options)
+            self._prefill_batch = shared_batch_step(self.graphdef, options)
         else:
-            self._prefill, self._decode = _steps(jit, self.graphdef, record_routing)
+            self._prefill, self._decode = step_pair(jit, self.graphdef, record_routing)
             self._prefill_batch = jax.jit(  # (one device only: ``batched_prefill``)
                 functools.partial(prefill_batch_step, self.graphdef), donate_argnums=(1,),
                 compiler_options=compiler_options, static_argnames=("width",),
@@ -403,31 +405,3 @@ def _on_cpu(state) -> bool:
     their stacked arrays each step: ``per_layer_state``)."""
     leaves = jax.tree.leaves(state)
     return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].devices())
-
-
-def _steps(jit, graphdef, record_routing: bool):
-    """The jitted (prefill, decode) steps of one model structure."""
-    return (jit(functools.partial(prefill_step, graphdef, record_routing=record_routing),
-                static_argnames=("width",)),
-            jit(functools.partial(decode_step, graphdef, record_routing=record_routing)))
-
-
-@functools.lru_cache(maxsize=16)
-def _shared_steps(graphdef, record_routing: bool, options: tuple):
-    """One-device steps keyed by the model's structure (``GraphDef`` hashes by value): a second
-    runner of the same model (another engine, a new RL sampler, a server restart in-process)
-    reuses the programs compiled for the first instead of compiling them again."""
-    return _steps(functools.partial(jax.jit, donate_argnums=(1,),
-                                    compiler_options=dict(options) or None),
-                  graphdef, record_routing)
-
-
-@functools.lru_cache(maxsize=16)
-def _shared_batch_step(graphdef, options: tuple):
-    return jax.jit(functools.partial(prefill_batch_step, graphdef), donate_argnums=(1,),
-                   compiler_options=dict(options) or None, static_argnames=("width",))
-
-
-_copy_page_jit = jax.jit(copy_page, donate_argnums=(0,))
-_save_jit = jax.jit(save_state, donate_argnums=(1,))
-_restore_jit = jax.jit(restore_state, donate_argnums=(0,))

@@ -10,6 +10,8 @@ its partition) and pass through untouched by the per-slot helpers.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -171,3 +173,33 @@ def decode_step(graphdef, state, cache, tokens, positions, active, table=None, *
     if record_routing:                                                  # [S, L_moe, k]
         return (out.logits[:, 0], new, jnp.transpose(out.stats.expert_ids[:, :, 0], (1, 0, 2)))
     return out.logits[:, 0], new                                        # [S, V]
+
+
+# ---------------------------------------------------------------------- compiled (ModelRunner)
+
+def step_pair(jit, graphdef, record_routing: bool):
+    """The jitted (prefill, decode) steps of one model structure."""
+    return (jit(functools.partial(prefill_step, graphdef, record_routing=record_routing),
+                static_argnames=("width",)),
+            jit(functools.partial(decode_step, graphdef, record_routing=record_routing)))
+
+
+@functools.lru_cache(maxsize=16)
+def shared_steps(graphdef, record_routing: bool, options: tuple):
+    """One-device steps keyed by the model's structure (``GraphDef`` hashes by value): a second
+    runner of the same model (another engine, a new RL sampler, a server restart in-process)
+    reuses the programs compiled for the first instead of compiling them again."""
+    return step_pair(functools.partial(jax.jit, donate_argnums=(1,),
+                                       compiler_options=dict(options) or None),
+                     graphdef, record_routing)
+
+
+@functools.lru_cache(maxsize=16)
+def shared_batch_step(graphdef, options: tuple):
+    return jax.jit(functools.partial(prefill_batch_step, graphdef), donate_argnums=(1,),
+                   compiler_options=dict(options) or None, static_argnames=("width",))
+
+
+copy_page_jit = jax.jit(copy_page, donate_argnums=(0,))
+save_state_jit = jax.jit(save_state, donate_argnums=(1,))
+restore_state_jit = jax.jit(restore_state, donate_argnums=(0,))

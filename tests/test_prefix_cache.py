@@ -228,7 +228,7 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     the default placement (prompts one at a time: batched prefill equals that,
     tests/test_batched_prefill.py)."""
     from kdsa.infer import cache_layout
-    from kdsa.infer import runner as runner_module
+    from kdsa.infer import runner_steps
 
     rng = np.random.default_rng(3)
     first = rng.integers(0, 256, 130).tolist()
@@ -252,7 +252,7 @@ def test_a_runner_that_places_its_cache_on_one_device_gives_the_same_outputs(mod
     n_copies = len(copies)
     monkeypatch.setattr(cache_layout, "places_one_device", lambda device: True)
     runner, placed, got = run(batch=True)
-    assert runner._copy_page is not runner_module._copy_page_jit  # its own, placing jits
+    assert runner._copy_page is not runner_steps.copy_page_jit  # its own, placing jits
     _same(got, want)
     m = placed.metrics()
     assert m["prefix_cache"]["hit_tokens"] > 0 and m["batched_prefill_steps"] > 0, m
