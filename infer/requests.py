@@ -45,7 +45,8 @@ class Request:
     in_reasoning: bool = False  # the prompt opened the reasoning span
     # a budget to continue instead of a new one from ``reasoning_cap`` (RL's partial rollouts:
     # a turn cut mid-way, its budget replayed over the turn so far, a grace window included);
-    # copied, and nothing is forced at the start
+    # copied, and nothing is forced at the start; the Completion's ``reasoning_tokens`` then
+    # counts the earlier part too
     budget: ThinkingBudget | None = None
     # the bytes of a character the output so far ends inside (a turn continued after a cut in
     # the middle of one): the engine's text decoder starts holding them, as the uncut turn's did

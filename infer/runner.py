@@ -127,7 +127,8 @@ class ModelRunner(PagedSlots):
         cache_sh = self.cache_shardings(jax.eval_shape(make))
         if cache_sh is None:
             self.cache = make()
-            self._copy_page, self._save, self._restore = copy_page_jit, save_state_jit, restore_state_jit
+            self._copy_page, self._save = copy_page_jit, save_state_jit
+            self._restore = restore_state_jit
         else:
             self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
