@@ -60,7 +60,8 @@ from kdsa.kernels_pallas import sparse_mla_attention as sparse_mla_kernel  # noq
 from kdsa.model import dsa, query_chunks, topk as topk_mod  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.dsa import dense_attention, indexer_topk, sparse_mla_attention  # noqa: E402
-from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache  # noqa: E402
+from kdsa.model.dsa_cache import init_dsa_cache  # noqa: E402
+from kdsa.model.dsa_layer import GatedDSA  # noqa: E402
 from kdsa.model.kda_layer import KDA, init_kda_cache  # noqa: E402
 from timing import matmul_flops, seconds, write_results  # noqa: E402  (bench/timing.py)
 

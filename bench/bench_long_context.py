@@ -102,7 +102,7 @@ def decode_against_context(a, max_len: int) -> dict:
     from flax import nnx
 
     from kdsa.infer.page_pool import page_bytes
-    from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+    from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
     from kdsa.infer.runner import ModelRunner
     from kdsa.infer.runner_steps import is_pool
     from kdsa.model.config import get_preset

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding, make_single_device_sharding
 
-from kdsa.model.dsa_layer import DSACache
+from kdsa.model.dsa_cache import DSACache
 from kdsa.model.paged_cache import BUFFERS
 
 TPU_LANES = 128
@@ -48,7 +48,7 @@ def cache_shardings(cache, mesh, layout: str, device=None):
     lives there and the DSA buffers are row-major for the same reason (the paged decode step of
     a 2-layer model copied its pools four times per step without); elsewhere None (the
     default placement, row-major already). Row-major rows narrower than 128 lanes are padded
-    to 128 in HBM (``dsa_layer.dsa_cache_bytes_per_token`` counts them so)."""
+    to 128 in HBM (``dsa_cache.dsa_cache_bytes_per_token`` counts them so)."""
     from jax.experimental.layout import Format, Layout
 
     if mesh is None:

@@ -57,8 +57,8 @@ class PagePool:
 def page_bytes(config, rope_lanes: int | None = None) -> int:
     """Bytes of one page over every DSA layer (latent + RoPE key + indexer key per token; with
     ``rope_lanes``, the runner on TPU (``cache_layout.rope_lanes_for``), each row as it lies in
-    HBM: ``dsa_layer.dsa_cache_bytes_per_token``)."""
-    from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+    HBM: ``dsa_cache.dsa_cache_bytes_per_token``)."""
+    from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
 
     n_dsa = sum(m != "kda" for m in config.mixer_kinds)
     return n_dsa * PAGE_SIZE * dsa_cache_bytes_per_token(config, rope_lanes)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kdsa.model.dsa_layer import DSACache
+from kdsa.model.dsa_cache import DSACache
 from kdsa.model.outputs import Collect, ImageInputs
 from kdsa.model.paged_cache import BUFFERS, PAGE_SIZE, PagedCache, PagedDSACache
 from kdsa.model.partitioning import current as current_sharding

@@ -14,7 +14,7 @@ import math
 from flax import nnx
 
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
 from kdsa.model.kda_layer import kda_cache_bytes_per_sequence
 from kdsa.model.paged_cache import PAGE_SIZE
 from kdsa.model.transformer import abstract_model  # noqa: F401 (the counting model; re-exported)

@@ -61,7 +61,7 @@ class LayerBuffers:
 @struct.dataclass
 class PagedDSACache(LayerBuffers):
     """One DSA layer's pooled cache: kv_latent ``[R, kv_lora]``, k_rope ``[R, rope]`` (compute
-    dtype; ``dsa_layer.rope_cache_width`` columns), index_keys ``[R, Di]`` (``index_dtype``)
+    dtype; ``dsa_cache.rope_cache_width`` columns), index_keys ``[R, Di]`` (``index_dtype``)
     with ``R = (num_pages + 1) * PAGE_SIZE`` rows (:data:`SCRATCH_ROWS`): the last,
     :attr:`scratch_row`, belongs to no page and takes the writes of tokens that have no page
     (padding), so every write is in bounds (a write XLA must be ready to drop made it copy the
@@ -168,8 +168,8 @@ def init_paged_dsa_cache(config, num_pages: int, parts: int = 1,
                          rope_lanes: int | None = None) -> PagedDSACache:
     """A zero pool of ``num_pages`` pages for one DSA layer, in ``parts`` partitions of
     ``num_pages / parts`` pages and :data:`SCRATCH_ROWS` rows each (``PagedDSACache``);
-    ``rope_lanes``: ``dsa_layer.rope_cache_width``."""
-    from kdsa.model.dsa_layer import rope_cache_width
+    ``rope_lanes``: ``dsa_cache.rope_cache_width``."""
+    from kdsa.model.dsa_cache import rope_cache_width
     from kdsa.model.layers import dtype_of
 
     if num_pages < 1:

@@ -29,7 +29,7 @@ from flax import nnx
 from kdsa.model.attn_res import AttnResScorer, Residual, initial_residual
 from kdsa.model.block import ACT, LayerGroup
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa_layer import DSACache, init_dsa_cache
+from kdsa.model.dsa_cache import DSACache, init_dsa_cache
 from kdsa.model.kda_layer import init_kda_cache
 from kdsa.model.layers import Embed, Linear, RMSNorm, dtype_of
 from kdsa.model.outputs import Collect, ImageInputs, Output, RoutingReplay, Stats, layers_of
@@ -262,7 +262,7 @@ class Transformer(nnx.Module):
 
     def init_cache(self, batch_size: int, max_len: int, rope_lanes: int | None = None) -> tuple:
         """Zeroed decode caches: per segment, per period position, stacked over repeats
-        (``rope_lanes``: ``dsa_layer.rope_cache_width``)."""
+        (``rope_lanes``: ``dsa_cache.rope_cache_width``)."""
         cfg = self.config
         if cfg.context_limit is not None and max_len > cfg.context_limit:
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings="

@@ -81,7 +81,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from kdsa.model.config import ModelConfig
-from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
 from kdsa.model.kda_layer import kda_cache_bytes_per_sequence
 from kdsa.model.layers import dtype_of
 from kdsa.sharding.mesh import AXES, check_layout

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from kdsa.model.config import YarnConfig, get_preset
-from kdsa.model.dsa_layer import (MLA_LATENT_NORM_EPS, DSACache, GatedDSA,
-                                  dsa_cache_bytes_per_token, init_dsa_cache)
+from kdsa.model.dsa_cache import DSACache, dsa_cache_bytes_per_token, init_dsa_cache
+from kdsa.model.dsa_layer import MLA_LATENT_NORM_EPS, GatedDSA
 from kdsa.model.rope import rope_inv_freq
 from numpy_refs import np_rotate  # the NumPy RoPE reference (complex multiplication)
 

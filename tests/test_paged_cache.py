@@ -159,7 +159,7 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     want = None
     for impl in ("xla", "pallas"):
         model = Transformer(cfg.replace(attention_impl=impl), rngs=nnx.Rngs(0))
-        # the RoPE keys in 128 columns, as on TPU (dsa_layer.rope_cache_width), but for the
+        # the RoPE keys in 128 columns, as on TPU (dsa_cache.rope_cache_width), but for the
         # reference: the zero columns change no score
         paged = model.init_paged_cache(2, num_pages=9, max_pages=3, rope_lanes=128).replace(
             block_table=table)
@@ -338,7 +338,7 @@ def test_engine_refuses_a_request_larger_than_the_pool(model):
 
 def test_cache_memory_sizes_the_pool():
     from kdsa.infer.page_pool import page_bytes, pages_in, pages_needed
-    from kdsa.model.dsa_layer import dsa_cache_bytes_per_token
+    from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
 
     per = page_bytes(CFG)
     assert per == 1 * P * dsa_cache_bytes_per_token(CFG)  # one DSA layer

@@ -27,7 +27,8 @@ from kdsa.kernels_pallas.sparse_mla import (dense_masked_mla_attention, kernel,
                                             sparse_mla_attention_ref)
 from kdsa.model.config import get_preset
 from kdsa.model.dsa import sparse_mla_attention as xla_sparse_mla_attention
-from kdsa.model.dsa_layer import GatedDSA, init_dsa_cache
+from kdsa.model.dsa_cache import init_dsa_cache
+from kdsa.model.dsa_layer import GatedDSA
 from kdsa.sharding.constrain import use_sharding
 from kdsa.sharding.mesh import make_mesh
 
