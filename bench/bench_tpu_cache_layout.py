@@ -37,7 +37,7 @@ from kdsa.kernels_pallas.common import compile_target  # noqa: E402
 from kdsa.model.config import get_preset  # noqa: E402
 from kdsa.model.overrides import apply_overrides  # noqa: E402
 from kdsa.model.paged_cache import SCRATCH_ROWS, pages_for  # noqa: E402
-from kdsa.model.transformer import Transformer  # noqa: E402
+from kdsa.model.transformer import abstract_model  # noqa: E402
 from kdsa.sharding.aot import topology_devices, unfused_instructions  # noqa: E402
 
 CHUNK = 64
@@ -49,7 +49,7 @@ def measure(impl: str, paged: bool, placed: bool, slots: int, max_len: int, devi
         "linear_attn_config.full_attn_layers=[1, 2]", "first_k_dense_replace=0",
         "compute_dtype=bfloat16", "param_dtype=bfloat16", f"attention_impl={impl}"])
     sh = jax.sharding.make_single_device_sharding(device)
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    model = abstract_model(cfg)
     graphdef, state = nnx.split(model)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state)
     pages = pages_for(max_len)

@@ -133,14 +133,15 @@ class _Active:
         self.forced: collections.deque[int] = collections.deque()
         self.stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else engine.eos_ids)
         self.budget = None
-        if engine.reasoning_end_ids and req.in_reasoning and req.budget is not None:
-            self.budget = copy.deepcopy(req.budget)
-        elif engine.reasoning_end_ids and req.in_reasoning:
-            self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
-                                         end_marker=engine.reasoning_end_ids,
-                                         after=engine.after_reasoning_ids, in_reasoning=True,
-                                         exits=engine.reasoning_exit_ids)
-            self.forced.extend(self.budget.start())
+        if engine.reasoning_end_ids and req.in_reasoning:
+            if req.budget is not None:  # a cut turn's budget goes on: nothing forced at start
+                self.budget = copy.deepcopy(req.budget)
+            else:
+                self.budget = ThinkingBudget(cap=req.reasoning_cap, grace=engine.budgets.grace,
+                                             end_marker=engine.reasoning_end_ids,
+                                             after=engine.after_reasoning_ids,
+                                             in_reasoning=True, exits=engine.reasoning_exit_ids)
+                self.forced.extend(self.budget.start())
         # tool_choice: ids forced once the answer starts (at once when the prompt opened it)
         self.prefix = tuple(req.answer_prefix)
         self.open_answer = self.budget is not None and bool(self.prefix or req.banned_token_ids)

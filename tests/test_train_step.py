@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from kdsa.model.config import get_preset
-from kdsa.model.transformer import Transformer
+from kdsa.model.transformer import Transformer, abstract_model
 from kdsa.train.config import TrainConfig, apply_train_overrides
 from kdsa.train.data import _from_rows, pack_documents
 from kdsa.train.optim import learning_rate_schedule, make_optimizer, matrix_dims
@@ -247,7 +247,7 @@ def test_muon_partition_of_the_model_parameters():
     AdamW on the embedding, the head, norms and vectors; checked on the abstract model."""
     from kdsa.train.optim import muon_dims_tree
 
-    abstract = nnx.eval_shape(lambda: Transformer(small_config(), rngs=nnx.Rngs(0)))
+    abstract = abstract_model(small_config())
     _, params, _ = split_model(abstract, TrainConfig())
     dims = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
         muon_dims_tree(params), is_leaf=lambda x: x is None or isinstance(x, tuple))[0]}

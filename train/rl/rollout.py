@@ -232,12 +232,9 @@ def _budget_replay(engine: Engine, fmt, cap, tokens: list[int]):
 def _resume_turn(engine: Engine, fmt, e: Episode, rc: RLConfig, calls: int):
     """State to continue ``e``'s cut turn: ids the budget still had to force are appended (as
     forced tokens); returns ``(parser fed with the turn so far, the turn's thinking budget
-    replayed over it, content so far, the bytes of a character the turn ends inside)``. The
-    budget goes on as the uncut turn's would (the engine's text decoder starts with those
-    bytes, so a boundary character completed after the cut counts as one): a cut
-    inside its grace window (past the cap, no sentence boundary yet) keeps waiting for one
-    (a fresh budget of the cap left, 0, forced the close at once, and the replay over the whole
-    turn then read that close as the model's own: trained on)."""
+    replayed over it, content so far, the bytes of a character the turn ends inside)``. With
+    both, the engine goes on as in the uncut turn: a cut inside the grace window keeps waiting
+    for a sentence boundary, one completed after the cut included."""
     cap = rc.reasoning_caps[e.effort]
     _, queue, b, pending = _budget_replay(engine, fmt, cap, e.turn_tokens)
     if queue:
