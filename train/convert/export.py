@@ -1,8 +1,8 @@
 """Orbax -> Hugging Face: the tensors to write for every parameter, produced one at a time.
 
-:class:`Loader` restores one parameter at a time (Orbax partial load) and keeps only it (plus
-the scale of a packed expert weight, whose pair is needed together): one stacked parameter
-resident. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
+:class:`Loader` reads a parameter, or the part of a stacked one being written (a layer row,
+one expert) from the block of storage chunks around it, and keeps only that block (plus the
+partner of a packed expert weight, needed together): never a whole expert stack. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
 safetensors writer calls the producers in order, so only one HF tensor is materialised beyond
 the resident parameter.
 
@@ -15,18 +15,15 @@ under K3's lower-bounded gate (``kda.md``), and never read by vLLM / FLA, which 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
 from kdsa.train.convert import mappings as mp
 from kdsa.train.convert.plan import Param, dtype_key, expert_hf_shape, hf_names
-from kdsa.train.convert.read import CycleCollector, dequantize_rows, quantize_rows
+from kdsa.train.convert.read import dequantize_rows, quantize_rows
 from kdsa.train.convert.safetensors_io import DTYPES, TensorSpec
 
 HF_NAME_OF = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}  # --dtype -> safetensors
@@ -41,26 +38,40 @@ def _partner(key: str) -> str | None:
 
 
 class Loader:
-    """Restores parameters one at a time; keeps the last one and its packed/scale partner."""
+    """Reads parameters for the export in bounded memory: an unstacked parameter whole; a part
+    of a stacked one (``get(key, r)``: layer row ``r``; ``get(key, r, e)``: its expert ``e``)
+    from the block of whole storage chunks around it (``ckpt.StoredParam``), kept while the
+    export walks through it. One block per parameter, for the parameter in use and its packed /
+    scale partner (needed together): a ``k3-2.8t`` expert stack (434 GB in bf16) is stored one
+    expert of one layer per chunk (``ckpt.CHUNK_BYTES``) and read that way, never whole.
+    ``peak``: the most bytes held at once; ``bytes``: all bytes read."""
 
-    def __init__(self, path: Path, config: ModelConfig):
-        self.path, self.cache, self.bytes = path, {}, 0
-        self.abstract = ckpt.flat_variables(nnx.state(ckpt.abstract_model(config)))
-        self.device = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
-        self.collector = CycleCollector()  # Orbax's restore leaves reference cycles
+    def __init__(self, path: Path):
+        self.path, self.bytes, self.peak = path, 0, 0
+        self.stored: dict[str, ckpt.StoredParam] = {}
+        self.blocks: dict[str, tuple[tuple[int, ...], tuple[int, ...], np.ndarray]] = {}
 
-    def get(self, key: str) -> np.ndarray:
-        if key not in self.cache:
+    def get(self, key: str, *index: int) -> np.ndarray:
+        block = self.blocks.get(key)
+        if block is None or not all(lo <= i < hi for i, lo, hi in zip(index, *block[:2])):
             keep = {key, _partner(key)}
-            for k in [k for k in self.cache if k not in keep]:
-                del self.cache[k]              # drop before restoring: one parameter resident
-            v = self.abstract[key]
-            self.collector.before(math.prod(v.shape) * np.dtype(v.dtype).itemsize)
-            target = jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.device)
-            a = np.asarray(ckpt.load_params(self.path, {key: target})[key])
-            self.bytes += a.nbytes
-            self.cache[key] = a
-        return self.cache[key]
+            for k in [k for k in self.blocks if k not in keep]:
+                del self.blocks[k]            # dropped before reading: bounded residency
+            self.blocks.pop(key, None)
+            block = self.blocks[key] = self._read(key, index)
+            self.peak = max(self.peak, sum(b[2].nbytes for b in self.blocks.values()))
+        return block[2][tuple(i - o for i, o in zip(index, block[0]))]
+
+    def _read(self, key: str, index: tuple[int, ...]):
+        """The block of whole chunks around ``index`` on the leading axes, the rest whole."""
+        if key not in self.stored:
+            self.stored[key] = ckpt.StoredParam(self.path, key)
+        sp = self.stored[key]
+        lo = tuple(i // c * c for i, c in zip(index, sp.chunk))
+        hi = tuple(min(o + c, n) for o, c, n in zip(lo, sp.chunk, sp.shape))
+        a = sp.read(tuple(slice(o, h) for o, h in zip(lo, hi)))
+        self.bytes += a.nbytes
+        return lo, hi, a
 
 
 def a_log_values(a: np.ndarray, name: str, config: ModelConfig, tails: dict) -> np.ndarray:
@@ -92,7 +103,7 @@ def export_specs(params: list[Param], layout: mp.Layout, config: ModelConfig, lo
             d = dt(p.rule.hf, p.rule.hf_dtype)
             for r, _, name in hf_names(p, layout, config, "float"):
                 def row(p=p, r=r):
-                    return loader.get(p.key) if r is None else loader.get(p.key)[r]
+                    return loader.get(p.key) if r is None else loader.get(p.key, r)
 
                 if p.rule.kind == "a_log_heads":
                     n = row_shape[0] + len(tails.get(name, ())) if name in tails \
@@ -123,7 +134,7 @@ def export_specs(params: list[Param], layout: mp.Layout, config: ModelConfig, lo
 
 def _export_expert(p: Param, r: int, e: int, part: str, d: np.dtype, loader: Loader,
                    stash: dict) -> np.ndarray:
-    a = loader.get(p.key)[r, e]
+    a = loader.get(p.key, r, e)
     if p.part in ("packed", "scale") and part == p.part:
         return np.asarray(a)                                               # packed/scale bytes
     if p.part == "float" and part == "float":
@@ -134,5 +145,5 @@ def _export_expert(p: Param, r: int, e: int, part: str, d: np.dtype, loader: Loa
             stash[(p.key, r, e)] = scales
             return packed
         return stash.pop((p.key, r, e))
-    scale = loader.get(_partner(p.key))[r, e]                              # dequantise
+    scale = loader.get(_partner(p.key), r, e)                              # dequantise
     return dequantize_rows(a, scale, d)

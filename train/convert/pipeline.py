@@ -10,7 +10,8 @@ parameter is created by ``jax.make_array_from_callback`` in its target sharding,
 slices the memmaps, so each process reads only what its devices hold. Peak host memory is about
 one stacked parameter plus the save batch (``batch_bytes``), plus one chunk of source pages.
 
-``orbax_to_hf``: restore one parameter at a time and write the layout's tensors
+``orbax_to_hf``: read one parameter, or one block of storage chunks of a stacked one (a layer's
+experts; ``export.Loader``), at a time and write the layout's tensors
 (``train/convert/export.py``) into size-capped shards with ``model.safetensors.index.json`` and
 ``config.json``, all into a temporary directory renamed at the end.
 
@@ -60,6 +61,7 @@ class Summary:
     seconds: float = 0.0
     peak_rss_delta: int = 0
     bytes_sliced: int = 0  # source bytes this process copied (its devices' slices with a mesh)
+    bytes_held: int = 0  # orbax-to-hf: the most source bytes held at once (blocks of chunks)
     fresh: list[str] = dataclasses.field(default_factory=list)
     ignored: list[str] = dataclasses.field(default_factory=list)
     dry_run: bool = False
@@ -71,6 +73,8 @@ class Summary:
                  f"{self.tensors} tensors, read {self.bytes_read / 1e6:.1f} MB, wrote "
                  f"{self.bytes_written / 1e6:.1f} MB in {self.seconds:.2f} s ({mbps:.1f} MB/s), "
                  f"peak RSS +{self.peak_rss_delta / 2**20:.0f} MiB"]
+        if self.bytes_held:
+            lines.append(f"source blocks held at most {self.bytes_held / 1e6:.1f} MB at once")
         if self.bytes_sliced and jax.process_count() > 1:
             lines.append(f"process {jax.process_index()} of {jax.process_count()} read "
                          f"{self.bytes_sliced} bytes of tensor slices")
@@ -242,7 +246,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
         main = max(set(floats), key=floats.count)
         recorded = {k: HF_NAME_OF[dtype] if v == main else v for k, v in recorded.items()}
     params = plan_params(config, lay)
-    loader = Loader(src, config)
+    loader = Loader(src)
     specs = export_specs(params, lay, config, loader, experts, dtype, recorded,
                          info.get("hf_tails", {}) if same_layout else {})
     summary = Summary("orbax-to-hf", name, tensors=len(specs), dry_run=dry_run)
@@ -268,7 +272,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
             raise
         finally:
             bar.close()
-        summary.bytes_read = loader.bytes
+        summary.bytes_read, summary.bytes_held = loader.bytes, loader.peak
     summary.seconds = time.perf_counter() - t0
     summary.peak_rss_delta = max(_peak_rss() - rss0, 0)
     return summary
