@@ -49,7 +49,7 @@ from flax import nnx
 from kdsa.model.config import ModelConfig
 from kdsa.model.folders import (HF, CheckpointError, check_destination, folder_kind, locate,
                                 one_line, orbax_context, orbax_reason, quiet_orbax,
-                                replace_folder, tmp_sibling)
+                                replace_folder, tmp_sibling, tokenizer_files)  # noqa: F401
 from kdsa.model.transformer import abstract_model  # noqa: F401 (re-exported)
 
 FORMAT_VERSION = 1
@@ -214,38 +214,6 @@ def save_model(path: str | os.PathLike, config: ModelConfig, model: nnx.Module, 
     items = ((k, (lambda v=v: v[...])) for k, v in variables.items())
     return save_params(path, config, items, metadata=metadata, batch_bytes=batch_bytes,
                        overwrite=overwrite, extra_files=extra_files)
-
-
-# the files of a model's tokenizer, chat template and generation defaults that travel with its
-# weights
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
-
-
-def tokenizer_files(folder: str | os.PathLike | None) -> dict[str, Path]:
-    """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder`` (a Hugging Face
-    checkpoint or a kdsa model folder; a training checkpoint has none), and when its
-    ``tokenizer_config.json`` or ``config.json`` names remote code (``auto_map``: e.g. K3's
-    ``tokenization_kimi.TikTokenTokenizer``, Kimi Linear's ``modeling_kimi``), the folder's
-    Python files, which that code imports from one another (a kdsa model folder holds Python
-    files only when its source named remote code); ``{}`` for None."""
-    if folder is None:
-        return {}
-    folder = Path(folder).absolute()
-    out = {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
-    if (folder / "_CHECKPOINT_METADATA").is_file() or any(
-            _names_remote_code(folder / n) for n in ("tokenizer_config.json", "config.json")):
-        out.update({p.name: p for p in sorted(folder.glob("*.py")) if p.is_file()})
-    return out
-
-
-def _names_remote_code(path: Path) -> bool:
-    """Whether the JSON object in ``path`` has an ``auto_map`` (False when missing or not
-    a JSON object)."""
-    try:
-        return bool(json.loads(path.read_text()).get("auto_map"))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 # ------------------------------------------------------------------------------- reading

@@ -18,6 +18,9 @@ anything is read or written, whether that is allowed (:func:`replace_folder` doe
 training checkpoint ``RUN_DIR/checkpoints/N`` (Orbax items ``state`` and ``meta``, written by
 ``kdsa.train.checkpointing``), or ``RUN_DIR/checkpoints`` / ``RUN_DIR`` for their newest step.
 
+**Files beside the weights.** :func:`tokenizer_files` lists the tokenizer, chat template and
+generation defaults (and the remote-code Python files they name) that travel with a folder.
+
 **Orbax's errors.** Its read errors embed whole TensorStore specs and ``<bound method ...>``
 reprs, and it logs tracebacks while probing; :func:`orbax_reason` and :func:`quiet_orbax` turn
 that into one line.
@@ -288,3 +291,35 @@ def _remove(p: Path) -> None:
         p.unlink()
     else:
         shutil.rmtree(p, ignore_errors=True)
+
+
+# the files of a model's tokenizer, chat template and generation defaults that travel with its
+# weights
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def tokenizer_files(folder: str | os.PathLike | None) -> dict[str, Path]:
+    """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder`` (a Hugging Face
+    checkpoint or a kdsa model folder; a training checkpoint has none), and when its
+    ``tokenizer_config.json`` or ``config.json`` names remote code (``auto_map``: e.g. K3's
+    ``tokenization_kimi.TikTokenTokenizer``, Kimi Linear's ``modeling_kimi``), the folder's
+    Python files, which that code imports from one another (a kdsa model folder holds Python
+    files only when its source named remote code); ``{}`` for None."""
+    if folder is None:
+        return {}
+    folder = Path(folder).absolute()
+    out = {n: folder / n for n in TOKENIZER_FILES if (folder / n).is_file()}
+    if (folder / "_CHECKPOINT_METADATA").is_file() or any(
+            _names_remote_code(folder / n) for n in ("tokenizer_config.json", "config.json")):
+        out.update({p.name: p for p in sorted(folder.glob("*.py")) if p.is_file()})
+    return out
+
+
+def _names_remote_code(path: Path) -> bool:
+    """Whether the JSON object in ``path`` has an ``auto_map`` (False when missing or not
+    a JSON object)."""
+    try:
+        return bool(json.loads(path.read_text()).get("auto_map"))
+    except (OSError, ValueError, AttributeError):
+        return False
