@@ -135,6 +135,8 @@ class Transformer(nnx.Module):
             if cache is not None:
                 raise ValueError("positions are required with a cache (the slots to write)")
             positions = default_positions(input_ids, segment_ids)
+        if cache is not None:
+            _check_right_padding(segment_ids)
         h = self.embed_tokens(input_ids)
         if images is not None:
             h = jnp.where(images.mask[..., None], images.embeds.astype(h.dtype), h)
@@ -360,6 +362,21 @@ class LayerSlices:
     @classmethod
     def tree_unflatten(cls, _, parts):
         return cls(parts)
+
+
+def _check_right_padding(segment_ids: jax.Array | None) -> None:
+    """With a cache, ``segment_ids`` mark right padding only: each row's tokens, then its
+    padding (a KDA layer carries a row's state and conv window up to its last valid token, so a
+    left-padded row would continue from the wrong window). Checked when the ids are concrete
+    (an eager call); under ``jit`` it is the caller's contract, as in the engine's steps."""
+    if segment_ids is None or isinstance(segment_ids, jax.core.Tracer):
+        return
+    valid = np.asarray(segment_ids) != 0                                  # [B, T]
+    bad = np.nonzero((valid[:, 1:] & ~valid[:, :-1]).any(axis=1))[0]
+    if bad.size:
+        raise ValueError(f"segment_ids with a cache may mark right padding only (0s after a "
+                         f"row's tokens); rows {bad[:4].tolist()} have tokens after padding "
+                         f"(left padding?): pad each row on the right")
 
 
 def _check_replay(expert_ids: jax.Array, ids_shape: tuple, num_moe: int) -> jax.Array:

@@ -267,3 +267,20 @@ def test_per_layer_state_equals_stacked_and_slices_no_weights():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
     assert sliced[0]  # the stacked weights are copied per layer
     assert not sliced[1]
+
+
+def test_a_cache_refuses_left_padding(tiny_model):
+    """With a cache, segment ids mark right padding only (a KDA layer keeps each row's conv
+    window and state up to its last token): a left-padded batch is refused before anything
+    runs, naming the rows; right padding and no padding pass the check."""
+    from kdsa.model.transformer import _check_right_padding
+
+    cache = tiny_model.init_cache(2, 16)
+    ids = jnp.ones((2, 4), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    left = jnp.asarray([[1, 1, 1, 1], [0, 0, 1, 1]], jnp.int32)
+    with pytest.raises(ValueError, match=r"rows \[1\] have tokens after padding"):
+        tiny_model.forward(ids, pos, cache, segment_ids=left)
+    for ok in ([[1, 1, 0, 0], [1, 1, 1, 1]], [[0, 0, 0, 0], [1, 0, 0, 0]]):
+        _check_right_padding(jnp.asarray(ok, jnp.int32))  # no error
+    _check_right_padding(None)
