@@ -16,10 +16,10 @@ from kdsa.model.config import get_preset
 from kdsa.model.overrides import apply_overrides
 from kdsa.model.transformer import Transformer
 
-# tiny with 3 layers (KDA, KDA + MoE, Gated DSA + MoE), top-k 8 below the context
-CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
-                                            "linear_attn_config.kda_layers=[1, 2]",
-                                            "linear_attn_config.full_attn_layers=[3]"])
+# tiny with 2 layers (KDA, Gated DSA + MoE), top-k 8 below the context
+CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
+                                            "linear_attn_config.kda_layers=[1]",
+                                            "linear_attn_config.full_attn_layers=[2]"])
 SLOTS, MAX_LEN = 4, 192
 
 

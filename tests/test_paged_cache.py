@@ -31,10 +31,10 @@ def test_slots_follow_the_block_table():
                                   [[[5 * P, -1, 2 * P + 1]]])
 
 
-# tiny with 3 layers (KDA, KDA, DSA), top-k 8 < context, and room for 3 pages per row
-CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
-                                            "linear_attn_config.kda_layers=[1, 2]",
-                                            "linear_attn_config.full_attn_layers=[3]",
+# tiny with 2 layers (KDA, Gated DSA + MoE), top-k 8 < context, and room for 3 pages per row
+CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
+                                            "linear_attn_config.kda_layers=[1]",
+                                            "linear_attn_config.full_attn_layers=[2]",
                                             "max_position_embeddings=192"])
 
 
@@ -142,7 +142,7 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
 
 
 def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
-    """Layers 2 and 3 share one scan, so their pools are one ``[2, R, D]`` stack that each layer
+    """Two Gated DSA + MoE layers share one scan, so their pools are one ``[2, R, D]`` stack that each layer
     reads and writes as ``[2 * R, D]`` at its own rows (``PagedDSACache.stacked``): the paged
     steps equal the dense-slot cache's with XLA, and so do the paged and the dense-slot steps
     with the Pallas kernels (whose page ids, or slots, are offset to the layer's rows; the
@@ -150,8 +150,8 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
     All but the reference keep their RoPE keys in 128 columns, as the engine does on TPU.
     ``tests/test_transformer.py`` checks the dense-slot stack against the full forward."""
 
-    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
-                                "linear_attn_config.full_attn_layers=[1, 2, 3]"])
+    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]", "first_k_dense_replace=0",
+                                "linear_attn_config.full_attn_layers=[1, 2]"])
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, 70).tolist(),
                rng.integers(0, cfg.vocab_size, 5).tolist()]
@@ -165,7 +165,7 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
             block_table=table)
         stacks = [x.k_rope.shape for x in jax.tree.leaves(paged.layers, is_leaf=lambda x:
                   isinstance(x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
-        assert [(r, d) for r, _, d in stacks] == [(1, 128), (2, 128)], stacks
+        assert [(r, d) for r, _, d in stacks] == [(2, 128)], stacks
         dense = _run(model, model.init_cache(2, 3 * P, None if want is None else 128), prompts)
         if want is None:  # XLA's dense slots (checked against the paged steps, which read
             want = dense  # through attend_pool, not _in_stack), and the same padded
@@ -362,7 +362,7 @@ def test_cache_memory_sizes_the_pool():
     assert pages_in(11 * wide, CFG, 128) == 10
     with pytest.raises(ValueError, match="holds no page"):
         pages_in(per - 1, CFG)
-    dense = apply_overrides(CFG, ["linear_attn_config.kda_layers=[1, 2, 3]",
+    dense = apply_overrides(CFG, ["linear_attn_config.kda_layers=[1, 2]",
                                   "linear_attn_config.full_attn_layers=[]"])
     with pytest.raises(ValueError, match="no DSA layers"):
         pages_in(1 << 30, dense)

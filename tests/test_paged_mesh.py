@@ -18,10 +18,10 @@ from kdsa.model.overrides import apply_overrides
 from kdsa.model.transformer import Transformer
 
 P = pc.PAGE_SIZE
-# tiny with 3 layers (KDA, KDA, DSA), top-k 8 < context, room for 3 pages per row
-CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
-                                            "linear_attn_config.kda_layers=[1, 2]",
-                                            "linear_attn_config.full_attn_layers=[3]",
+# tiny with 2 layers (KDA, Gated DSA + MoE), top-k 8 < context, room for 3 pages per row
+CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
+                                            "linear_attn_config.kda_layers=[1]",
+                                            "linear_attn_config.full_attn_layers=[2]",
                                             "max_position_embeddings=192"])
 AXES = "data=2,expert=2,tensor=2"  # batch device groups: data x expert = 4
 
@@ -140,19 +140,19 @@ def _turns(eng, ref, rng, sessions, reverse_second=False):
 
 
 def test_a_stack_of_dsa_layers_on_a_mesh_equals_one_device(mesh):
-    """Three Gated DSA layers, the last two in one scan: each reads and writes its own rows of
+    """Two Gated DSA layers in one scan: each reads and writes its own rows of
     its stack's pools in every partition (``PagedDSACache.stacked``), as the dense-slot cache
     on one device gives; and so does the dense-slot cache on the mesh, with XLA attention and
     with the Pallas kernel, which reads each device's slots of a stack ``[2, B', L, D]`` as
     rows (``sequence_parallel._in_stack``, in a ``shard_map``)."""
-    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]",
-                                "linear_attn_config.full_attn_layers=[1, 2, 3]"])
+    cfg = apply_overrides(CFG, ["linear_attn_config.kda_layers=[]", "first_k_dense_replace=0",
+                                "linear_attn_config.full_attn_layers=[1, 2]"])
     runners = [_runner(None, cfg, num_slots=8), _runner(mesh, cfg, num_slots=8, num_pages=12),
                _runner(mesh, cfg.replace(attention_impl="pallas"), num_slots=8),
                _runner(mesh, cfg, num_slots=8)]  # dense slots with XLA: the RL sampler's
     pools = [x for x in jax.tree.leaves(runners[1].cache, is_leaf=lambda x: isinstance(
         x, pc.PagedDSACache)) if isinstance(x, pc.PagedDSACache)]
-    assert [p.kv_latent.shape[0] for p in pools] == [1, 2]
+    assert [p.kv_latent.shape[0] for p in pools] == [2]
     dense = [a for a in jax.tree.leaves(runners[2].cache) if a.ndim == 4 and a.shape[0] == 2]
     assert dense and all(a.sharding.shard_shape(a.shape)[1] == 2 for a in dense)  # 2 slots each
     _steps_equal(runners)

@@ -19,9 +19,9 @@ from kdsa.model.overrides import apply_overrides
 from kdsa.model.transformer import Transformer
 
 P = 64
-CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=3",
-                                            "linear_attn_config.kda_layers=[1, 2]",
-                                            "linear_attn_config.full_attn_layers=[3]"])
+CFG = apply_overrides(get_preset("tiny"), ["num_hidden_layers=2",
+                                            "linear_attn_config.kda_layers=[1]",
+                                            "linear_attn_config.full_attn_layers=[2]"])
 
 
 def test_page_keys_chain_and_lru_eviction():
