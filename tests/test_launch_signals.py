@@ -45,7 +45,8 @@ def test_sigterm_to_launch_local_checkpoints_every_process_and_exits_143(tmp_pat
            "--set", "linear_attn_config.full_attn_layers=[]",
            "--train-set", "batch_size=2", "--train-set", "seq_len=16",
            "--train-set", "checkpoint_every=1000"]
-    launcher = subprocess.Popen(cmd, env=launch_env(KDSA_TEST_MARK=mark), text=True,
+    env = launch_env(KDSA_TEST_MARK=mark, KDSA_SHARE_COMPILES=str(tmp_path / "jax_cache"))
+    launcher = subprocess.Popen(cmd, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
     try:

@@ -177,49 +177,27 @@ def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
 
 
 def test_other_requests_pages_are_never_read(model):
-    """Garbage in pages a row does not own changes nothing for that row."""
+    """Garbage in every pool row (the pages no row owns, the other row's pages, a row's own
+    rows past its tokens) changes nothing: the shapes and pages of the dense-slot comparison
+    above, so its compiled steps serve."""
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, CFG.vocab_size, 20).tolist()]
-    clean = model.init_paged_cache(1, num_pages=4, max_pages=3).replace(
-        block_table=jnp.asarray([[2, -1, -1]], jnp.int32))
+    prompts = [rng.integers(0, CFG.vocab_size, 70).tolist(),
+               rng.integers(0, CFG.vocab_size, 5).tolist()]
+    clean = model.init_paged_cache(2, num_pages=9, max_pages=3).replace(
+        block_table=jnp.asarray([[6, 1, 4], [3, -1, -1]], jnp.int32))
     noisy = clean.replace(layers=jax.tree.map(
         lambda a: a + 3.0 if a.ndim == 3 else a, clean.layers))  # every DSA pool row (R, rows, D)
     np.testing.assert_allclose(_run(model, noisy, prompts), _run(model, clean, prompts),
                                rtol=1e-5, atol=1e-5)
 
 
-def test_decode_reads_only_the_table_width_in_use(model):
-    """A runner sized for 65 pages decodes a short context through the first 64 columns of
-    its block table (``ModelRunner.table_width``): the logits of a runner whose whole table is
-    3 pages."""
-    from kdsa.infer.runner import ModelRunner
-
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(0, CFG.vocab_size, 70).tolist()
-    big = ModelRunner(model, num_slots=1, max_len=65 * P, prefill_chunk=32, min_bucket=32,
-                      num_pages=66)
-    small = ModelRunner(model, num_slots=1, max_len=3 * P, prefill_chunk=32, min_bucket=32,
-                        num_pages=3)
-    assert big.table_widths == (64, 65) and small.table_widths == (3,)
-    assert (big.table_width(2), big.table_width(64), big.table_width(65)) == (64, 64, 65)
-    big.set_pages(0, rng.permutation(66)[:65].tolist())
-    small.set_pages(0, [2, 0, 1])
-    got, want = [], []
-    for runner, out in ((big, got), (small, want)):
-        for start in range(0, len(prompt), 32):
-            logits = runner.prefill(0, prompt[start:start + 32], start)
-        out.append(np.asarray(logits)[0])
-        for step in range(3):
-            out.append(np.asarray(runner.decode(np.asarray([5 + step]),
-                                                 np.asarray([70 + step]), np.ones(1, bool)))[0])
-    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("paged", [False, True], ids=["dense-slots", "paged"])
 def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
     """A prefill chunk reads the DSA caches up to the width its end needs (64 pages, then all
-    65): the logits of a runner that always reads its whole cache, for chunks inside the first
-    width, a chunk crossing into the next, a decode step after them, then a batched prefill of
+    65), and so does a decode step (the first 64 columns of the block table,
+    ``ModelRunner.table_width``): the logits of a runner that always reads its whole cache, for
+    chunks inside the first width, a decode step there (crossing into the row's second page),
+    a chunk crossing into the next width, a decode step after it, then a batched prefill of
     two fresh rows inside the first width (one of them reusing the long row: its old keys past
     the width stay behind the causal mask) and a decode step of both."""
     from kdsa.infer import runner as runner_mod, runner_pages
@@ -238,18 +216,23 @@ def test_prefill_reads_only_the_context_width_in_use(model, monkeypatch, paged):
             runner.set_pages(0, pages[65:])
         for start in range(0, len(prompt), 32):
             first = runner.prefill(1, prompt[start:start + 32], start)
+        inside = runner.decode(np.asarray([0, 5]), np.asarray([0, 70]),
+                               np.asarray([False, True]))[1:]
         crossing = runner.prefill(1, tail, 64 * P - 16)  # positions 4080..4111
         step = runner.decode(np.asarray([0, 9]), np.asarray([0, 64 * P + 16]),
                              np.asarray([False, True]))[1:]
         both = runner.prefill_batch([0, 1], [prompt[:20], tail[:30]], [0, 0])
         step2 = runner.decode(np.asarray([3, 4]), np.asarray([20, 30]), np.ones(2, bool))
-        return runner, np.concatenate([np.asarray(x).reshape(-1) for x in (first, crossing,
-                                                                            step, both, step2)])
+        return runner, np.concatenate([np.asarray(x).reshape(-1) for x in (
+            first, inside, crossing, step, both, step2)])
 
     runner, got = run()
     table, width = runner._context(70)
     if paged:
         assert table.shape[1] == 64 and width is None
+        assert runner.table_widths == (64, 65)
+        assert (runner.table_width(2), runner.table_width(64), runner.table_width(65)) == (
+            64, 64, 65)
     else:
         assert table is None and width == 64 * P
     assert runner._context(64 * P + 16)[1] is None  # past 64 pages: the whole cache
