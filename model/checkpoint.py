@@ -365,13 +365,17 @@ class StoredParam:
         path, training = locate(path)
         name = _train_info(path)[2][key] if training else f"params.{key}"
         self.where = f"{path}: parameter {key}"
-        try:  # Orbax's layout: a zarr3 array per tree path in the checkpointable's OCDBT store
-            self.store = ts.open({"driver": "zarr3", "open": True, "kvstore": {
-                "driver": "ocdbt", "base": (path / "state").as_uri(), "path": f"{name}/"}},
-                read=True).result()
-        except Exception as e:  # noqa: BLE001 - tensorstore errors of many kinds
+        kvstore = {"driver": "ocdbt", "base": (path / "state").as_uri(), "path": f"{name}/"}
+        for driver in ("zarr3", "zarr"):  # Orbax v1's arrays; v0's (training steps before v1)
+            try:  # an array per tree path in the checkpointable's OCDBT store
+                self.store = ts.open({"driver": driver, "open": True, "kvstore": kvstore},
+                                     read=True).result()
+                break
+            except Exception as e:  # noqa: BLE001 - tensorstore errors of many kinds
+                error = e
+        else:
             raise CheckpointError(f"{self.where} cannot be opened (damaged or incompatible "
-                                  f"data?): {one_line(str(e))}") from None
+                                  f"data?): {one_line(str(error))}") from None
         self.shape = tuple(self.store.shape)
         self.chunk = tuple(self.store.chunk_layout.read_chunk.shape or self.shape)
 
@@ -385,7 +389,7 @@ class StoredParam:
 
 def iter_params(path: str | os.PathLike, config: ModelConfig, keys: Iterable[str] | None = None,
                 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(key, host array)`` one parameter at a time (bounded memory; for export)."""
+    """``(key, host array)`` one whole parameter at a time (one resident)."""
     abstract = flat_variables(nnx.state(abstract_model(config)))
     dev = jax.sharding.make_single_device_sharding(jax.local_devices()[0])
     for k in keys if keys is not None else abstract:

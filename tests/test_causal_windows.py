@@ -95,9 +95,9 @@ DENSE = CFG.replace(index_n_heads=None, index_head_dim=None, index_topk=None)
 
 
 # chunks (tokens, real tokens) into a 128-token cache: the last ending exactly at the cache's
-# end (no room to spare in the windows), 32 real tokens padded 32 past it (the full-width
-# branch), or one chunk filling it (its first queries see at most top-k keys); the chunk shapes
-# (64, 32, 128, and 1 for the decode step) compile once for all three
+# end (no room to spare in the windows), 32 real tokens padded 32 past it (the full width), or
+# one chunk filling it (its first queries see at most top-k keys); the chunk shapes (64, 32,
+# 128) compile once for all three
 TIGHT, PAST = ((64, 64), (32, 32), (32, 32)), ((32, 32), (32, 32), (32, 32), (64, 32))
 FULL = ((128, 128),)
 

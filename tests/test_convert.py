@@ -30,7 +30,6 @@ from kdsa.model.moe_mxfp4 import experts_ragged_mxfp4, pack_expert_weight, unpac
 from kdsa.model.mxfp4 import fake_quantize_mxfp4
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train import convert
-from kdsa.train.convert.export import Loader
 from model_fixtures import MICRO, random_params
 from kdsa.train.convert.safetensors_io import (SafetensorsCheckpoint, SafetensorsError, SafetensorsFile,
                                        TensorSpec, write_checkpoint)
@@ -207,44 +206,6 @@ def test_k3_round_trip_and_logits_on_one_device_and_a_mesh(work, micro):
     for (k, a), (_, b) in zip(ckpt.iter_params(back, MICRO), ckpt.iter_params(work / "micro_mesh",
                                                                               MICRO)):
         np.testing.assert_array_equal(a, b, err_msg=k)
-
-
-def test_export_reads_an_expert_stack_a_block_of_chunks_at_a_time(work, micro, monkeypatch):
-    """A checkpoint stored in small chunks (``ckpt.CHUNK_BYTES``) exports the same files while
-    holding at most one block of chunks per parameter, never a whole expert stack (a
-    ``k3-2.8t`` stack is 434 GB in bf16): float experts as they are, and MXFP4 experts
-    dequantised (packed bytes and scales read in step) equal to an export of the same weights
-    stored in whole-array chunks."""
-    src, hf = micro
-    key = "segments.1.layers.0.block_sparse_moe.experts.w1"
-    whole = ckpt.StoredParam(src, key)
-    assert whole.chunk == whole.shape                 # stored whole: the reference layout
-    stack_bytes = whole.read((slice(None),) * len(whole.shape)).nbytes
-    big = convert.orbax_to_hf(src, work / "whole_hf", layout="kimi_k3", progress=False)
-    assert big.bytes_held >= stack_bytes          # the stack held whole: one chunk
-    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 2048)
-    small = ckpt.save_params(work / "micro_chunks", MICRO, random_params(MICRO, 0))
-    part = ckpt.StoredParam(small, key)
-    assert part.chunk[:2] == (1, 1) and part.shape == whole.shape  # one expert of one row
-    for (k, a), (_, b) in zip(ckpt.iter_params(src, MICRO), ckpt.iter_params(small, MICRO)):
-        np.testing.assert_array_equal(a, b, err_msg=k)  # Orbax restores the chunked layout
-    got = convert.orbax_to_hf(small, work / "chunks_hf", layout="kimi_k3", progress=False)
-    assert files(work / "chunks_hf") == files(hf)
-    assert got.bytes_read == big.bytes_read       # every chunk read once
-    loader, want = Loader(small), whole.read((slice(None),) * len(whole.shape))
-    for r, e in np.ndindex(*whole.shape[:2]):     # the export's order
-        np.testing.assert_array_equal(loader.get(key, r, e), want[r, e])
-    assert loader.peak == want[0, 0].nbytes < stack_bytes  # one expert of one row at a time
-    q, q_whole = work / "q_chunks", work / "q_whole"
-    convert.hf_to_orbax(hf, q, experts="mxfp4", progress=False)
-    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 1 << 40)
-    convert.hf_to_orbax(hf, q_whole, experts="mxfp4", progress=False)
-    packed = key + "_packed"
-    assert ckpt.StoredParam(q, packed).chunk[1] < ckpt.StoredParam(q_whole, packed).chunk[1]
-    for folder in (q, q_whole):
-        convert.orbax_to_hf(folder, work / f"{folder.name}_bf16", experts="bf16",
-                            progress=False)
-    assert files(work / "q_chunks_bf16") == files(work / "q_whole_bf16")
 
 
 def test_k3_a_log_in_the_published_shape(work, micro):

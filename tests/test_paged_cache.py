@@ -142,8 +142,8 @@ def test_paged_steps_with_the_pallas_kernels_equal_xla(model, monkeypatch, index
 
 
 def test_a_stack_of_dsa_layers_reads_and_writes_its_own_rows():
-    """Two Gated DSA + MoE layers share one scan, so their pools are one ``[2, R, D]`` stack that each layer
-    reads and writes as ``[2 * R, D]`` at its own rows (``PagedDSACache.stacked``): the paged
+    """Two Gated DSA + MoE layers share one scan, so their pools are one ``[2, R, D]`` stack
+    that each layer reads and writes as ``[2 * R, D]`` at its own rows (``PagedDSACache.stacked``): the paged
     steps equal the dense-slot cache's with XLA, and so do the paged and the dense-slot steps
     with the Pallas kernels (whose page ids, or slots, are offset to the layer's rows; the
     dense-slot stacks ``[2, B, L, D]`` are read as rows too, ``sequence_parallel._in_stack``).

@@ -2,9 +2,10 @@
 
 :class:`Loader` reads a parameter, or the part of a stacked one being written (a layer row,
 one expert) from the block of storage chunks around it, and keeps only that block (plus the
-partner of a packed expert weight, needed together): never a whole expert stack. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
+partner of a packed expert weight, needed together): never a whole expert stack in a model
+folder of ours. :func:`export_specs` lists every HF tensor (name, dtype, shape, producer); the
 safetensors writer calls the producers in order, so only one HF tensor is materialised beyond
-the resident parameter.
+the block held.
 
 ``A_log`` in the ``kimi_k3`` layout is written in the published shape (``kimi_k3.md`` section 2:
 ``[128]`` for 96 heads of head_dim 128): the H values we use, then the values past H the source
@@ -53,7 +54,8 @@ class Loader:
 
     def get(self, key: str, *index: int) -> np.ndarray:
         block = self.blocks.get(key)
-        if block is None or not all(lo <= i < hi for i, lo, hi in zip(index, *block[:2])):
+        if block is None or len(block[0]) != len(index) or not all(
+                lo <= i < hi for i, lo, hi in zip(index, *block[:2])):
             keep = {key, _partner(key)}
             for k in [k for k in self.blocks if k not in keep]:
                 del self.blocks[k]            # dropped before reading: bounded residency
@@ -63,15 +65,22 @@ class Loader:
         return block[2][tuple(i - o for i, o in zip(index, block[0]))]
 
     def _read(self, key: str, index: tuple[int, ...]):
-        """The block of whole chunks around ``index`` on the leading axes, the rest whole."""
+        """The block of whole chunks around ``index`` on the leading axes, the rest whole. Once
+        an axis's block spans several indices the later axes are read whole: the export walks
+        rows, then experts, and a block spanning rows but splitting experts (Orbax's default
+        chunks, or an expert-sharded save) would otherwise be read again for every row."""
         if key not in self.stored:
             self.stored[key] = ckpt.StoredParam(self.path, key)
         sp = self.stored[key]
-        lo = tuple(i // c * c for i, c in zip(index, sp.chunk))
-        hi = tuple(min(o + c, n) for o, c, n in zip(lo, sp.chunk, sp.shape))
+        lo, hi, spans = [], [], False
+        for i, c, n in zip(index, sp.chunk, sp.shape):
+            o = 0 if spans else i // c * c
+            lo.append(o)
+            hi.append(n if spans else min(o + c, n))
+            spans = spans or hi[-1] - o > 1
         a = sp.read(tuple(slice(o, h) for o, h in zip(lo, hi)))
         self.bytes += a.nbytes
-        return lo, hi, a
+        return tuple(lo), tuple(hi), a
 
 
 def a_log_values(a: np.ndarray, name: str, config: ModelConfig, tails: dict) -> np.ndarray:

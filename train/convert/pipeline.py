@@ -246,7 +246,7 @@ def orbax_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, experts: str 
         main = max(set(floats), key=floats.count)
         recorded = {k: HF_NAME_OF[dtype] if v == main else v for k, v in recorded.items()}
     params = plan_params(config, lay)
-    loader = Loader(src)
+    loader = Loader(ckpt.locate(src)[0])  # one step, even while a run writes newer ones
     specs = export_specs(params, lay, config, loader, experts, dtype, recorded,
                          info.get("hf_tails", {}) if same_layout else {})
     summary = Summary("orbax-to-hf", name, tensors=len(specs), dry_run=dry_run)
