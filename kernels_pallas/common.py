@@ -64,6 +64,19 @@ def round_up(n: int, m: int) -> int:
     return -(-int(n) // m) * m
 
 
+def vary_alike(*arrays: jax.Array) -> tuple[list[jax.Array], jax.sharding.ManualAxisType]:
+    """Inside ``shard_map`` with ``check_vma``: ``arrays`` each made to vary over the union of
+    the manual mesh axes any of them varies over, and that union as the ``manual_axis_type``
+    of a ``pallas_call``'s output (which must say how it varies). Outside, no-ops and the
+    empty type."""
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(varying - jax.typeof(a).mat.varying))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out, jax.sharding.ManualAxisType(varying=varying)
+
+
 DIMS_NN = (((1,), (0,)), ((), ()))  # a [M, K] x b [K, N] -> [M, N]
 DIMS_NT = (((1,), (1,)), ((), ()))  # a [M, D] x b [N, D] -> [M, N]
 

@@ -48,7 +48,7 @@ from kdsa.model.layers import Linear, RMSNorm, dtype_of, inverse_permutation, pa
 from kdsa.model.expert_parallel import expert_parallel_experts, token_order
 from kdsa.model.experts_cpu import experts_cpu
 from kdsa.model.partitioning import compile_platform, constrain, current as current_sharding
-from kdsa.model.stacked_experts import StackedWeight, own, ragged_dot
+from kdsa.model.stacked_experts import PackedMatrix, StackedWeight, own, ragged_dot
 from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes,
                                   experts_mxfp4_per_device, pack_expert_weight,
                                   qat_expert_weights, unpack_expert_weight)
@@ -175,6 +175,14 @@ class RoutedExperts(nnx.Module):
         ws = (self.w1[...], self.w3[...], self.w2[...])
         return qat_expert_weights(*map(own, ws)) if self.config.expert_qat else ws
 
+    def packed_matrices(self) -> tuple[PackedMatrix, PackedMatrix, PackedMatrix]:
+        """``(w1, w3, w2)`` of MXFP4 experts as their bytes (:class:`PackedMatrix`): the
+        expert-parallel path multiplies them inside its ``shard_map``, each device its own
+        experts' bytes, never a dequantised copy of the layer."""
+        return tuple(PackedMatrix(getattr(self, f"{n}_packed")[...],
+                                  getattr(self, f"{n}_scale")[...], self.config.moe_impl)
+                     for n in ("w1", "w3", "w2"))
+
     def __call__(self, z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, *,
                  experts_fn: ExpertsFn = experts_routed) -> jax.Array:
         """All experts on every device: the path without expert parallelism (and
@@ -251,7 +259,9 @@ class MoE(nnx.Module):
             return self.experts(z, topk_idx, topk_weight, experts_fn=experts_fn), {}
         if token_mask is not None and current_sharding().moe_capacity_factor is not None:
             topk_idx = jnp.where(token_mask[:, None], topk_idx, self.config.num_experts)
-        return sharded(z, topk_idx, topk_weight, *self.experts.float_weights(), self.config)
+        weights = (self.experts.packed_matrices() if self.experts.packed
+                   else self.experts.float_weights())
+        return sharded(z, topk_idx, topk_weight, *weights, self.config)
 
     def _forward(self, x: jax.Array, token_mask: jax.Array | None, experts_fn: ExpertsFn,
                  expert_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:

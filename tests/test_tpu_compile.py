@@ -156,10 +156,14 @@ def test_plan_compile_tiny_generate_steps_for_v5e(capsys):
         assert c["collectives"].get("ragged-all-to-all", 0) == 3, (step, c["collectives"])
 
 
-def test_plan_compile_generate_steps_with_the_pallas_attention_kernel(capsys):
+def test_plan_compile_generate_steps_with_the_pallas_kernels(capsys):
     """``--set attention_impl=pallas``: the Mosaic sparse MLA kernel inside the prefill and
     decode steps on ``expert=2,tensor=2`` (the cache path runs it in a ``shard_map`` too; the
-    train step with the kernel is the test above)."""
+    train step with the kernel is the test above). With MXFP4 experts and ``moe_impl=pallas``
+    the grouped MXFP4 kernel runs inside the expert exchange's ``shard_map`` on each device's
+    own experts' bytes, ``check_vma`` on (before, the layer's experts were dequantised first
+    and the kernel not used under expert parallelism); I = 64, so over ``tensor=2`` w2's
+    bytes split at whole blocks of 32."""
     import json
 
     from kdsa.cli.main import main
@@ -168,13 +172,17 @@ def test_plan_compile_generate_steps_with_the_pallas_attention_kernel(capsys):
                "--set", "linear_attn_config.kda_layers=[]",
                "--set", "linear_attn_config.full_attn_layers=[1]",
                "--set", "first_k_dense_replace=0", "--set", "attention_impl=pallas",
+               "--set", "moe_impl=pallas", "--set", "expert_weight_format=mxfp4",
+               "--set", "moe_intermediate_size=64",
                "--layout", "generate", "--mesh", "expert=2,tensor=2", "--batch", "4",
                "--seq", "256", "--prefill-chunk", "64", "--compile", "--topology", "v5e:2x2",
                "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
+    kernels = {"sparse_mla_fwd_tpu": 1, "mxfp4_grouped_matmul": 3}
     assert {step: c["kernels"] for step, c in out["compiled"].items()} == {
-        "prefill": {"sparse_mla_fwd_tpu": 1}, "decode": {"sparse_mla_fwd_tpu": 1}}
+        "prefill": kernels, "decode": kernels}
+    assert all(c["collectives"].get("ragged-all-to-all") == 3 for c in out["compiled"].values())
 
 
 def test_paged_generate_steps_compile_with_the_pool_in_place(monkeypatch):
@@ -317,7 +325,8 @@ def test_one_tpu_device_without_a_mesh_reads_its_caches_in_place(monkeypatch):
 def test_mxfp4_expert_kernel_compiles_on_a_data_mesh(capsys):
     """The MXFP4 grouped-matmul kernel (``moe_impl=pallas``) on a mesh without expert
     parallelism runs in a ``shard_map`` over each device's tokens: XLA:TPU compiled neither
-    generate step before ("Mosaic kernels cannot be automatically partitioned")."""
+    generate step before ("Mosaic kernels cannot be automatically partitioned"). Under expert
+    parallelism: ``test_plan_compile_generate_steps_with_the_pallas_kernels``."""
     import json
 
     from kdsa.cli.main import main

@@ -267,7 +267,10 @@ def mxfp4_grouped_matmul_prepared(x_sorted: jax.Array, w: MXFP4Weights, group_si
     xe, xo = _split_even_odd(x_pad, num_tiles * bm, kp)                       # [T*bm, Kp/2] x2
     kernel_args = dict(block_k=w.block_k, kp=kp)
     grid = (np_ // w.block_n, num_tiles)
-    out_shape = jax.ShapeDtypeStruct((num_tiles * bm, np_), jnp.float32)
+    # (inside an expert-parallel shard_map the operands vary over different mesh axes)
+    (tile_expert, tile_valid, xe, xo, packed, scales), vma = common.vary_alike(
+        tile_expert, tile_valid, xe, xo, w.packed, w.scales)
+    out_shape = jax.ShapeDtypeStruct((num_tiles * bm, np_), jnp.float32, manual_axis_type=vma)
     if mode == "gather":
         y = pl.pallas_call(
             functools.partial(_gather_kernel, **kernel_args),
@@ -280,7 +283,7 @@ def mxfp4_grouped_matmul_prepared(x_sorted: jax.Array, w: MXFP4Weights, group_si
                       pl.BlockSpec((e, kp // BLOCK, w.block_n), lambda j, t: (0, 0, j))],
             out_specs=pl.BlockSpec((bm, w.block_n), lambda j, t: (t, j)),
             interpret=common.resolve_interpret(interpret), name="mxfp4_grouped_matmul",
-        )(tile_expert, tile_valid, xe, xo, w.packed, w.scales)
+        )(tile_expert, tile_valid, xe, xo, packed, scales)
     else:
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=grid,
@@ -294,7 +297,7 @@ def mxfp4_grouped_matmul_prepared(x_sorted: jax.Array, w: MXFP4Weights, group_si
             functools.partial(_prefetch_kernel, **kernel_args),
             out_shape=out_shape, grid_spec=grid_spec,
             interpret=common.resolve_interpret(interpret), name="mxfp4_grouped_matmul",
-        )(tile_expert, tile_valid, xe, xo, w.packed, w.scales)
+        )(tile_expert, tile_valid, xe, xo, packed, scales)
     return jnp.where(row_valid[:, None], y[dest, :w.n], 0.0)
 
 

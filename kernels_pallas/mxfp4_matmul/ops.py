@@ -12,12 +12,13 @@ ops; the ``(blocks, scales)`` forms re-lay the weight on every call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from kdsa.kernels_pallas.common import BlockSizes
+from kdsa.kernels_pallas.common import BlockSizes, vary_alike
 from kdsa.kernels_pallas.mxfp4_matmul import kernel, ref
 from kdsa.kernels_pallas.mxfp4_matmul.kernel import MXFP4Weights, prepare_mxfp4_weights
 from kdsa.kernels_pallas.mxfp4_matmul.decode import BLOCK, mxfp4_f32_bits
@@ -100,11 +101,19 @@ def _grouped_bwd(interpret, block_m, mode, res, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def _vary_alike(x, w: MXFP4Weights, group_sizes):
+    """Inside ``shard_map`` (``check_vma``): the operands made to vary over the same mesh axes
+    before the custom VJP, so autodiff sums ``x``'s cotangent over the axes only the weights
+    vary over (an expert-parallel body's tokens and its own experts); no-op outside."""
+    (x, packed, scales, group_sizes), _ = vary_alike(x, w.packed, w.scales, group_sizes)
+    return x, dataclasses.replace(w, packed=packed, scales=scales), group_sizes
+
+
 def mxfp4_grouped_matmul_prepared(x_sorted: jax.Array, w: MXFP4Weights, group_sizes: jax.Array,
                                   *, interpret: bool | None = None, block_m: int | None = None,
                                   mode: str | None = None) -> jax.Array:
     """Grouped (MoE) matmul on prepared expert weights ``[E, ...]`` -> ``[M, N]`` float32."""
-    return _grouped(x_sorted, w, group_sizes, interpret, block_m, mode)
+    return _grouped(*_vary_alike(x_sorted, w, group_sizes), interpret, block_m, mode)
 
 
 def mxfp4_grouped_matmul(x_sorted: jax.Array, blocks: jax.Array, scales: jax.Array,
@@ -120,5 +129,5 @@ def mxfp4_grouped_matmul(x_sorted: jax.Array, blocks: jax.Array, scales: jax.Arr
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     ref.check_weight(blocks, scales, 3, "mxfp4_grouped_matmul")
     w = prepare_mxfp4_weights(blocks, scales, block_sizes=block_sizes)
-    return _grouped(x_sorted, w, group_sizes, interpret,
+    return _grouped(*_vary_alike(x_sorted, w, group_sizes), interpret,
                     block_sizes.block_m if block_sizes else None, None)
