@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kdsa.kernels_pallas.common import resolve_interpret
+from kdsa.kernels_pallas.common import resolve_interpret, vary_alike
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.layers import inverse_permutation
@@ -316,6 +316,13 @@ def _ragged_body(z, topk_idx, topk_weight, w1, w3, w2, *, config, ep_axes, tp_ax
 
 
 def _ragged_all_to_all(operand, output, in_off, send, out_off, recv, axis):
+    """``jax.lax.ragged_all_to_all`` with its result typed as varying like ``operand``. JAX
+    types the result like the ``output`` buffer, and a buffer of zeros varies over no mesh
+    axis: the received rows, different on every device, were typed the same on all of them,
+    and autodiff then summed their cotangents over the expert axes (the backward's
+    ``psum_invariant`` over ``expert``): wrong gradients for every token. Only the real
+    collective types so (the CPU emulation builds its result from the device index)."""
+    (operand, output), _ = vary_alike(operand, output)
     return jax.lax.ragged_all_to_all(operand, output, in_off, send, out_off, recv,
                                      axis_name=axis)
 
