@@ -262,21 +262,24 @@ def _eqns(jaxpr, name):
     return out
 
 
-def test_ragged_collective_results_vary_over_the_expert_axis(moe_inputs):
+@pytest.mark.parametrize("mesh_spec", ["expert=4,tensor=2", "expert=2,fsdp=2,tensor=2"])
+def test_ragged_collective_results_vary_over_the_expert_axis(moe_inputs, mesh_spec):
     """The real collective types its result like its output buffer; a buffer of zeros varied
     over no axis, so the received rows (different on each device) were typed alike on all of
     them and the backward summed their cotangents over ``expert`` (wrong gradients; only
     traced here: XLA:CPU has no ragged all-to-all to run). Now every float exchange's result
-    varies over ``expert`` and the backward sums float cotangents over ``tensor`` alone."""
+    varies over ``expert`` and the backward sums the float cotangents of the tokens and
+    their weights over ``tensor`` alone (before, also over ``expert``, and on the second
+    mesh over ``fsdp,expert``)."""
     z, idx, w, w1, w3, w2 = moe_inputs
-    with use_sharding(make_mesh("expert=4,tensor=2"), "train", collectives="ragged") as ctx:
+    with use_sharding(make_mesh(mesh_spec), "train", collectives="ragged") as ctx:
         loss = lambda z, w: jnp.sum(experts_sharded(z, idx, w, w1, w3, w2, TINY, ctx=ctx)[0])  # noqa: E731
         jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(z, w).jaxpr
     exchanges = [e.outvars[0].aval for e in _eqns(jaxpr, "ragged_all_to_all")]
     floats = [a for a in exchanges if a.dtype == jnp.float32]
     assert len(floats) == 4 and all("expert" in a.mat.varying for a in floats), exchanges
-    sums = [(e.params["axes"], e.outvars[0].aval) for e in _eqns(jaxpr, "psum_invariant")]
-    assert {axes for axes, a in sums if a.dtype == jnp.float32} == {("tensor",)}, sums
+    summed = [(e.params["axes"], e.outvars[0].aval) for e in _eqns(jaxpr, "psum_invariant")]
+    assert {axes for axes, a in summed if a.dtype == jnp.float32} == {("tensor",)}, summed
 
 
 def test_expert_parallel_rejects_indivisible_experts(moe_inputs):
