@@ -33,14 +33,25 @@ def test_windows_equal_the_full_width(windows):
     wider than a group's window included (its -1 columns padded back)."""
     vis, q, kv, (iq, ik, iw) = _inputs()
     slack = kv.shape[1] - q.shape[1]
-    out, lse = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis)
-    got, got_lse = dsa.dense_attention(q, kv, kv[..., :10], 0.3, **vis, windows=windows,
-                                       key_slack=slack)
+    chunk = vis.pop("chunk_size")
+
+    @jax.jit  # one program per case (op by op: an eager compile per window's shapes)
+    def both(q, kv, iq, ik, iw, vis):
+        kw = dict(vis, chunk_size=chunk)
+        full = [dsa.dense_attention(q, kv, kv[..., :10], 0.3, **kw)]
+        part = [dsa.dense_attention(q, kv, kv[..., :10], 0.3, **kw, windows=windows,
+                                    key_slack=slack)]
+        for k in (16, 64):
+            full.append(dsa.indexer_topk(iq, ik, iw, k, **kw))
+            part.append(dsa.indexer_topk(iq, ik, iw, k, **kw, windows=windows,
+                                         key_slack=slack))
+        return full, part
+
+    full, part = both(q, kv, iq, ik, iw, vis)
+    (out, lse), (got, got_lse) = full[0], part[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(out), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=1e-6, atol=1e-6)
-    for k in (16, 64):
-        want = dsa.indexer_topk(iq, ik, iw, k, **vis)
-        idx = dsa.indexer_topk(iq, ik, iw, k, **vis, windows=windows, key_slack=slack)
+    for want, idx in zip(full[1:], part[1:]):
         assert idx.shape == want.shape
         np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
 
