@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul
-from kdsa.model.mxfp4 import dequantize_mxfp4, unpack_from_compressed_tensors
+from kdsa.model.mxfp4 import unpack_from_compressed_tensors
 from kdsa.model.partitioning import compile_platform, current
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # RoutedExperts' float weights, by attribute name
@@ -120,13 +120,15 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax.Array:
     precision: inside the expert-parallel step XLA:TPU fused that dequantisation into the
     float32 grouped matmul and ran out of scoped VMEM compiling ``k3-slice`` for ``v5e``.)"""
     if isinstance(w, PackedMatrix):
-        blocks = unpack_from_compressed_tensors(w.packed)                # [E, N, K/32, 16]
         if w.impl == "xla":
-            dense = dequantize_mxfp4(blocks, w.scale, dtype, check=False)  # [E, N, K]
-            return jax.lax.ragged_dot(x, jnp.swapaxes(dense, 1, 2), group_sizes)
+            # (imported here: moe_mxfp4 imports the expert-parallel module, which imports this)
+            from kdsa.model.moe_mxfp4 import unpack_expert_weight
+
+            return jax.lax.ragged_dot(x, unpack_expert_weight(w.packed, w.scale, dtype),
+                                      group_sizes)
         mm_dt = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
-        return mxfp4_grouped_matmul(x.astype(mm_dt), blocks, w.scale, group_sizes,
-                                    impl=w.impl).astype(dtype)
+        return mxfp4_grouped_matmul(x.astype(mm_dt), unpack_from_compressed_tensors(w.packed),
+                                    w.scale, group_sizes, impl=w.impl).astype(dtype)
     if not isinstance(w, StackedWeight) or w.dtype != dtype:
         return jax.lax.ragged_dot(x, own(w).astype(dtype), group_sizes)
     r, e = w.stack.shape[:2]
