@@ -40,17 +40,17 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
 from kdsa.model.ffn import DenseFFN
 from kdsa.model.layers import Linear, RMSNorm, dtype_of, inverse_permutation, param
-from kdsa.model.expert_parallel import expert_parallel_experts, token_order
+from kdsa.model.expert_parallel import expert_parallel_experts, token_axes, token_order
 from kdsa.model.experts_cpu import experts_cpu
 from kdsa.model.partitioning import compile_platform, constrain, current as current_sharding
 from kdsa.model.stacked_experts import PackedMatrix, StackedWeight, own, ragged_dot
-from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes,
-                                  experts_mxfp4_per_device, pack_expert_weight,
+from kdsa.model.moe_mxfp4 import (PackedExpertWeight, expert_matrix_shapes, pack_expert_weight,
                                   qat_expert_weights, unpack_expert_weight)
 from kdsa.model.routing import (Router, expert_load, max_load_ratio, replay_agreement,
                                 replayed_rows, router_topk)
@@ -68,7 +68,8 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
 
     Args:
       z: ``[N, De]``; topk_idx, topk_weight: ``[N, k]``; w1, w3: ``[E, De, I]``; w2: ``[E, I, De]``
-        (or ``stacked_experts.StackedWeight``s: the layer's in its scan's stacks).
+        (or ``stacked_experts.StackedWeight``s: the layer's in its scan's stacks; or
+        ``PackedMatrix``s: MXFP4 bytes through the grouped MXFP4 matmul, float32 accumulation).
     Returns ``[N, De]`` in ``z.dtype``; the weighted combine is float32.
 
     The ``M = N*k`` assignments are stably sorted by expert, so each expert's rows are
@@ -107,6 +108,28 @@ def experts_routed(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
 
 
+def experts_per_device(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1, w3, w2,
+                       config: ModelConfig) -> jax.Array:
+    """:func:`experts_ragged` on each device's own token rows, the weights whole on every
+    device, inside an explicit ``shard_map`` when a layout's rules are active: MXFP4 experts
+    multiplied by the Pallas kernel (:class:`PackedMatrix`, ``moe_impl="pallas"``) without
+    expert parallelism (e.g. ``data=4`` or ``fsdp=2``), since XLA cannot partition a Pallas
+    call itself ("Mosaic kernels cannot be automatically partitioned"). Tokens are
+    independent, so each device's rows give the rows of the whole."""
+    ctx = current_sharding()
+    if ctx is None:
+        return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
+    axes = token_axes(ctx, z.shape[0])
+    rows = P((axes[0] if len(axes) == 1 else axes) if axes else None, None)
+
+    def body(z, topk_idx, topk_weight, w1, w3, w2):
+        return experts_ragged(z, topk_idx, topk_weight, w1, w3, w2, config)
+
+    # check_vma off, as for the sparse attention kernel: interpret mode carries refs invariant
+    return jax.shard_map(body, mesh=ctx.mesh, in_specs=(rows,) * 3 + (P(),) * 3,
+                         out_specs=rows, check_vma=False)(z, topk_idx, topk_weight, w1, w3, w2)
+
+
 def experts_one_hot(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1: jax.Array,
                     w3: jax.Array, w2: jax.Array, config: ModelConfig) -> jax.Array:
     """Dense reference for :func:`experts_ragged`: every token through every expert.
@@ -135,11 +158,12 @@ class RoutedExperts(nnx.Module):
 
     ``expert_weight_format="mxfp4"``: instead ``w{1,3,2}_packed`` / ``w{1,3,2}_scale``
     (:class:`PackedExpertWeight`, HF orientation ``[E, N, K/2]`` / ``[E, N, K/32]``), initialised
-    by quantising the same float initialiser's draw. With the default ``experts_fn``
-    (:func:`experts_routed`) they go through the MXFP4 grouped matmul
-    (:func:`experts_ragged_mxfp4`); any other ``experts_fn`` (e.g. :func:`experts_one_hot`, the
-    reference) gets the exactly dequantised float weights. ``expert_qat``: the float weights pass
-    through :func:`qat_expert_weights` before any ``experts_fn``.
+    by quantising the same float initialiser's draw. With ``moe_impl="pallas"`` and the default
+    ``experts_fn`` (:func:`experts_routed`) the bytes go through the grouped MXFP4 kernel
+    (:func:`experts_per_device`); otherwise any ``experts_fn`` gets the exactly dequantised
+    float weights, so ``"xla"`` computes what the dequantised float-expert model computes.
+    ``expert_qat``: the float weights pass through :func:`qat_expert_weights` before any
+    ``experts_fn``.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -190,12 +214,17 @@ class RoutedExperts(nnx.Module):
         shards are gathered first, as for any weight. Left sharded, XLA's partitioner carried
         the weights' split model dim into the gathered token rows and could then only
         replicate them ("involuntary full rematerialization", ``fsdp=2,sequence=4``)."""
-        if self.packed and experts_fn is experts_routed:
-            return experts_mxfp4_per_device(
-                z, topk_idx, topk_weight,
-                *(_whole(getattr(self, f"{n}_{part}")[...]) for n in ("w1", "w3", "w2")
-                  for part in ("packed", "scale")), config=self.config)
-        return experts_fn(z, topk_idx, topk_weight, *map(_whole, self.float_weights()),
+        if not self.packed:
+            return experts_fn(z, topk_idx, topk_weight, *map(_whole, self.float_weights()),
+                              self.config)
+        # the bytes gathered whole, not their 4x wider dequantisation
+        mats = [PackedMatrix(_whole(m.packed), _whole(m.scale), m.impl)
+                for m in self.packed_matrices()]
+        if experts_fn is experts_routed and self.config.moe_impl == "pallas":
+            return experts_per_device(z, topk_idx, topk_weight, *mats, self.config)
+        dt = dtype_of(self.config.compute_dtype)
+        return experts_fn(z, topk_idx, topk_weight,
+                          *(unpack_expert_weight(m.packed, m.scale, dt) for m in mats),
                           self.config)
 
 

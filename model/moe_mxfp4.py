@@ -3,10 +3,10 @@
 Storage: each routed expert matrix ``[E, in, out]`` is kept as the Kimi K3 compressed-tensors
 bytes (``weight_packed [E, out, in/2]`` uint8, ``weight_scale [E, out, in/32]`` E8M0; blocks
 of 32 along the contracting dim, ``kdsa.model.mxfp4``) in a :class:`PackedExpertWeight`
-variable that no optimizer sees. :func:`experts_ragged_mxfp4` is ``moe.experts_ragged`` on
-those bytes (dequantised per matmul, or the Pallas grouped MXFP4 kernel with
-``moe_impl="pallas"``). QAT (``expert_qat``) trains float experts through a straight-through
-fake quantisation (:func:`qat_expert_weights`), so the exported MXFP4 weights are the ones the
+variable that no optimizer sees. ``moe.RoutedExperts`` multiplies by those bytes
+(``stacked_experts.PackedMatrix`` in ``moe.experts_ragged``: the Pallas grouped MXFP4 kernel,
+``moe_impl="pallas"``) or by their exact dequantisation (``"xla"``). QAT (``expert_qat``)
+trains float experts through a straight-through fake quantisation (:func:`qat_expert_weights`), so the exported MXFP4 weights are the ones the
 training saw. :func:`pack_expert_arrays` / :func:`unpack_expert_arrays` convert a flat
 parameter dict between the two forms (``--init-from`` dequantises, the export packs).
 """
@@ -16,16 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from kdsa.model.activations import gated_activation
 from kdsa.model.config import ModelConfig
-from kdsa.model.expert_parallel import token_axes
-from kdsa.model.layers import inverse_permutation
 from kdsa.model.mxfp4 import (dequantize_mxfp4, fake_quantize_mxfp4, quantize_mxfp4,
                               unpack_from_compressed_tensors)
-from kdsa.model.partitioning import current
-
 
 
 class PackedExpertWeight(nnx.Variable):
@@ -90,68 +84,9 @@ def pack_expert_arrays(flat: dict) -> dict:
     return out
 
 
-def experts_ragged_mxfp4(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array,
-                         w1_packed: jax.Array, w1_scale: jax.Array, w3_packed: jax.Array,
-                         w3_scale: jax.Array, w2_packed: jax.Array, w2_scale: jax.Array,
-                         config: ModelConfig) -> jax.Array:
-    """:func:`experts_ragged` with MXFP4 expert weights (``PackedExpertWeight`` layout).
-
-    Same sorted dropless dispatch; each grouped matmul is
-    ``kdsa.kernels_pallas.mxfp4_matmul.mxfp4_grouped_matmul`` with ``impl=config.moe_impl``
-    (``"xla"``: exact dequantisation + ``ragged_dot`` at HIGHEST precision; ``"pallas"``: the
-    grouped kernel, per-tile dequantisation). The matmuls accumulate in float32; activations are
-    cast to ``z.dtype`` between them. The reference is :func:`experts_one_hot` on
-    :func:`unpack_expert_weight` weights (``tests/test_convert.py``).
-    """
-    from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul
-
-    n, k = topk_idx.shape
-    e = w1_packed.shape[0]
-    de = w2_packed.shape[1]
-    dt = z.dtype
-    mm_dt = jnp.bfloat16 if dt == jnp.bfloat16 else jnp.float32
-
-    def mm(x, packed, scale):                                        # [M, K] -> [M, N] f32
-        return mxfp4_grouped_matmul(x.astype(mm_dt), unpack_from_compressed_tensors(packed),
-                                    scale, group_sizes, impl=config.moe_impl)
-
-    flat = topk_idx.reshape(-1)  # [M]
-    order = jnp.argsort(flat, stable=True)  # [M] assignment ids sorted by expert
-    rows = jnp.take(z, order // k, axis=0)  # [M, De]
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-    gate = mm(rows, w1_packed, w1_scale).astype(dt)  # [M, I]
-    up = mm(rows, w3_packed, w3_scale).astype(dt)  # [M, I]
-    h = gated_activation(gate, up, config)  # [M, I]
-    out_sorted = mm(h, w2_packed, w2_scale)  # [M, De] f32
-    inverse = inverse_permutation(order)  # [M]
-    out = jnp.take(out_sorted, inverse, axis=0).reshape(n, k, de)  # [N, k, De]
-    y = jnp.einsum("nkd,nk->nd", out, topk_weight.astype(jnp.float32))
-    return y.astype(dt)
-
-
 def qat_expert_weights(w1: jax.Array, w3: jax.Array, w2: jax.Array
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """QAT: ``dequant(quant(w))`` of each ``[E, in, out]`` weight, blocks of 32 along ``in`` (the
     contracting dim, as the exported MXFP4 tensors), straight-through gradient
     (``fake_quantize_mxfp4``; ``docs/reference/mxfp4.md`` section 5)."""
     return tuple(fake_quantize_mxfp4(w, axis=-2) for w in (w1, w3, w2))
-
-
-def experts_mxfp4_per_device(z, topk_idx, topk_weight, *weights, config: ModelConfig):
-    """:func:`experts_ragged_mxfp4` on each device's own token rows, the weights whole on every
-    device, inside an explicit ``shard_map`` when a layout's rules are active: XLA cannot
-    partition the Pallas kernel's call itself ("Mosaic kernels cannot be automatically
-    partitioned"; the path without expert parallelism, e.g. ``data=4`` or ``fsdp=2``). Tokens
-    are independent, so each device's rows give the rows of the whole."""
-    ctx = current()
-    if ctx is None or config.moe_impl != "pallas":
-        return experts_ragged_mxfp4(z, topk_idx, topk_weight, *weights, config)
-    axes = token_axes(ctx, z.shape[0])
-    rows = P((axes[0] if len(axes) == 1 else axes) if axes else None, None)
-
-    def body(z, topk_idx, topk_weight, *weights):
-        return experts_ragged_mxfp4(z, topk_idx, topk_weight, *weights, config)
-
-    # check_vma off, as for the sparse attention kernel: interpret mode carries refs invariant
-    return jax.shard_map(body, mesh=ctx.mesh, in_specs=(rows,) * 3 + (P(),) * len(weights),
-                         out_specs=rows, check_vma=False)(z, topk_idx, topk_weight, *weights)

@@ -25,9 +25,10 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import YarnConfig, get_preset
-from kdsa.model.moe import MoE, experts_one_hot
-from kdsa.model.moe_mxfp4 import experts_ragged_mxfp4, pack_expert_weight, unpack_expert_weight
+from kdsa.model.moe import MoE, experts_one_hot, experts_ragged
+from kdsa.model.moe_mxfp4 import pack_expert_weight, unpack_expert_weight
 from kdsa.model.mxfp4 import fake_quantize_mxfp4
+from kdsa.model.stacked_experts import PackedMatrix
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train import convert
 from model_fixtures import MICRO, random_params
@@ -326,7 +327,8 @@ def test_mxfp4_experts_match_one_hot_reference(impl):
     z, idx, wt, ws = _moe_inputs(c)
     packed = _pack_all(ws)
     deq = _unpack_all(packed)
-    f = lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c)  # noqa: E731
+    mats = [PackedMatrix(packed[j], packed[j + 1], impl) for j in (0, 2, 4)]
+    f = lambda z: experts_ragged(z, idx, wt, *mats, c)  # noqa: E731
     g = lambda z: experts_one_hot(z, idx, wt, *deq, c)  # noqa: E731
     both = jax.jit(lambda z: (f(z), g(z), jax.grad(lambda z: jnp.sum(f(z) ** 2))(z),
                               jax.grad(lambda z: jnp.sum(g(z) ** 2))(z)))
@@ -337,18 +339,19 @@ def test_mxfp4_experts_match_one_hot_reference(impl):
 
 def test_mxfp4_pallas_experts_on_a_data_mesh_equal_one_device():
     """On a mesh without expert parallelism the Pallas experts run per device on its own token
-    rows (``experts_mxfp4_per_device``: a Mosaic call cannot be partitioned by XLA): the same
+    rows (``moe.experts_per_device``: a Mosaic call cannot be partitioned by XLA): the same
     outputs as on one device."""
-    from kdsa.model.moe_mxfp4 import experts_mxfp4_per_device
+    from kdsa.model.moe import experts_per_device
     from kdsa.sharding.constrain import use_sharding
     from kdsa.sharding.mesh import make_mesh
 
     c = MICRO.replace(expert_weight_format="mxfp4", moe_impl="pallas")
     z, idx, wt, ws = _moe_inputs(c)
     packed = _pack_all(ws)
-    want = jax.jit(lambda z: experts_ragged_mxfp4(z, idx, wt, *packed, c))(z)
+    mats = [PackedMatrix(packed[j], packed[j + 1], "pallas") for j in (0, 2, 4)]
+    want = jax.jit(lambda z: experts_ragged(z, idx, wt, *mats, c))(z)
     with use_sharding(make_mesh("data=2", devices=jax.devices()[:2]), "generate"):
-        fn = lambda z: experts_mxfp4_per_device(z, idx, wt, *packed, config=c)  # noqa: E731
+        fn = lambda z: experts_per_device(z, idx, wt, *mats, c)  # noqa: E731
         assert "shard_map" in str(jax.make_jaxpr(fn)(z))  # (XLA:CPU would partition it too)
         got = jax.jit(fn)(z)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

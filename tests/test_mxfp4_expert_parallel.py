@@ -15,8 +15,8 @@ from flax import nnx
 
 from kdsa.model.config import get_preset
 from kdsa.model.expert_parallel import experts_sharded
-from kdsa.model.moe import MoE
-from kdsa.model.moe_mxfp4 import experts_ragged_mxfp4, pack_expert_weight
+from kdsa.model.moe import MoE, experts_ragged
+from kdsa.model.moe_mxfp4 import pack_expert_weight
 from kdsa.model.stacked_experts import PackedMatrix
 from kdsa.sharding.constrain import use_sharding
 from kdsa.sharding.mesh import make_mesh
@@ -55,9 +55,9 @@ def _loss_and_grads(fn):
 def test_mxfp4_expert_parallel_equals_one_device(inputs, impl, mesh_spec, layout, mode, n):
     z, idx, w, packed = (*(a[:n] for a in inputs[:3]), inputs[3])
     c = CONFIG.replace(moe_impl=impl)
-    want_g, (want, _) = _loss_and_grads(
-        lambda z, w: experts_ragged_mxfp4(z, idx, w, *packed, c))(z, w)
     mats = [PackedMatrix(packed[j], packed[j + 1], impl) for j in (0, 2, 4)]
+    want_g, (want, _) = _loss_and_grads(
+        lambda z, w: experts_ragged(z, idx, w, *mats, c))(z, w)
     with use_sharding(make_mesh(mesh_spec), layout, collectives=mode) as ctx:
         fn = lambda z, w: experts_sharded(z, idx, w, *mats, c, ctx=ctx)  # noqa: E731
         exchange = {"padded": "all_to_all", "ragged_emulated": "all_gather"}.get(mode)
