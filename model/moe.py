@@ -69,7 +69,8 @@ def experts_ragged(z: jax.Array, topk_idx: jax.Array, topk_weight: jax.Array, w1
     Args:
       z: ``[N, De]``; topk_idx, topk_weight: ``[N, k]``; w1, w3: ``[E, De, I]``; w2: ``[E, I, De]``
         (or ``stacked_experts.StackedWeight``s: the layer's in its scan's stacks; or
-        ``PackedMatrix``s: MXFP4 bytes through the grouped MXFP4 matmul, float32 accumulation).
+        ``PackedMatrix``s: MXFP4 bytes through the grouped MXFP4 kernel with ``impl="pallas"``,
+        float32 accumulation, or their exact dequantisation with ``"xla"``).
     Returns ``[N, De]`` in ``z.dtype``; the weighted combine is float32.
 
     The ``M = N*k`` assignments are stably sorted by expert, so each expert's rows are
@@ -189,13 +190,8 @@ class RoutedExperts(nnx.Module):
             setattr(self, f"{name}_scale", PackedExpertWeight(scale, axes=axes, param_count=0))
 
     def float_weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(w1, w3, w2)`` as the float ``[E, in, out]`` weights the layer multiplies by:
-        dequantised (mxfp4), fake-quantised (QAT) or as stored."""
-        if self.packed:
-            dt = dtype_of(self.config.compute_dtype)
-            return tuple(unpack_expert_weight(getattr(self, f"{n}_packed")[...],
-                                              getattr(self, f"{n}_scale")[...], dt)
-                         for n in ("w1", "w3", "w2"))
+        """``(w1, w3, w2)`` of float experts as the ``[E, in, out]`` weights the layer multiplies
+        by: fake-quantised (QAT) or as stored (MXFP4 experts: :meth:`packed_matrices`)."""
         ws = (self.w1[...], self.w3[...], self.w2[...])
         return qat_expert_weights(*map(own, ws)) if self.config.expert_qat else ws
 

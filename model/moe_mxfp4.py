@@ -6,9 +6,10 @@ of 32 along the contracting dim, ``kdsa.model.mxfp4``) in a :class:`PackedExpert
 variable that no optimizer sees. ``moe.RoutedExperts`` multiplies by those bytes
 (``stacked_experts.PackedMatrix`` in ``moe.experts_ragged``: the Pallas grouped MXFP4 kernel,
 ``moe_impl="pallas"``) or by their exact dequantisation (``"xla"``). QAT (``expert_qat``)
-trains float experts through a straight-through fake quantisation (:func:`qat_expert_weights`), so the exported MXFP4 weights are the ones the
-training saw. :func:`pack_expert_arrays` / :func:`unpack_expert_arrays` convert a flat
-parameter dict between the two forms (``--init-from`` dequantises, the export packs).
+trains float experts through a straight-through fake quantisation (:func:`qat_expert_weights`),
+so the exported MXFP4 weights are the ones the training saw. :func:`pack_expert_arrays` /
+:func:`unpack_expert_arrays` convert a flat parameter dict between the two forms
+(``--init-from`` dequantises, the export packs).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kdsa.kernels_pallas.mxfp4_matmul import mxfp4_grouped_matmul
+from kdsa.model.moe_mxfp4 import unpack_expert_weight
 from kdsa.model.mxfp4 import unpack_from_compressed_tensors
 from kdsa.model.partitioning import compile_platform, current
 
@@ -121,9 +122,6 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array, dtype) -> jax.Array:
     float32 grouped matmul and ran out of scoped VMEM compiling ``k3-slice`` for ``v5e``.)"""
     if isinstance(w, PackedMatrix):
         if w.impl == "xla":
-            # (imported here: moe_mxfp4 imports the expert-parallel module, which imports this)
-            from kdsa.model.moe_mxfp4 import unpack_expert_weight
-
             return jax.lax.ragged_dot(x, unpack_expert_weight(w.packed, w.scale, dtype),
                                       group_sizes)
         mm_dt = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
