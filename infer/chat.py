@@ -298,11 +298,17 @@ def check_history(messages: list[Message]) -> dict[int, tuple[int, int, ToolCall
     return answered
 
 
+MAX_CALL_NUMBER_DIGITS = 9  # a longer N is a client's own id, not one of ours
+
+
 def call_number(call_id: str, name: str | None = None) -> int | None:
-    """``N`` of a call id ``functions.NAME:N`` (of ``name`` when given), else None."""
+    """``N`` of a call id ``functions.NAME:N`` (of ``name`` when given; N of 1 to 9 ASCII
+    digits), else None. ``str.isdigit`` alone also accepts ``"²"`` and 5,000-digit numbers,
+    which ``int`` refuses or the next id would carry on."""
     head, _, tail = call_id.rpartition(":")
     ok = head == f"functions.{name}" if name is not None else head.startswith("functions.")
-    return int(tail) if ok and tail.isdigit() else None
+    digits = tail.isascii() and tail.isdigit() and len(tail) <= MAX_CALL_NUMBER_DIGITS
+    return int(tail) if ok and digits else None
 
 
 def next_call_index(messages: list[Message]) -> int:

@@ -41,10 +41,11 @@ def tools_server():
     handle.stop()
 
 
-def _post(handle, body, path="/v1/chat/completions", raw: bytes | None = None):
+def _post(handle, body, path="/v1/chat/completions", raw: bytes | None = None,
+          headers: dict | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", handle.port, timeout=30)
     data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", path, data, {"Content-Type": "application/json"})
+    conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     text = r.read().decode()
     conn.close()
@@ -173,6 +174,11 @@ def test_malformed_json_then_still_serving(chat):
     got, text = _post(chat[0], None, raw=b"{not json")
     assert got == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
     assert _get(chat[0], "/health")[1]["status"] == "ok"
+    # a body that does not decode as its Content-Encoding says (was a 500)
+    for encoding in ("gzip", "deflate"):
+        got, text = _post(chat[0], None, raw=b"not compressed",
+                          headers={"Content-Encoding": encoding})
+        assert got == 400 and "could not be read" in json.loads(text)["error"]["message"], text
     status, models = _get(chat[0], "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "kdsa-test"
 

@@ -111,6 +111,20 @@ def test_only_the_api_image_formats_are_decoded():
     assert decode_image(buf.getvalue()).shape == (16, 16, 3)  # a local file: any format
 
 
+def test_pillows_own_refusals_name_the_image():
+    """A PNG whose compressed text chunk inflates past Pillow's limit: Pillow's own ValueError
+    came back without the request's location; it is now named like every other refusal."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("note", "x" * (PngImagePlugin.MAX_TEXT_CHUNK + 1), zip=True)
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(buf, "PNG", pnginfo=info)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content\[1\]: cannot decode the "
+                                         r"image \(Decompressed data too large"):
+        decode_image(buf.getvalue(), "messages[0].content[1]")
+
+
 def to_data_url_rgba(rgba):
     """RGBA uint8 -> base64 PNG bytes."""
     buf = io.BytesIO()

@@ -68,8 +68,10 @@ def decode_image(data: bytes, where: str = "image", limits: ImageLimits = ImageL
                                  f"{limits.max_pixels}")
             im.load()
             rgb = flatten_alpha(im)
-    except ValueError:
-        raise
+    except ValueError as e:  # ours name the image; Pillow's (e.g. a text chunk too large) do not
+        if str(e).startswith(where):
+            raise
+        raise ValueError(f"{where}: cannot decode the image ({e})") from None
     except (OSError, SyntaxError, EOFError, Image.DecompressionBombError,
             Image.DecompressionBombWarning, Image.UnidentifiedImageError) as e:
         raise ValueError(f"{where}: cannot decode the image ({type(e).__name__}: {e})") from None
