@@ -223,7 +223,6 @@ class SlotScheduling:
         """Free slot ``i`` and build ``a``'s completion; ``emit``: send the last event (a
         failing ``on_event`` is only logged: the request is over either way)."""
         a.metrics.finished = time.perf_counter()
-        a.finish_reason = reason
         if i is not None:
             self.slots[i] = None
         try:
@@ -236,6 +235,9 @@ class SlotScheduling:
                 a.pages = []
                 if i is not None:
                     self.runner.set_pages(i, [])
+        # finished from here on: a failure above leaves it unfinished, so _fail still sends
+        # the client its (abort) completion instead of leaving it waiting
+        a.finish_reason = reason
         output = None
         if a.req.parser is not None:
             try:

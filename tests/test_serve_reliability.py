@@ -165,6 +165,25 @@ def test_one_bad_row_fails_alone_in_a_batch():
     assert all(s is None for s in eng.slots) and not eng.has_work()
 
 
+def test_a_failure_while_finishing_still_answers_the_request(monkeypatch):
+    """Something failing after a request's last token but before its completion was sent (here
+    the end-of-request prefix snapshot) aborts it with the error: the request used to count as
+    finished already, so no completion reached its client, which waited for ever."""
+    eng = _engine(slots=1)
+    want = eng.generate([_req(eng)])[0]
+    monkeypatch.setattr(eng, "prefixes", [object()])  # as with a prefix cache: end snapshots
+    monkeypatch.setattr(eng, "_snapshot_end", lambda i, a: 1 / 0)
+    events = []
+    req = _req(eng)
+    req.on_event = events.append
+    got = eng.generate([req], raise_errors=False)[0]
+    assert got.finish_reason == "abort" and "ZeroDivisionError" in got.error
+    assert events and events[-1].completion is got  # the client heard of it
+    monkeypatch.undo()
+    assert eng.generate([_req(eng)])[0].token_ids == want.token_ids and eng.healthy
+    assert all(s is None for s in eng.slots) and not eng.has_work()
+
+
 def test_decode_failure_aborts_that_step_and_frees_the_slots():
     eng = _engine(slots=2)
     want = eng.generate([_req(eng), _req(eng)])
