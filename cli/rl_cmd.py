@@ -96,7 +96,7 @@ def run(args) -> int:
     import jax
 
     from kdsa.train.init_from import tokenizer_folder
-    from kdsa.train.rl.loop import check_rl_configs
+    from kdsa.train.rl.preflight import check_rl_configs
     from kdsa.train.trainer import SIGTERM_EXIT_CODE
 
     name, config, tc, rc = configs_from_args(args)
@@ -152,16 +152,23 @@ def _train_mesh(args, name, config, tc, rc):
 
 
 def _demo_run_dir(resume: bool):
-    """``runs/rl-demo``, or when an earlier demo left checkpoints there (and this is no
-    ``--resume``) the first free ``runs/rl-demo-N``: a rerun never mixes with, nor replaces,
-    an earlier one."""
+    """``runs/rl-demo``, or when an earlier demo left checkpoints there the first free
+    ``runs/rl-demo-N``: a rerun never mixes with, nor replaces, an earlier one. With
+    ``--resume`` the newest of those that did not finish (no ``model/`` export yet), else the
+    newest: the run a stopped ``--demo`` left."""
     base = abs_path("runs/rl-demo")
-    if resume:
-        return base
+    taken = []  # the demo folders holding checkpoints, oldest first
     n, path = 1, base
     while (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir()):
+        taken.append(path)
         n += 1
         path = base.with_name(f"rl-demo-{n}")
+    if resume:
+        unfinished = [p for p in taken if not (p / "model").is_dir()]
+        pick = (unfinished or taken or [base])[-1]
+        if pick != base:
+            print(f"kdsa rl --demo --resume: resuming {pick}", file=sys.stderr)
+        return pick
     if path != base:
         print(f"kdsa rl --demo: {base} holds an earlier run; writing to {path}",
               file=sys.stderr)

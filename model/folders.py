@@ -205,7 +205,9 @@ def orbax_reason(e: BaseException) -> str:
 
 def one_line(text: str) -> str:
     """An Orbax / TensorStore message cut to its first line, without the spec dumps."""
-    text = re.split(r"\s*\[tensorstore_spec=|\s*See full TensorStore details", text)[0]
+    # Orbax writes ``[tensorstore_spec='...`` or, for several arrays, ``[tensorstore_spec[1]=``
+    text = re.split(r"\s*\[tensorstore_spec(?:\[\d+\])?=|\s*See full TensorStore details",
+                    text)[0]
     text = re.sub(r"<bound method [^>]*>?", "", text).strip().splitlines()
     return (text[0] if text else "")[:1000]  # one line; long paths must not cut the reason
 

@@ -73,6 +73,19 @@ def test_train_refuses_to_resume_an_rl_run(full_run, tmp_path):
         run_training(small_config(), TC, tmp_path, progress=False, resume=True)
 
 
+def test_resume_past_the_steps_is_refused(full_run, tmp_path):
+    """``--resume`` with ``--steps`` below the newest checkpoint's step (e.g. the default 100
+    forgotten on a longer run) is refused; it used to report the run finished, export, exit 0."""
+    import shutil
+
+    run_dir, _ = full_run
+    shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")
+    with pytest.raises(ValueError, match=r"checkpoint .*/6 is past --steps 5; give at least "
+                                         r"--steps 6"):
+        run_training(small_config(), TC.replace(steps=5), tmp_path, progress=False, resume=True)
+    assert not (tmp_path / "model").exists()
+
+
 def test_corrupted_latest_falls_back(full_run, tmp_path):
     run_dir, _ = full_run
     import shutil

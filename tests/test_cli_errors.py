@@ -336,3 +336,56 @@ def test_a_moved_start_folder_is_taken_from_init_from(tmp_path):
     assert resumed_origin(first, moved, notes.append) == first and len(notes) == 1
     assert resumed_origin(gone, None, notes.append) == gone
     assert resumed_origin(None, moved, notes.append) == moved
+
+
+def test_demo_resume_finds_the_run_a_stopped_demo_left(tmp_path, monkeypatch, capsys):
+    """``kdsa rl --demo`` writes to the first free ``runs/rl-demo[-N]``; ``--demo --resume``
+    picks the newest of those that did not finish (no ``model/`` export), else the newest. It
+    used to always pick ``runs/rl-demo``, resuming a finished run while the stopped one waited."""
+    from kdsa.cli.rl_cmd import _demo_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    assert _demo_run_dir(False) == _demo_run_dir(True) == runs / "rl-demo"
+    for name, finished in (("rl-demo", True), ("rl-demo-2", False), ("rl-demo-3", True)):
+        (runs / name / "checkpoints" / "6").mkdir(parents=True)
+        if finished:
+            (runs / name / "model").mkdir()
+    assert _demo_run_dir(False) == runs / "rl-demo-4"
+    assert _demo_run_dir(True) == runs / "rl-demo-2"
+    assert "resuming" in capsys.readouterr().err
+    (runs / "rl-demo-2" / "model").mkdir()  # all finished: the newest
+    assert _demo_run_dir(True) == runs / "rl-demo-3"
+
+
+def test_read_metrics_gives_every_logged_step(tmp_path):
+    """The demo's reward curve is drawn from ``metrics.jsonl`` (a resumed demo's process ran
+    only the steps after the checkpoint), skipping a line a crash tore."""
+    from kdsa.train.metrics import read_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1, "score": 0.5}\n{"step": 2, "score": 0.7}\n{"step": 3, "sc')
+    assert read_metrics(f) == [{"step": 1, "score": 0.5}, {"step": 2, "score": 0.7}]
+    assert read_metrics(tmp_path / "none.jsonl") == []
+
+
+def test_resume_into_a_folder_inside_a_run_is_refused(tmp_path):
+    """``--resume --run-dir RUN/model`` (or ``RUN/checkpoints``, or a step in it) found no
+    checkpoint there and started a new run inside that folder; it is refused, naming RUN."""
+    from kdsa.train import run_dir
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "6"
+    for d in ("state", "meta"):
+        (step / d).mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (run / "model").mkdir()
+    (run / "model" / "_CHECKPOINT_METADATA").write_text("{}")
+    for inside, what in ((run / "model", "checkpoint or model folder"),
+                         (run / "checkpoints", "folder of training checkpoints"),
+                         (step, "checkpoint or model folder")):
+        with pytest.raises(ValueError, match=f"--resume: {inside} is a {what}, not a run "
+                                             f"directory; resume with --run-dir {run}$"):
+            run_dir.check_run_dir(inside, 1, keep=1, resume=True)
+        run_dir.check_run_dir(inside, 1, keep=1)  # a new run there is what was asked for
+    run_dir.check_run_dir(run, 1, keep=1, resume=True)

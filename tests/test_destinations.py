@@ -302,3 +302,13 @@ def test_replace_folder_without_the_exchange_restores_the_old_folder(tmp_path, m
     folders.replace_folder(new, old)  # the two renames
     assert (old / "x").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_one_line_drops_both_forms_of_the_spec_dump():
+    """Orbax's read errors embed the TensorStore spec as ``[tensorstore_spec='...`` and, when it
+    reads several arrays, as ``[tensorstore_spec[1]='...``: both are cut from the one line."""
+    from kdsa.model.folders import one_line
+
+    for tag in ("tensorstore_spec=", "tensorstore_spec[1]="):
+        text = f"Error reading 'params.a': checksum mismatch [{tag}'{{\"driver\": \"zarr3\"}}']\nx"
+        assert one_line(text) == "Error reading 'params.a': checksum mismatch", tag

@@ -5,6 +5,8 @@ takes step 3 exactly as the uninterrupted run; a greedy episode cut by the per-s
 and continued equals the one generated in one go. One shared generation side (compiled once),
 the update step at XLA opt level 0."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -68,6 +70,40 @@ def test_stop_and_resume_takes_the_same_step(full_run, tmp_path):
     assert b.resumed_from == 2 and b.final_step == 3
     for k in ("reward", "pg_loss", "grad_norm", "kept_groups", "kl"):
         assert b.metrics[3][k] == full_run.metrics[3][k], k
+    _resumes_that_are_refused(tmp_path, rc, tc, kw)
+
+
+def _resumes_that_are_refused(run_dir, rc, tc, kw):
+    """``--resume`` refusals that leave the run as it was: a checkpoint past ``--steps`` (it
+    used to report the run finished without a step), a ``kdsa train`` run's checkpoints (a
+    TypeError traceback after reading them), and no readable checkpoint at all (it used to
+    start over in the folder: its ``metrics.jsonl`` emptied, its reference set aside, the
+    checkpoints renamed ``N.corrupt`` by the first save)."""
+    import shutil
+
+    with pytest.raises(ValueError, match=r"checkpoint .*/3 is past this run's 2 steps .*"
+                                         r"--steps 3"):
+        run_rl(CONFIG, tc, rc.replace(steps=2), run_dir, resume=True, **kw)
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    train_like, unreadable = run_dir.parent / "train_like", run_dir.parent / "unreadable"
+    for other in (train_like, unreadable):
+        shutil.copytree(run_dir, other)
+    for step in steps:
+        meta_file = train_like / "checkpoints" / str(step) / "meta" / "data.json"
+        meta = json.loads(meta_file.read_text())
+        meta["data_index"] = meta.pop("task_counter")
+        meta_file.write_text(json.dumps(meta))
+        for f in (unreadable / "checkpoints" / str(step) / "state").rglob("*"):
+            if f.is_file() and f.parent.name == "d" and f.stat().st_size > 1000:
+                f.write_bytes(bytes(f.stat().st_size))  # the array bytes zeroed
+    with pytest.raises(ValueError, match="not a kdsa rl checkpoint .*kdsa train --resume"):
+        run_rl(CONFIG, tc, rc, train_like, resume=True, **kw)
+    metrics = (unreadable / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="--resume: no readable checkpoint in"):
+        run_rl(CONFIG, tc, rc, unreadable, resume=True, **kw)
+    assert (unreadable / "metrics.jsonl").read_text() == metrics and metrics
+    assert sorted(p.name for p in (unreadable / "checkpoints").iterdir()
+                  if p.name[0].isdigit()) == [str(s) for s in steps]
 
 
 def test_partial_rollout_continues_the_greedy_episode(full_run):
@@ -200,3 +236,41 @@ def test_sigterm_in_the_final_evaluation_stops_it_and_resume_finishes(full_run, 
     assert not b.stopped and b.resumed_from == 1 and b.final_step == 1 and len(calls) == 3
     assert b.heldout_before == a.heldout_before and b.heldout_after is not None
     assert (tmp_path / "model").is_dir()  # RUN_DIR/model: the export
+
+
+def test_sigterm_while_the_last_checkpoint_is_written_waits_for_it(full_run, tmp_path,
+                                                                  monkeypatch):
+    """A SIGTERM while the last step's checkpoint is being written waits for the write (it
+    used to interrupt the wait, leaving the checkpoint in Orbax's temporary folder while the
+    log called it complete), then stops before the evaluation, without the export."""
+    import os
+    import signal
+    import threading
+
+    from kdsa.train.rl import loop
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed in the main thread only")
+    real_wait, real_eval, calls, fired, said = loop.Checkpointer.wait, loop.evaluate, [], [], []
+
+    def evaluate(*a, **kw):  # the first call is the evaluation before RL
+        calls.append(1)
+        return real_eval(*a, **kw)
+
+    def wait(self):
+        if len(calls) == 1 and not fired:  # after the last step: the final wait
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_wait(self)
+
+    def log(msg):
+        if "is complete" in msg:  # the checkpoint is in place when the log says so
+            said.append((tmp_path / "checkpoints" / "1").is_dir())
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    monkeypatch.setattr(loop.Checkpointer, "wait", wait)
+    rc = RC.replace(steps=1, heldout_tasks=1, heldout_samples=2)
+    a = run_rl(CONFIG, TC, rc, tmp_path, progress=False, compiler_options=FAST,
+               sampler=full_run.sampler, log=log)
+    assert fired and a.stopped and a.final_step == 1 and len(calls) == 1 and said == [True]
+    assert not (tmp_path / "model").exists() and a.heldout_after is None

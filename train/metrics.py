@@ -100,6 +100,18 @@ def truncate_metrics(path: str | Path, last_step: int) -> int:
     return dropped
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (every step a run and its resumptions logged), skipping
+    a line a crash tore."""
+    rows = []
+    for line in Path(path).read_text().splitlines() if Path(path).is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), int)]
+
+
 def _num(v) -> float | None:
     v = float(v)
     return v if math.isfinite(v) else None

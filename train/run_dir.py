@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kdsa.model.folders import train_steps
 from kdsa.train.checkpointing import UNFINISHED_MARK
 
 
@@ -46,15 +47,19 @@ def _folder_bytes(path: Path) -> int:
 
 
 def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
-                  checkpoints: str = "checkpoints") -> None:
+                  checkpoints: str = "checkpoints", resume: bool = False) -> None:
     """Raise ``ValueError`` unless ``run_dir`` is writable and has room for ``keep + 1``
-    checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room). In a
+    checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room), and
+    with ``resume`` unless it is a run directory rather than one of the folders inside one
+    (:func:`_inside_a_run`). In a
     job of several processes every process raises when any one's check failed (one process
     alone exiting left the others waiting in the job's first collective): every process must
     call it, with ``checkpoint_bytes`` 0 where another process asks for the room."""
     error = None
     try:
         _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
+        if resume:
+            _inside_a_run(Path(run_dir), checkpoints)
     except ValueError as e:
         error = e
     except OSError as e:  # (a stale mount, a missing permission: every process must hear)
@@ -68,6 +73,22 @@ def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
                              f"{np.flatnonzero(failed).tolist()} (their error says why)")
     if error is not None:
         raise error
+
+
+def _inside_a_run(run_dir: Path, checkpoints: str) -> None:
+    """``--resume`` into ``RUN_DIR/model``, ``RUN_DIR/checkpoints`` or a step folder in it
+    would find no checkpoint there and start a new run inside that folder: refused, naming the
+    run directory meant."""
+    if (run_dir / "_CHECKPOINT_METADATA").is_file():
+        what = "a checkpoint or model folder"
+    elif train_steps(run_dir):
+        what = "a folder of training checkpoints"
+    else:
+        return
+    meant = next((p for p in (run_dir.parent, run_dir.parent.parent)
+                  if train_steps(p / checkpoints)), None)
+    raise ValueError(f"--resume: {run_dir} is {what}, not a run directory"
+                     + (f"; resume with --run-dir {meant}" if meant else ""))
 
 
 def _check(run_dir: Path, checkpoint_bytes: int, keep: int, checkpoints: str) -> None:

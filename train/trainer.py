@@ -187,8 +187,9 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                      eos_id=config.eos_token_id, pad_id=config.pad_token_id)
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)
+    # writable, room for the checkpoints, a run dir if resumed: before compiling
     check_run_dir(run_dir, state_bytes(template) if jax.process_index() == 0 else 0,
-                  tc.keep_checkpoints)  # writable, room for the checkpoints: before compiling
+                  tc.keep_checkpoints, resume=resume)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
@@ -209,6 +210,9 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
                              'kdsa rl --resume' if 'rl_config' in meta else ''}); use another "
                              f"--run-dir")
         data_index = int(meta["data_index"])
+        if start > tc.steps:
+            raise ValueError(f"--resume: checkpoint {ckpt.directory / str(start)} is past "
+                             f"--steps {tc.steps}; give at least --steps {start}")
         if None not in (fingerprint, meta.get("data")) and meta["data"] != fingerprint:
             raise ValueError(f"--resume: {ckpt.directory / str(start)} was trained on other "
                              f"data ({meta['data']}; now {fingerprint}): its data index would "

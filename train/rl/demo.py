@@ -69,6 +69,7 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
 
     from kdsa.train.rl import rollout as ro
     from kdsa.train.rl.loop import run_rl
+    from kdsa.train.metrics import read_metrics
     from kdsa.train.rl.plot import reward_curve
 
     t0 = time.perf_counter()
@@ -76,11 +77,13 @@ def run_demo(config, tc: TrainConfig, rc: RLConfig, run_dir: str | Path, *,
     result = run_rl(config, tc, rc, run_dir, resume=resume, progress=progress, mesh=mesh)
     if result.stopped:
         return 143
-    steps = sorted(result.rewards)
+    # every RL step of the run, the steps before a --resume included (from its metrics file)
+    rows = read_metrics(run_dir / "metrics.jsonl") or [dict(result.metrics[s], step=s)
+                                                       for s in sorted(result.metrics)]
     png = run_dir / "reward_curve.png"
     levels = [k for k, w in rc.effort_weights.items() if w > 0]
     if jax.process_index() == 0:  # multi-host: every process ran the same job
-        reward_curve(png, steps, [result.metrics[s] for s in steps], envs=list(result.envs),
+        reward_curve(png, [r["step"] for r in rows], rows, envs=list(result.envs),
                      efforts=levels, heldout_before=result.heldout_before,
                      heldout_after=result.heldout_after)
     out(f"reward curve: {png}  (rollout score per environment and per effort level over the "

@@ -49,8 +49,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from kdsa.infer.chat import get_format
-from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.model.config import ModelConfig
 from kdsa.model.outputs import layers_of
 from kdsa.sharding.mesh import check_layout, fit_layout
@@ -63,8 +61,8 @@ from kdsa.train.metrics import MetricsWriter
 from kdsa.train.placement import Placement
 from kdsa.train.rl import rollout as ro
 from kdsa.train.rl.config import RLConfig
-from kdsa.train.rl.envs.base import make_env
 from kdsa.train.rl.multihost import local_copy, play_split
+from kdsa.train.rl.preflight import build_envs, check_rl_configs
 from kdsa.train.rl.reference import open_reference
 from kdsa.train.rl.sampler import Sampler, evaluate
 from kdsa.train.rl.sft import sft_batch
@@ -84,41 +82,6 @@ class RLResult:
     final_step: int  # global (SFT + RL) steps done
     stopped: bool
     resumed_from: int | None
-
-
-def check_rl_configs(config: ModelConfig, tc: TrainConfig, rc: RLConfig,
-                     tokenizer_path: str | Path | None = None) -> None:
-    """Every cross-check before anything is built or compiled (``tokenizer_path``: the
-    model's own tokenizer, else the byte tokenizer)."""
-    if config.context_limit is not None and rc.seq_len + 1 > config.context_limit:
-        raise ValueError(f"rl.seq_len={rc.seq_len} exceeds max_position_embeddings="
-                         f"{config.context_limit}")
-    if tc.indexer_stage != "none":
-        raise ValueError("kdsa rl trains all parameters: train.indexer_stage must be 'none'")
-    if config.expert_weight_format == "mxfp4":
-        raise ValueError("MXFP4 routed experts are frozen bytes: RL needs "
-                         "expert_weight_format='bf16'")
-    rc.rows_per_micro_batch(tc.accum_steps)  # rows split into mini- and micro-batches
-    if tokenizer_path is not None:  # its ids fit the vocabulary, the format's specials exist
-        get_format(rc.chat_format, load_tokenizer(tokenizer_path, vocab_size=config.vocab_size))
-    elif config.vocab_size < 384:
-        raise ValueError(f"the byte tokenizer with chat specials needs vocab_size >= 384, got "
-                         f"{config.vocab_size}")
-    if rc.generate_devices > jax.local_device_count():
-        raise ValueError(f"rl.generate_devices={rc.generate_devices} but only "
-                         f"{jax.local_device_count()} local devices")
-    build_envs(rc)  # unknown environments / bad options fail here
-
-
-def build_envs(rc: RLConfig, seed: int = 0):
-    """``({domain: env}, {domain: weight})`` from ``rc.envs``."""
-    envs, weights = {}, {}
-    for spec in rc.envs:
-        env = make_env(spec.name, seed=seed, **spec.options)
-        if env.domain in envs:
-            raise ValueError(f"rl.envs names the domain {env.domain!r} twice")
-        envs[env.domain], weights[env.domain] = env, spec.weight
-    return envs, weights
 
 
 def _log(msg: str) -> None:
@@ -157,7 +120,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
     # writable, room for the checkpoints (and the reference): before compiling; every process
     # takes part (the verdict is agreed), process 0 asks for the room
-    check_run_dir(run_dir, state_bytes(template) if writes else 0, tc.keep_checkpoints + 1)
+    check_run_dir(run_dir, state_bytes(template) if writes else 0, tc.keep_checkpoints + 1,
+                  resume=resume)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     layout = abstract.segment_layout
@@ -169,10 +133,22 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict(),
                                 rl_config=json.loads(json.dumps(rc.to_dict())))
+    if restored is None and resume and ckpt.all_steps():  # (a fresh start would drop the
+        # metrics and reference of the run these checkpoints belong to)
+        raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     resumed_from = None
     if restored is not None:
         start, state, meta = restored
         restored, resumed_from = None, start  # no reference left to the host copy
+        if "task_counter" not in meta:  # a kdsa train run's checkpoints hold a data index
+            raise ValueError(f"--resume: {ckpt.directory / str(start)} is not a kdsa rl "
+                             f"checkpoint (no task counter; a kdsa train run: resume it with "
+                             f"kdsa train --resume, or start RL from its model with "
+                             f"--init-from); use another --run-dir")
+        if start > total:
+            raise ValueError(f"--resume: checkpoint {ckpt.directory / str(start)} is past "
+                             f"this run's {total} steps (sft_steps {rc.sft_steps} + --steps "
+                             f"{rc.steps}); give at least --steps {start - rc.sft_steps}")
         meta0 = {k: meta.get(k) for k in meta0} | {  # the weights descend from the first start
             "init_from": resumed_origin(meta.get("init_from"), meta0["init_from"], log)}
         state = place.restored(state)
@@ -184,6 +160,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         log(f"initialised from {init_from}")
     else:
         start, state = 0, place.initial(build, compiler_options)
+    if resume and resumed_from is None:
+        log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
     before_d, after_d = meta0["heldout_before_by_domain"], None
 
@@ -305,16 +283,20 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         # process stops at once (``Interrupted``); a multi-host job finishes the evaluation
         # first, since every process takes part in its collectives, and then stops on all of
         # them (``stop_reason``)
+        # the checkpoint's write is never interrupted: a signal now waits for it
+        with _StopFlag() as waited:
+            ckpt.wait()
+        why = stop_reason(waited, None, step, total)  # every process, whichever got the signal
         flag = _StopFlag(interrupt=jax.process_count() == 1)
-        try:
-            with flag:
-                ckpt.wait()
-                if evaluate_heldout:
-                    sampler.sync(graphdef, state)
-                    after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
-        except Interrupted:
-            pass
-        why = stop_reason(flag, None, step, total)  # every process, whichever got the signal
+        if not why:
+            try:
+                with flag:
+                    if evaluate_heldout:
+                        sampler.sync(graphdef, state)
+                        after, after_d, _ = evaluate(sampler, envs, rc, seed=tc.seed + 17)
+            except Interrupted:
+                pass
+            why = stop_reason(flag, None, step, total)
         if why:
             after, after_d, stopped = None, None, True
             log(f"\nstopped by {why} after the last step; checkpoint {step} in "
