@@ -176,6 +176,7 @@ def quiet_orbax(collect: bool = False):
             return False
 
     keep = _Keep()
+    _drop_closed_loop_reports()
     loggers = [logging.getLogger(n) for n in ("absl", "asyncio")]
     for lg in loggers:
         lg.addFilter(keep)
@@ -190,6 +191,44 @@ def quiet_orbax(collect: bool = False):
                 sys.unraisablehook = hook
         for lg in loggers:
             lg.removeFilter(keep)
+
+
+class _AbandonedReads(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a TensorStore read that a
+    failed restore abandoned (logged when the task is collected, often at exit)."""
+
+    def filter(self, record):
+        e = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage().startswith("Task exception was never retrieved")
+                    and e is not None and "tensorstore" in str(e).lower())
+
+
+def _drop_closed_loop_reports() -> None:
+    """Install (once) an unraisable-exception hook that drops uvloop's "Event loop is closed"
+    reports, and :class:`_AbandonedReads` on asyncio's logger: when one read of a restore
+    fails, Orbax stops its event loop while TensorStore's other reads are in flight, and each
+    of them later printed a traceback (dozens, hundreds of lines around the one-line reason,
+    some at exit). Every other report goes where it went before."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedReads())
+    if getattr(sys.unraisablehook, "_kdsa_drops_closed_loops", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        e, tb = unraisable.exc_value, unraisable.exc_traceback
+        files = []
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+                and any("uvloop" in f for f in files)):
+            return
+        previous(unraisable)
+
+    hook._kdsa_drops_closed_loops = True
+    sys.unraisablehook = hook
 
 
 def orbax_reason(e: BaseException) -> str:

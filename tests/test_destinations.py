@@ -312,3 +312,42 @@ def test_one_line_drops_both_forms_of_the_spec_dump():
     for tag in ("tensorstore_spec=", "tensorstore_spec[1]="):
         text = f"Error reading 'params.a': checksum mismatch [{tag}'{{\"driver\": \"zarr3\"}}']\nx"
         assert one_line(text) == "Error reading 'params.a': checksum mismatch", tag
+
+
+def test_closed_loop_reports_of_a_failed_restore_are_dropped(monkeypatch, caplog):
+    """Orbax stops its uvloop loop when one read of a restore fails; the other reads' later
+    completions each printed "RuntimeError: Event loop is closed", and asyncio "Task exception
+    was never retrieved" for them (dozens of tracebacks around the one-line reason, some at
+    exit). ``quiet_orbax`` installs a hook and a log filter dropping just those reports."""
+    import sys
+    import types
+
+    from kdsa.model.folders import quiet_orbax
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    with quiet_orbax():
+        pass
+
+    def report(exc, filename):
+        try:
+            exec(compile("raise exc", filename, "exec"), {"exc": exc})
+        except Exception as e:  # noqa: BLE001
+            sys.unraisablehook(types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__,
+                                                     exc_type=type(e), err_msg=None, object=None))
+
+    report(RuntimeError("Event loop is closed"), "uvloop/loop.pyx")
+    assert seen == []
+    report(RuntimeError("Event loop is closed"), "elsewhere.py")  # not uvloop's: reported
+    report(ValueError("other"), "uvloop/loop.pyx")
+    assert [str(u.exc_value) for u in seen] == ["Event loop is closed", "other"]
+    import logging
+
+    log = logging.getLogger("asyncio")
+    for e in (ValueError("DATA_LOSS: ... [tensorstore_spec='{}']"), ValueError("a bug")):
+        log.error("Task exception was never retrieved", exc_info=(ValueError, e, None))
+    assert [r.exc_info[1].args for r in caplog.records if r.name == "asyncio"] == [("a bug",)]
+    installed = sys.unraisablehook
+    with quiet_orbax():  # installed once, not wrapped again
+        pass
+    assert sys.unraisablehook is installed
