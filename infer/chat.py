@@ -303,12 +303,13 @@ MAX_CALL_NUMBER_DIGITS = 9  # a longer N is a client's own id, not one of ours
 
 def call_number(call_id: str, name: str | None = None) -> int | None:
     """``N`` of a call id ``functions.NAME:N`` (of ``name`` when given; N of 1 to 9 ASCII
-    digits), else None. ``str.isdigit`` alone also accepts ``"²"`` and 5,000-digit numbers,
-    which ``int`` refuses or the next id would carry on."""
+    digits, and ``N + 1`` too, so the id generated next is read as ours again), else None.
+    ``str.isdigit`` alone also accepts ``"²"`` and 5,000-digit numbers, which ``int`` refuses
+    or the next id would carry on."""
     head, _, tail = call_id.rpartition(":")
     ok = head == f"functions.{name}" if name is not None else head.startswith("functions.")
     digits = tail.isascii() and tail.isdigit() and len(tail) <= MAX_CALL_NUMBER_DIGITS
-    return int(tail) if ok and digits else None
+    return int(tail) if ok and digits and int(tail) < 10 ** MAX_CALL_NUMBER_DIGITS - 1 else None
 
 
 def next_call_index(messages: list[Message]) -> int:

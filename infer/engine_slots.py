@@ -231,8 +231,8 @@ class SlotScheduling:
                 self._snapshot_end(i, a)
         finally:  # (an interrupt in the snapshot copy: the pages still go back)
             if a.pages:  # paged cache: the pages go back (cached ones stay, evictable)
-                self.page_sources[a.part].release(a.pages)
-                a.pages = []
+                pages, a.pages = a.pages, []  # (taken first: a retry never releases them twice)
+                self.page_sources[a.part].release(pages)
                 if i is not None:
                     self.runner.set_pages(i, [])
         # finished from here on: a failure above leaves it unfinished, so _fail still sends

@@ -45,9 +45,6 @@ async def read_json(request: web.Request):
     400 ``ApiError`` when it is not JSON or nests deeper than :data:`MAX_JSON_DEPTH`."""
     try:
         text = await request.text()
-    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode as
-        raise api.ApiError(f"the request body could not be read ({str(e)[:200]})") from None
-    try:
         body = await asyncio.get_running_loop().run_in_executor(None, _decode, text)
     except (ValueError, RecursionError, LookupError) as e:
         # ValueError: JSONDecodeError, UnicodeDecodeError, an integer of over 4,300 digits;
@@ -55,6 +52,8 @@ async def read_json(request: web.Request):
         # charset in the Content-Type
         raise api.ApiError(f"the request body is not valid JSON ({type(e).__name__}: "
                            f"{str(e)[:200]})") from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding the body does not decode as
+        raise api.ApiError(f"the request body could not be read ({str(e)[:200]})") from None
     request[BODY] = body
     return body
 

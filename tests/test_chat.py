@@ -111,9 +111,10 @@ def test_call_ids_of_clients_reused_and_trimmed():
         ToolCall("functions.x:2", "x", "{}"), ToolCall("functions.x:3", "x", "{}")))]
     assert next_call_index(trimmed) == 4 and next_call_index(msgs) == 6
     assert next_call_index([Message("user", "u")]) == 0
-    # not our N (a non-ASCII digit, a number int() refuses or the next id would carry): a
+    # not our N (a non-ASCII digit, a number int() refuses or the next ids would carry): a
     # client's own id, renamed for K2 (these raised ValueError: a 500 from the server)
-    for odd in ("functions.f:\u00b2", "functions.f:" + "9" * 4300, "functions.f:" + "1" * 10):
+    for odd in ("functions.f:\u00b2", "functions.f:" + "9" * 4300, "functions.f:" + "1" * 10,
+                "functions.f:999999999"):  # its N + 1 would not read as ours: ids repeated
         hist = [Message("user", "u"), Message("assistant", "", "", (ToolCall(odd, "f", "{}"),)),
                 Message("tool", "r", tool_call_id=odd)]
         assert next_call_index(hist) == 1, odd

@@ -286,7 +286,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         # the checkpoint's write is never interrupted: a signal now waits for it
         with _StopFlag() as waited:
             ckpt.wait()
-        why = stop_reason(waited, None, step, total)  # every process, whichever got the signal
+            why = stop_reason(waited, None, step, total)  # every process, whichever got it
         flag = _StopFlag(interrupt=jax.process_count() == 1)
         if not why:
             try:
