@@ -192,7 +192,7 @@ def run(args) -> int:
         raise ValueError(f"the sampling flags: {e}") from None
     prompts_file(args.prompts)
     if jax.process_index() == 0:  # (the one process that writes it)
-        output_file(args.out, "--out")
+        output_file(args.out, "--out", inputs=(("--prompts", args.prompts),))
     engine, fmt, name = engine_from_args(args)
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
                          seed=args.seed, strict=False)

@@ -19,14 +19,19 @@ def abs_path(text: str) -> Path:
     return Path(text).expanduser().absolute()
 
 
-def output_file(path: Path, flag: str) -> Path:
+def output_file(path: Path, flag: str, inputs: tuple = ()) -> Path:
     """Get ``path`` ready to be written at the end of a long job: its folder made, and
-    refused now (a ``ValueError`` naming ``flag``) when it is a folder or cannot be written,
-    rather than after the job."""
+    refused now (a ``ValueError`` naming ``flag``) when it is a folder, cannot be written, or
+    is one of the job's ``inputs`` (``(flag, path)`` pairs: ``--out`` naming the prompts file
+    replaced it with the results), rather than after the job."""
     import os
 
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a folder, not a file")
+    for other_flag, other in inputs:
+        if path.exists() and Path(other).exists() and os.path.samefile(path, other):
+            raise ValueError(f"{flag} {path}: is the {other_flag} file; writing it would "
+                             f"replace the input with the results")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

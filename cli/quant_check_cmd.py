@@ -73,9 +73,10 @@ def run(args) -> int:
     if args.candidate is not None:
         read_info(args.candidate)
     if jax.process_index() == 0:  # the outputs ready before the two models run, not after
-        output_file(Path(args.out), "--out")
+        output_file(Path(args.out), "--out", inputs=(("--prompts", args.prompts),))
         if args.html is not None:
-            output_file(Path(args.html), "--html")
+            output_file(Path(args.html), "--html",
+                        inputs=(("--prompts", args.prompts), ("--out", args.out)))
     sizes = layout_override(args, "generate")
     mesh = None
     if sizes:

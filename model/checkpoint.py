@@ -124,8 +124,7 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
     tmp = tmp_sibling(path, "tmp")
     primary = jax.process_index() == 0
     if primary:  # leftovers of an interrupted run
-        for p in tmp.parent.glob(f"{tmp.name}*"):
-            shutil.rmtree(p, ignore_errors=True)
+        _remove_scratch(tmp)
     _sync("kdsa_checkpoint_start")
     done: set[str] = set()
     try:
@@ -178,10 +177,17 @@ def save_params(path: str | os.PathLike, config: ModelConfig, items: Iterable[Pa
         _sync("kdsa_checkpoint_renamed")
     except BaseException:
         if primary:
-            for p in tmp.parent.glob(f"{tmp.name}*"):
-                shutil.rmtree(p, ignore_errors=True)
+            _remove_scratch(tmp)
         raise
     return path
+
+
+def _remove_scratch(tmp: Path) -> None:
+    """Remove ``tmp`` and Orbax's unfinished saves beside it (``tmp.partial_save*``,
+    ``tmp.orbax-checkpoint-tmp*``), nothing else: a user's ``NAME.kdsa-tmp.bak`` stays."""
+    for p in [tmp, *(q for suffix in (".partial_save", ".orbax-checkpoint-tmp")
+                     for q in tmp.parent.glob(f"{tmp.name}{suffix}*"))]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _storage_options(keypath, value):

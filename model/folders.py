@@ -88,8 +88,16 @@ def check_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     rules are in the module docstring). ``sources``: the paths the command reads."""
     dst = Path(dst).expanduser().absolute()
     real = dst.resolve()
+    scratch = f"{real.name}.kdsa-"  # the writers' temporary and set-aside siblings
     for src in sources:
         s = Path(src).expanduser().absolute().resolve()
+        near = next((p for p in (s, *s.parents) if p.parent == real.parent
+                     and p.name.startswith(scratch)), None)
+        if near is not None:  # (an interrupted run's leftovers there are removed)
+            where = "one of them" if near == s else "inside one"
+            raise DestinationError(f"{dst}: writing it uses the scratch folders {dst}.kdsa-*, "
+                                   f"and the source {src} is {where}; rename the source or "
+                                   f"write elsewhere")
         if real == s:
             raise DestinationError(f"{dst}: is the source of this command; write to another "
                                    f"folder")

@@ -213,7 +213,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
     cases = [(["--prompts", str(tmp_path / "missing.jsonl")], "no such file"),
              (["--prompts", str(prompts), "--temperature", "-1"], "temperature=-1"),
              (["--prompts", str(prompts), "--max-tokens", "0"], "max_tokens=0"),
-             (["--prompts", str(prompts), "--out", str(blocker / "out.jsonl")], "--out")]
+             (["--prompts", str(prompts), "--out", str(blocker / "out.jsonl")], "--out"),
+             # the results written over the prompts (the input was gone, exit 0)
+             (["--prompts", str(prompts), "--out", str(tmp_path / "." / "p.jsonl")],
+              "is the --prompts file")]
     for extra, what in cases:
         argv = ["generate", "--preset", "tiny", "--out", str(tmp_path / "o.jsonl"), *extra]
         assert main(argv) == 2, extra
@@ -230,6 +233,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
     assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
                  "--prompts", str(prompts), "--out", str(blocker / "r.json")]) == 2
     assert "--out" in _one_error_line(capsys, "quant-check")
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out", str(prompts)]) == 2
+    assert "is the --prompts file" in _one_error_line(capsys, "quant-check")
+    assert prompts.read_text() == json.dumps({"prompt": "hi"}) + "\n"
 
 
 def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):

@@ -97,6 +97,32 @@ def test_convert_destination_rules(tmp_path, capsys):
                                                           "other", "out"]
 
 
+def test_a_source_among_the_scratch_folders_is_refused(tmp_path, capsys):
+    """Writing DST uses scratch siblings ``DST.kdsa-*`` and removes an interrupted run's
+    leftovers there: a source named like one (or inside one) was deleted by the convert
+    itself. It is refused, and the cleanup removes only the writer's own names (a user's
+    ``DST.kdsa-tmp.bak`` stays)."""
+    from kdsa.model.checkpoint import _remove_scratch
+
+    src = tmp_path / "m.kdsa-tmp-hf"
+    shutil.copytree(DATA / "kimi_linear", src)
+    before = snapshot(tmp_path)
+    assert convert_cli("hf-to-orbax", src, tmp_path / "m") == 2
+    err = capsys.readouterr().err
+    assert "uses the scratch folders" in err and "is one of them" in err and \
+        err.count("\n") == 1, err
+    with pytest.raises(DestinationError, match="is inside one"):
+        check_destination(tmp_path / "m", sources=[src / "model.safetensors"])
+    assert snapshot(tmp_path) == before
+    check_destination(tmp_path / "n", sources=[src])  # another DST's scratch names: fine
+    keep = tmp_path / "out.kdsa-tmp.bak"
+    for d in (keep, tmp_path / "out.kdsa-tmp", tmp_path / "out.kdsa-tmp.partial_save",
+              tmp_path / "out.kdsa-tmp.orbax-checkpoint-tmp-12"):
+        d.mkdir()
+    _remove_scratch(tmp_path / "out.kdsa-tmp")
+    assert sorted(p.name for p in tmp_path.glob("out*")) == [keep.name]
+
+
 def test_check_destination_empty_folder_and_dangling_link(tmp_path):
     """An empty folder holds nothing to lose (accepted without ``overwrite``); a dangling link
     is refused even with it."""

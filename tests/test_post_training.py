@@ -177,6 +177,16 @@ def test_init_from_errors_are_one_line(work, tmp_path, capsys):
                  str(tmp_path / "r2")]) == 2
     assert "ids but the model vocabulary is 64" in capsys.readouterr().err
     assert not (tmp_path / "r").exists() and not (tmp_path / "r2").exists()
+    # starting from the run's own export folder: its export at the end replaced the weights
+    # the run started from (silently); refused before training
+    own = tmp_path / "r3"
+    shutil.copytree(conv, own / "model")
+    before = sorted((p.relative_to(own), p.stat().st_mtime_ns) for p in own.rglob("*"))
+    assert main(["train", "--init-from", str(own / "model"), "--steps", "1", "--run-dir",
+                 str(own)]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (after the run's header line)
+    assert err.startswith("kdsa train: error: ") and f"{own / 'model'}: is the source" in err
+    assert sorted((p.relative_to(own), p.stat().st_mtime_ns) for p in own.rglob("*")) == before
 
 
 def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):

@@ -34,6 +34,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
+from kdsa.model.folders import check_destination
 from kdsa.model.moe_mxfp4 import pack_expert_arrays, unpack_expert_arrays
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
@@ -211,7 +212,18 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
         meta.update({k: info[k] for k in SOURCE_FACTS if k in info})
     return ckpt.save_params(Path(run_dir) / "model", out,
                             ((k, (lambda a=a: a)) for k, a in flat.items()),
-                            metadata=meta, overwrite=True, extra_files=tok)
+                            metadata=meta, overwrite=True, extra_files=tok,
+                            sources=() if tokenizer_from is None else (tokenizer_from,))
+
+
+def check_export_destination(run_dir: str | os.PathLike,
+                             init_from: str | os.PathLike | None) -> None:
+    """Before a run computes anything: its export ``RUN_DIR/model`` may replace an earlier
+    export, never the folder the run starts from (``--init-from RUN_DIR/model`` was silently
+    overwritten by the run's own export), nor a folder that holds or lies inside it
+    (``kdsa.model.folders.check_destination``)."""
+    check_destination(Path(run_dir) / "model", overwrite=True,
+                      sources=() if init_from is None else (init_from,))
 
 
 def export_run(run_dir: str | os.PathLike, config: ModelConfig, graphdef, state, *, step: int,

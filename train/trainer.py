@@ -36,7 +36,8 @@ from kdsa.model.transformer import Transformer, abstract_model
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
-from kdsa.train.init_from import export_run, init_from_path, initial_state, resumed_origin
+from kdsa.train.init_from import (check_export_destination, export_run, init_from_path,
+                                  initial_state, resumed_origin)
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter, mfu
 from kdsa.train.optim import make_optimizer
@@ -190,6 +191,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     # writable, room for the checkpoints, a run dir if resumed: before compiling
     check_run_dir(run_dir, state_bytes(template) if jax.process_index() == 0 else 0,
                   tc.keep_checkpoints, resume=resume)
+    check_export_destination(run_dir, init_from)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)

@@ -54,8 +54,8 @@ from kdsa.model.outputs import layers_of
 from kdsa.sharding.mesh import check_layout, fit_layout
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
-from kdsa.train.init_from import (export_run, init_from_path, initial_state, resumed_origin,
-                                   tokenizer_folder)
+from kdsa.train.init_from import (check_export_destination, export_run, init_from_path,
+                                  initial_state, resumed_origin, tokenizer_folder)
 from kdsa.progress import Progress
 from kdsa.train.metrics import MetricsWriter
 from kdsa.train.placement import Placement
@@ -122,6 +122,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     # takes part (the verdict is agreed), process 0 asks for the room
     check_run_dir(run_dir, state_bytes(template) if writes else 0, tc.keep_checkpoints + 1,
                   resume=resume)
+    check_export_destination(run_dir, init_from)
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     layout = abstract.segment_layout
