@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import TYPE_CHECKING
@@ -60,8 +61,8 @@ def _is_a(v, want) -> bool:
         return isinstance(v, bool)
     if want is int:
         return isinstance(v, int) and not isinstance(v, bool)
-    if want is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+    if want is float:  # finite: Infinity in a config.json made every logit NaN or 0
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if typing.get_origin(want) is tuple:
         if not isinstance(v, (tuple, list)):
             return False
@@ -80,7 +81,8 @@ def _describe(want) -> str:
         return "null"
     if typing.get_origin(want) is tuple:
         return "a list of integers"
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    names = {int: "an integer", float: "a finite number", str: "a string",
+             bool: "true or false"}
     return names.get(want, getattr(want, "__name__", str(want)))
 
 
@@ -127,6 +129,8 @@ def validate_model_config(c: ModelConfig) -> None:
         raise ValueError("activation_situ_linear_beta must be None or > 0")
     if c.rms_norm_eps <= 0:
         raise ValueError(f"rms_norm_eps must be > 0, got {c.rms_norm_eps}")
+    if c.rope_theta <= 0:
+        raise ValueError(f"rope_theta must be > 0, got {c.rope_theta}")
     # layer lists
     lac, n = c.linear_attn_config, c.num_hidden_layers
     kda, full = lac.kda_layers, lac.full_attn_layers

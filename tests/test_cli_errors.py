@@ -50,8 +50,15 @@ def test_null_and_wrongly_typed_fields_are_named():
     hf = get_preset("tiny").to_hf_config()
     with pytest.raises(ValueError, match=r"no value for vocab_size \(missing or null\)"):
         ModelConfig.from_hf_config(dict(hf, vocab_size=None))
-    with pytest.raises(ValueError, match="rms_norm_eps must be a number, got 'x'"):
+    with pytest.raises(ValueError, match="rms_norm_eps must be a finite number, got 'x'"):
         ModelConfig.from_hf_config(dict(hf, rms_norm_eps="x"))
+    # Infinity (JSON's extension) converted into a model whose every logit was NaN or 0, a
+    # rope_theta of 0 or below into other logits
+    for key in ("routed_scaling_factor", "rms_norm_eps"):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number, got inf"):
+            ModelConfig.from_hf_config(dict(hf, **{key: float("inf")}))
+    with pytest.raises(ValueError, match="rope_theta must be > 0, got 0"):
+        ModelConfig.from_hf_config(dict(hf, rope_theta=0))
     with pytest.raises(ValueError, match="rope_scaling must be an object"):
         ModelConfig.from_hf_config(dict(hf, rope_scaling="yarn"))
     with pytest.raises(ValueError, match="kda_layers must be a list of integers"):
