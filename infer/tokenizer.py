@@ -312,7 +312,14 @@ def load_tokenizer(path: str | Path | None, *, vocab_size: int,
             raise ValueError(f"{path}: no tiktoken.model or tokenizer.json in this folder")
     if not p.is_file():
         raise ValueError(f"tokenizer {path}: no such file")
-    tok: Tokenizer = HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p, flavor)
+    try:
+        tok: Tokenizer = HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p, flavor)
+    except ValueError as e:
+        raise ValueError(f"tokenizer {p}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- the parsers' own errors (tokenizers raises a bare
+        # Exception("Model missing"), a malformed file AttributeError or TypeError)
+        raise ValueError(f"tokenizer {p}: not a tokenizer file this kdsa reads "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
     if tok.vocab_size > vocab_size:
         raise ValueError(f"tokenizer {p} has {tok.vocab_size} ids but the model vocabulary is "
                          f"{vocab_size}")

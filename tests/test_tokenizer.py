@@ -238,3 +238,15 @@ def test_load_tokenizer_dispatch(rank_file, hf_file):
         load_tokenizer(path, vocab_size=300)
     with pytest.raises(ValueError, match="no such file"):
         load_tokenizer(path.parent / "missing.model", vocab_size=10**6)
+    # files that do not parse: one ValueError naming the file (tracebacks before: tokenizers'
+    # bare Exception("Model missing"), an AttributeError, "max() iterable argument is empty")
+    bad = hf_file.parent / "bad"
+    bad.mkdir()
+    for name, text in (("tokenizer.json", "{}"), ("tokenizer.json", "[]"),
+                       ("tokenizer.json", '{"added_tokens": [1]}'), ("tokenizer.json", "{"),
+                       ("tiktoken.model", "")):
+        for old in bad.iterdir():
+            old.unlink()
+        (bad / name).write_text(text)
+        with pytest.raises(ValueError, match=f"^tokenizer {bad / name}: "):
+            load_tokenizer(bad, vocab_size=10**6)
