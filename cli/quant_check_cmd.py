@@ -70,8 +70,20 @@ def run(args) -> int:
 
     prompts_file(args.prompts)
     config, _ = read_info(args.reference)  # a clear error for a folder that is no model
-    if args.candidate is not None:
-        read_info(args.candidate)
+    if args.candidate is not None:  # the same model stored otherwise, checked before either runs
+        from kdsa.train.init_from import same_architecture
+
+        candidate, _ = read_info(args.candidate)
+        # (dtypes, kernels and the experts' storage may differ: that is what is compared)
+        if not same_architecture(config, candidate.replace(param_dtype=config.param_dtype)):
+            ref, cand = config.to_hf_config(), candidate.to_hf_config()
+            differ = [k for k in sorted(ref.keys() | cand.keys()) if ref.get(k) != cand.get(k)
+                      and k not in ("quantization_config", "torch_dtype")][:4]
+            raise ValueError(f"--candidate {args.candidate}: another model than --reference "
+                             f"(differs in {', '.join(differ) or 'its architecture'}); "
+                             f"quant-check compares one model stored two ways")
+    elif not config.num_experts or config.expert_weight_format == "mxfp4":
+        raise ValueError("--candidate-experts mxfp4 needs a reference with bf16 routed experts")
     if jax.process_index() == 0:  # the outputs ready before the two models run, not after
         output_file(Path(args.out), "--out", inputs=(("--prompts", args.prompts),))
         if args.html is not None:

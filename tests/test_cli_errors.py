@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -236,7 +237,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
                  str(tmp_path / "new" / "dir" / "r.json")]) == 2  # no model there: nothing made
     assert not (tmp_path / "new").exists() and "no_model" in _one_error_line(
         capsys, "quant-check")
-    monkeypatch.setattr(ckpt, "read_info", lambda path: (None, {}))  # (a model there)
+    tiny = get_preset("tiny")
+    monkeypatch.setattr(ckpt, "read_info", lambda path: (  # (a model there)
+        {"mx": tiny.replace(expert_weight_format="mxfp4"),
+         "wider": tiny.replace(intermediate_size=128)}.get(Path(path).name, tiny), {}))
     assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
                  "--prompts", str(prompts), "--out", str(blocker / "r.json")]) == 2
     assert "--out" in _one_error_line(capsys, "quant-check")
@@ -244,6 +248,16 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
                  "--prompts", str(prompts), "--out", str(prompts)]) == 2
     assert "is the --prompts file" in _one_error_line(capsys, "quant-check")
     assert prompts.read_text() == json.dumps({"prompt": "hi"}) + "\n"
+    # another model as the candidate (an IndexError traceback after both models ran, or a
+    # meaningless report), MXFP4 experts made of MXFP4 experts (refused after the reference ran)
+    out = str(tmp_path / "r.json")
+    assert main(["quant-check", "--reference", str(ref), "--candidate", str(tmp_path / "wider"),
+                 "--prompts", str(prompts), "--out", out]) == 2
+    assert "another model than --reference (differs in intermediate_size)" in _one_error_line(
+        capsys, "quant-check")
+    assert main(["quant-check", "--reference", str(tmp_path / "mx"), "--candidate-experts",
+                 "mxfp4", "--prompts", str(prompts), "--out", out]) == 2
+    assert "needs a reference with bf16 routed experts" in _one_error_line(capsys, "quant-check")
 
 
 def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):
