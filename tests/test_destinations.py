@@ -212,6 +212,20 @@ def test_malformed_config_and_index_are_one_line(tmp_path, capsys):
     assert convert_cli("hf-to-orbax", src, tmp_path / "b") == 2
     err = capsys.readouterr().err
     assert "not a safetensors index" in err and err.count("\n") == 1, err
+    # fields of the wrong JSON type: one line (TypeErrors before), and a header dtype that
+    # is not a string ("unhashable type: 'list'")
+    (src / "model.safetensors.index.json").unlink()  # (one file: no index)
+    good = json.loads((DATA / "kimi_linear" / "config.json").read_text())
+    for key, value in (("kdsa", [1]), ("layer_types", 5), ("mlp_layer_types", 5)):
+        (src / "config.json").write_text(json.dumps(dict(good, **{key: value})))
+        assert convert_cli("hf-to-orbax", src, tmp_path / "c", "--dry-run") == 2, key
+        err = capsys.readouterr().err
+        assert f"config {key} must be" in err and err.count("\n") == 1, err
+    from kdsa.train.convert.safetensors_io import SafetensorsError, _parse_entry
+
+    with pytest.raises(SafetensorsError, match="unknown dtype"):
+        _parse_entry(src / "x.safetensors", "t", {"dtype": ["BF16"], "shape": [1],
+                                                  "data_offsets": [0, 2]}, 0)
 
 
 @pytest.mark.parametrize("named_in", ["tokenizer_config.json", "config.json"])

@@ -123,7 +123,7 @@ def _parse_entry(path: Path, name: str, entry, data_start: int) -> TensorInfo:
     if not isinstance(entry, dict) or {"dtype", "shape", "data_offsets"} - entry.keys():
         raise SafetensorsError(f"{bad}: {entry!r}")
     dtype, shape, offs = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise SafetensorsError(f"{bad}: unknown dtype {dtype!r}")
     if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
             or not isinstance(offs, list) or len(offs) != 2

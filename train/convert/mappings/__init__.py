@@ -188,6 +188,11 @@ def normalize_hf_config(hf: dict, layout: Layout | None = None) -> dict:
     then the layout's ``defaults`` for fields its configs leave implicit.
     """
     d = dict(hf.get("text_config") or hf)
+    for key, want in (("mlp_layer_types", list), ("layer_types", list), ("kdsa", dict),
+                      ("rope_parameters", dict), ("linear_attn_config", dict)):
+        if d.get(key) is not None and not isinstance(d[key], want):  # (TypeErrors below)
+            raise ValueError(f"config {key} must be {'a list' if want is list else 'an object'}"
+                             f", got {d[key]!r}")
     if hf.get("vision_config") and "vision_config" not in d:  # K3 / K2.5 wrapper level
         d["vision_config"] = hf["vision_config"]
     for key, value in (layout.defaults if layout is not None else ()):
