@@ -7,7 +7,8 @@ anything is read or written, whether that is allowed (:func:`replace_folder` doe
 
 * ``DST`` may not be a source of the command, contain one (a parent folder) or lie inside one,
   whatever ``overwrite`` says: paths are compared after ``Path.resolve()``, so symbolic links
-  and ``..`` do not hide the overlap;
+  and ``..`` do not hide the overlap; nor may a source be or lie inside one of ``DST``'s
+  scratch siblings ``DST.kdsa-*`` (the writers' temporary folders, cleaned before a write);
 * a ``DST`` that does not exist, or is an empty folder, is fine;
 * any other existing ``DST`` needs ``overwrite`` (``--overwrite``), and even then only a kdsa
   model folder (an Orbax checkpoint with kdsa metadata) or a Hugging Face checkpoint folder
