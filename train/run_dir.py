@@ -47,11 +47,13 @@ def _folder_bytes(path: Path) -> int:
 
 
 def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
-                  checkpoints: str = "checkpoints", resume: bool = False) -> None:
+                  checkpoints: str = "checkpoints", resume: bool = False,
+                  also=None) -> None:
     """Raise ``ValueError`` unless ``run_dir`` is writable and has room for ``keep + 1``
     checkpoints of ``checkpoint_bytes`` (``run_dir/checkpoints`` already counts as room), and
     with ``resume`` unless it is a run directory rather than one of the folders inside one
-    (:func:`_inside_a_run`). In a
+    (:func:`_inside_a_run`), and unless ``also()`` (another check of the run's folders, e.g.
+    ``init_from.check_export_destination``) raises. In a
     job of several processes every process raises when any one's check failed (one process
     alone exiting left the others waiting in the job's first collective): every process must
     call it, with ``checkpoint_bytes`` 0 where another process asks for the room."""
@@ -60,6 +62,8 @@ def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
         _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
         if resume:
             _inside_a_run(Path(run_dir), checkpoints)
+        if also is not None:
+            also()
     except ValueError as e:
         error = e
     except OSError as e:  # (a stale mount, a missing permission: every process must hear)

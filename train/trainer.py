@@ -190,8 +190,8 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     template = jax.eval_shape(build)
     # writable, room for the checkpoints, a run dir if resumed: before compiling
     check_run_dir(run_dir, state_bytes(template) if jax.process_index() == 0 else 0,
-                  tc.keep_checkpoints, resume=resume)
-    check_export_destination(run_dir, init_from)
+                  tc.keep_checkpoints, resume=resume,
+                  also=lambda: check_export_destination(run_dir, init_from))
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)

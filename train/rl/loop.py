@@ -121,8 +121,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     # writable, room for the checkpoints (and the reference): before compiling; every process
     # takes part (the verdict is agreed), process 0 asks for the room
     check_run_dir(run_dir, state_bytes(template) if writes else 0, tc.keep_checkpoints + 1,
-                  resume=resume)
-    check_export_destination(run_dir, init_from)
+                  resume=resume, also=lambda: check_export_destination(run_dir, init_from))
     ckpt = Checkpointer(run_dir / "checkpoints", every=tc.checkpoint_every,
                         keep=tc.keep_checkpoints)
     layout = abstract.segment_layout
