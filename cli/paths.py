@@ -29,7 +29,8 @@ def output_file(path: Path, flag: str, inputs: tuple = ()) -> Path:
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a folder, not a file")
     for other_flag, other in inputs:
-        if path.exists() and Path(other).exists() and os.path.samefile(path, other):
+        if (os.path.samefile(path, other) if path.exists() and Path(other).exists()
+                else path.resolve() == Path(other).resolve()):
             raise ValueError(f"{flag} {path}: is the {other_flag} file; writing it would "
                              f"replace the input with the results")
     try:

@@ -316,6 +316,8 @@ def load_tokenizer(path: str | Path | None, *, vocab_size: int,
         tok: Tokenizer = HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p, flavor)
     except ValueError as e:
         raise ValueError(f"tokenizer {p}: {e}") from None
+    except OSError:  # (cannot be read: its own error says why)
+        raise
     except Exception as e:  # noqa: BLE001 -- the parsers' own errors (tokenizers raises a bare
         # Exception("Model missing"), a malformed file AttributeError or TypeError)
         raise ValueError(f"tokenizer {p}: not a tokenizer file this kdsa reads "

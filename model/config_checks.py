@@ -62,7 +62,10 @@ def _is_a(v, want) -> bool:
     if want is int:
         return isinstance(v, int) and not isinstance(v, bool)
     if want is float:  # finite: Infinity in a config.json made every logit NaN or 0
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        try:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        except OverflowError:  # an integer too large for a float
+            return False
     if typing.get_origin(want) is tuple:
         if not isinstance(v, (tuple, list)):
             return False

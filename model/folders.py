@@ -89,10 +89,11 @@ def check_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     rules are in the module docstring). ``sources``: the paths the command reads."""
     dst = Path(dst).expanduser().absolute()
     real = dst.resolve()
-    scratch = f"{real.name}.kdsa-"  # the writers' temporary and set-aside siblings
+    scratch = f"{dst.name}.kdsa-"  # the writers' temporary and set-aside siblings: beside
+    parent = dst.parent.resolve()  # DST's own name (a link's, not its target's)
     for src in sources:
         s = Path(src).expanduser().absolute().resolve()
-        near = next((p for p in (s, *s.parents) if p.parent == real.parent
+        near = next((p for p in (s, *s.parents) if p.parent == parent
                      and p.name.startswith(scratch)), None)
         if near is not None:  # (an interrupted run's leftovers there are removed)
             where = "one of them" if near == s else "inside one"

@@ -58,6 +58,8 @@ def test_null_and_wrongly_typed_fields_are_named():
     for key in ("routed_scaling_factor", "rms_norm_eps"):
         with pytest.raises(ValueError, match=f"{key} must be a finite number, got inf"):
             ModelConfig.from_hf_config(dict(hf, **{key: float("inf")}))
+    with pytest.raises(ValueError, match="rms_norm_eps must be a finite number"):
+        ModelConfig.from_hf_config(dict(hf, rms_norm_eps=10 ** 400))  # (OverflowError before)
     with pytest.raises(ValueError, match="rope_theta must be > 0, got 0"):
         ModelConfig.from_hf_config(dict(hf, rope_theta=0))
     with pytest.raises(ValueError, match="rope_scaling must be an object"):
@@ -247,6 +249,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
     assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
                  "--prompts", str(prompts), "--out", str(prompts)]) == 2
     assert "is the --prompts file" in _one_error_line(capsys, "quant-check")
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out", str(tmp_path / "r1.json"), "--html",
+                 str(tmp_path / "r1.json")]) == 2  # (neither exists yet)
+    assert "--html" in _one_error_line(capsys, "quant-check")
     assert prompts.read_text() == json.dumps({"prompt": "hi"}) + "\n"
     # another model as the candidate (an IndexError traceback after both models ran, or a
     # meaningless report), MXFP4 experts made of MXFP4 experts (refused after the reference ran)
@@ -417,3 +423,27 @@ def test_resume_into_a_folder_inside_a_run_is_refused(tmp_path):
             run_dir.check_run_dir(inside, 1, keep=1, resume=True)
         run_dir.check_run_dir(inside, 1, keep=1)  # a new run there is what was asked for
     run_dir.check_run_dir(run, 1, keep=1, resume=True)
+
+
+def test_the_export_never_lands_on_the_folder_a_run_starts_from(tmp_path):
+    """``RUN_DIR/model`` may not be the folder the weights are read from, lie inside it or
+    among its scratch siblings; a run directory nested in the run it starts from is fine (its
+    newest step is what is read)."""
+    from kdsa.model.folders import DestinationError
+    from kdsa.train.init_from import check_export_destination
+
+    sft = tmp_path / "sft"
+    step = sft / "checkpoints" / "6"
+    for d in ("state", "meta"):
+        (step / d).mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (sft / "model").mkdir()
+    (sft / "model" / "_CHECKPOINT_METADATA").write_text("{}")
+    check_export_destination(sft / "rl", sft)  # reads sft/checkpoints/6
+    check_export_destination(tmp_path / "rl", sft / "model")
+    check_export_destination(tmp_path / "rl", None)
+    for run, start in ((sft, sft / "model"), (sft / "model" / "x", sft / "model"),
+                       (sft / "checkpoints" / "6", step)):
+        with pytest.raises(DestinationError, match="the run's export would be written over or "
+                                                   "into"):
+            check_export_destination(run, start)

@@ -115,6 +115,15 @@ def test_a_source_among_the_scratch_folders_is_refused(tmp_path, capsys):
         check_destination(tmp_path / "m", sources=[src / "model.safetensors"])
     assert snapshot(tmp_path) == before
     check_destination(tmp_path / "n", sources=[src])  # another DST's scratch names: fine
+    real = tmp_path / "real"  # a kdsa model folder (its metadata is what tells)
+    real.mkdir()
+    (real / "_CHECKPOINT_METADATA").write_text('{"custom_metadata": {"kdsa": {}}}')
+    (tmp_path / "link").symlink_to(real)  # the writers' scratch sits beside the link's name
+    for name in ("link.kdsa-tmp", "real.kdsa-old"):
+        (tmp_path / name).mkdir()
+    with pytest.raises(DestinationError, match="is one of them"):
+        check_destination(tmp_path / "link", sources=[tmp_path / "link.kdsa-tmp"])
+    check_destination(tmp_path / "link", sources=[tmp_path / "real.kdsa-old"], overwrite=True)
     keep = tmp_path / "out.kdsa-tmp.bak"
     for d in (keep, tmp_path / "out.kdsa-tmp", tmp_path / "out.kdsa-tmp.partial_save",
               tmp_path / "out.kdsa-tmp.orbax-checkpoint-tmp-12"):

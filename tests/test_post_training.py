@@ -185,7 +185,8 @@ def test_init_from_errors_are_one_line(work, tmp_path, capsys):
     assert main(["train", "--init-from", str(own / "model"), "--steps", "1", "--run-dir",
                  str(own)]) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # (after the run's header line)
-    assert err.startswith("kdsa train: error: ") and f"{own / 'model'}: is the source" in err
+    assert err.startswith("kdsa train: error: ") and f"{own / 'model'}: the run's export would " \
+        "be written over or into" in err
     assert sorted((p.relative_to(own), p.stat().st_mtime_ns) for p in own.rglob("*")) == before
 
 

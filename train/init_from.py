@@ -34,7 +34,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import check_destination
+from kdsa.model.folders import DestinationError
 from kdsa.model.moe_mxfp4 import pack_expert_arrays, unpack_expert_arrays
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
@@ -212,18 +212,30 @@ def export_model(run_dir: str | os.PathLike, config: ModelConfig, graphdef, stat
         meta.update({k: info[k] for k in SOURCE_FACTS if k in info})
     return ckpt.save_params(Path(run_dir) / "model", out,
                             ((k, (lambda a=a: a)) for k, a in flat.items()),
-                            metadata=meta, overwrite=True, extra_files=tok,
-                            sources=() if tokenizer_from is None else (tokenizer_from,))
+                            metadata=meta, overwrite=True, extra_files=tok)
 
 
 def check_export_destination(run_dir: str | os.PathLike,
                              init_from: str | os.PathLike | None) -> None:
-    """Before a run computes anything: its export ``RUN_DIR/model`` may replace an earlier
-    export, never the folder the run starts from (``--init-from RUN_DIR/model`` was silently
-    overwritten by the run's own export), nor a folder that holds or lies inside it
-    (``kdsa.model.folders.check_destination``)."""
-    check_destination(Path(run_dir) / "model", overwrite=True,
-                      sources=() if init_from is None else (init_from,))
+    """Before a run computes anything, and again before its export: ``RUN_DIR/model`` may
+    replace an earlier export, never the folder the run's weights are read from
+    (``--init-from RUN_DIR/model`` was silently overwritten by the run's own export), nor be
+    written inside it or among its scratch siblings (``model.kdsa-*``). The folder read is the
+    one ``init_from`` names (``kdsa.model.folders.locate``: a run directory names its newest
+    step), so a run directory nested in the run it starts from is fine."""
+    if init_from is None:
+        return
+    export = (Path(run_dir) / "model").absolute()
+    try:
+        read = ckpt.locate(init_from)[0].resolve()
+    except ValueError:  # (no such folder: loading it says so)
+        return
+    target = export.parent.resolve() / export.name
+    if (read == target or read.is_relative_to(target) or target.is_relative_to(read)
+            or (read.parent == target.parent and read.name.startswith(f"{target.name}.kdsa-"))):
+        raise DestinationError(f"{export}: the run's export would be written over or into "
+                               f"{read}, the folder its weights start from; use another "
+                               f"--run-dir, or start from a copy")
 
 
 def export_run(run_dir: str | os.PathLike, config: ModelConfig, graphdef, state, *, step: int,
@@ -231,6 +243,7 @@ def export_run(run_dir: str | os.PathLike, config: ModelConfig, graphdef, state,
     """The end of a finished ``train`` / ``rl`` run: :func:`export_model` with the run's
     expert format (:func:`export_format`), ``init_from``'s tokenizer, the step in the
     metadata; says where."""
+    check_export_destination(run_dir, init_from)  # (a resumed run's recorded origin)
     path = export_model(run_dir, config, graphdef, state,
                         experts=export_format(init_from, export_experts),
                         tokenizer_from=init_from,
