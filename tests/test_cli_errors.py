@@ -403,18 +403,24 @@ def test_read_metrics_gives_every_logged_step(tmp_path):
     assert read_metrics(tmp_path / "none.jsonl") == []
 
 
+def _fake_run(run):
+    """A run directory's folder layout (no arrays): step 6 in ``checkpoints``, a ``model``."""
+    step = run / "checkpoints" / "6"
+    for d in ("state", "meta"):
+        (step / d).mkdir(parents=True)
+    for folder in (step, run / "model"):
+        folder.mkdir(exist_ok=True)
+        (folder / "_CHECKPOINT_METADATA").write_text("{}")
+    return run
+
+
 def test_resume_into_a_folder_inside_a_run_is_refused(tmp_path):
     """``--resume --run-dir RUN/model`` (or ``RUN/checkpoints``, or a step in it) found no
     checkpoint there and started a new run inside that folder; it is refused, naming RUN."""
     from kdsa.train import run_dir
 
-    run = tmp_path / "run"
+    run = _fake_run(tmp_path / "run")
     step = run / "checkpoints" / "6"
-    for d in ("state", "meta"):
-        (step / d).mkdir(parents=True)
-    (step / "_CHECKPOINT_METADATA").write_text("{}")
-    (run / "model").mkdir()
-    (run / "model" / "_CHECKPOINT_METADATA").write_text("{}")
     for inside, what in ((run / "model", "checkpoint or model folder"),
                          (run / "checkpoints", "folder of training checkpoints"),
                          (step, "checkpoint or model folder")):
@@ -432,13 +438,8 @@ def test_the_export_never_lands_on_the_folder_a_run_starts_from(tmp_path):
     from kdsa.model.folders import DestinationError
     from kdsa.train.init_from import check_export_destination
 
-    sft = tmp_path / "sft"
+    sft = _fake_run(tmp_path / "sft")
     step = sft / "checkpoints" / "6"
-    for d in ("state", "meta"):
-        (step / d).mkdir(parents=True)
-    (step / "_CHECKPOINT_METADATA").write_text("{}")
-    (sft / "model").mkdir()
-    (sft / "model" / "_CHECKPOINT_METADATA").write_text("{}")
     check_export_destination(sft / "rl", sft)  # reads sft/checkpoints/6
     check_export_destination(tmp_path / "rl", sft / "model")
     check_export_destination(tmp_path / "rl", None)
