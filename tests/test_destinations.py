@@ -221,6 +221,12 @@ def test_malformed_config_and_index_are_one_line(tmp_path, capsys):
     assert convert_cli("hf-to-orbax", src, tmp_path / "b") == 2
     err = capsys.readouterr().err
     assert "not a safetensors index" in err and err.count("\n") == 1, err
+    for shard in ("../hf/model.safetensors", "/etc/hostname"):  # shards outside the folder
+        (src / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"model.embed_tokens.weight": shard}}))
+        assert convert_cli("hf-to-orbax", src, tmp_path / "b") == 2, shard
+        err = capsys.readouterr().err
+        assert "is not a file name in this folder" in err and err.count("\n") == 1, err
     # fields of the wrong JSON type: one line (TypeErrors before), and a header dtype that
     # is not a string ("unhashable type: 'list'")
     (src / "model.safetensors.index.json").unlink()  # (one file: no index)

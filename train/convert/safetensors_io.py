@@ -187,7 +187,11 @@ class SafetensorsCheckpoint:
                 if not isinstance(weight_map, dict) or not all(
                         isinstance(v, str) for v in weight_map.values()):
                     raise TypeError("weight_map is not an object of file names")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                outside = [v for v in weight_map.values()
+                           if Path(v).name != v or v in ("", ".", "..")]
+                if outside:  # a shard is a file of this folder, not a path out of it
+                    raise TypeError(f"shard {outside[0]!r} is not a file name in this folder")
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
                 raise SafetensorsError(f"{index_path}: not a safetensors index ({e!r})") from None
             shard_names = sorted(set(weight_map.values()))
         else:
