@@ -88,25 +88,20 @@ def check_destination(dst: str | os.PathLike, *, sources: Iterable[str | os.Path
     """``dst`` made absolute, or :class:`DestinationError` when writing it is refused (the
     rules are in the module docstring). ``sources``: the paths the command reads."""
     dst = Path(dst).expanduser().absolute()
-    real = dst.resolve()
-    scratch = f"{dst.name}.kdsa-"  # the writers' temporary and set-aside siblings: beside
-    parent = dst.parent.resolve()  # DST's own name (a link's, not its target's)
     for src in sources:
-        s = Path(src).expanduser().absolute().resolve()
-        near = next((p for p in (s, *s.parents) if p.parent == parent
-                     and p.name.startswith(scratch)), None)
-        if near is not None:  # (an interrupted run's leftovers there are removed)
-            where = "one of them" if near == s else "inside one"
+        how = write_overlap(dst, src)
+        if how in ("scratch", "in scratch"):  # (an interrupted run's leftovers there go)
+            where = "one of them" if how == "scratch" else "inside one"
             raise DestinationError(f"{dst}: writing it uses the scratch folders {dst}.kdsa-*, "
                                    f"and the source {src} is {where}; rename the source or "
                                    f"write elsewhere")
-        if real == s:
+        if how == "same":
             raise DestinationError(f"{dst}: is the source of this command; write to another "
                                    f"folder")
-        if s.is_relative_to(real):
+        if how == "contains":
             raise DestinationError(f"{dst}: contains the source {src}; replacing it would "
                                    f"delete the source")
-        if real.is_relative_to(s):
+        if how == "inside":
             raise DestinationError(f"{dst}: is inside the source {src}; write outside it")
     if not os.path.lexists(dst):
         return dst
@@ -259,6 +254,25 @@ def one_line(text: str) -> str:
                     text)[0]
     text = re.sub(r"<bound method [^>]*>?", "", text).strip().splitlines()
     return (text[0] if text else "")[:1000]  # one line; long paths must not cut the reason
+
+
+def write_overlap(dst: Path, src: str | os.PathLike) -> str | None:
+    """How writing the folder ``dst`` (absolute) would touch ``src``: ``"scratch"`` / ``"in
+    scratch"`` (``src`` is, or lies inside, one of ``dst``'s scratch siblings ``DST.kdsa-*``,
+    beside ``dst``'s own name: the writers' temporary and set-aside folders, cleaned before a
+    write), ``"same"``, ``"contains"`` (``src`` inside ``dst``), ``"inside"`` (``dst`` inside
+    ``src``), or None. Paths are compared after ``Path.resolve()``."""
+    real, parent = dst.resolve(), dst.parent.resolve()
+    s = Path(src).expanduser().absolute().resolve()
+    near = next((p for p in (s, *s.parents)
+                 if p.parent == parent and p.name.startswith(f"{dst.name}.kdsa-")), None)
+    if near is not None:
+        return "scratch" if near == s else "in scratch"
+    if real == s:
+        return "same"
+    if s.is_relative_to(real):
+        return "contains"
+    return "inside" if real.is_relative_to(s) else None
 
 
 def tmp_sibling(path: Path, tag: str) -> Path:

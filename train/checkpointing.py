@@ -217,7 +217,9 @@ class Checkpointer:
         """The start of a run writing here: None for a fresh run (refused with a ValueError
         when checkpoints exist, so two runs' steps never mix in one folder), else with
         ``resume`` the newest readable checkpoint (:meth:`restore_latest`) whose config matches
-        the run's (:func:`config_check`), None when there is none."""
+        the run's (:func:`config_check`); None (logged) when there is no checkpoint, a
+        ValueError when none is readable (a fresh start would drop the metrics and reference
+        of the run they belong to)."""
         steps = self.all_steps()
         if steps and not resume:
             raise ValueError(f"{self.directory.parent} already holds checkpoints (steps "
@@ -226,9 +228,14 @@ class Checkpointer:
         if not steps:  # an interrupted first save may have left its folder: removed at save
             self._log = log or _stderr
             self.find_unfinished(self._log)
+            if resume:
+                self._log(f"--resume: no checkpoint in {self.directory}; starting from step 0")
             return None
-        return self.restore_latest(template, log=log,
-                                   check=config_check(model_config, train_config, rl_config))
+        restored = self.restore_latest(template, log=log,
+                                       check=config_check(model_config, train_config, rl_config))
+        if restored is None:
+            raise ValueError(f"--resume: no readable checkpoint in {self.directory}")
+        return restored
 
     def restore_latest(self, template, *, log=None,
                        check: Callable[[Path, dict], None] | None = None

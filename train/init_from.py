@@ -34,7 +34,7 @@ from flax import nnx
 
 from kdsa.model import checkpoint as ckpt
 from kdsa.model.config import ModelConfig
-from kdsa.model.folders import DestinationError
+from kdsa.model.folders import DestinationError, write_overlap
 from kdsa.model.moe_mxfp4 import pack_expert_arrays, unpack_expert_arrays
 from kdsa.sharding.rules import layout_shardings
 from kdsa.train.config import TrainConfig
@@ -230,9 +230,7 @@ def check_export_destination(run_dir: str | os.PathLike,
         read = ckpt.locate(init_from)[0].resolve()
     except ValueError:  # (no such folder: loading it says so)
         return
-    target = export.parent.resolve() / export.name
-    if (read == target or read.is_relative_to(target) or target.is_relative_to(read)
-            or (read.parent == target.parent and read.name.startswith(f"{target.name}.kdsa-"))):
+    if write_overlap(export, read) is not None:
         raise DestinationError(f"{export}: the run's export would be written over or into "
                                f"{read}, the folder its weights start from; use another "
                                f"--run-dir, or start from a copy")

@@ -197,8 +197,6 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     place = Placement(mesh, graphdef, template, moe_capacity_factor=tc.moe_capacity_factor)
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict())
-    if restored is None and resume and ckpt.all_steps():
-        raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     origin = init_from_path(init_from)  # recorded in every checkpoint (orbax-to-hf reads it)
     fingerprint = getattr(data, "fingerprint", None)  # the rows the data index points into
     resumed_from = None
@@ -223,8 +221,6 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         origin = resumed_origin(meta.get("init_from"), origin, log)
         log(f"resumed from step {start} ({ckpt.directory / str(start)})")
     else:
-        if resume:
-            log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         # committed to the device(s) like a restored state, so both share one compiled step
         if init_from is not None:  # published weights, restored into the train layout
             start, data_index = 0, 0

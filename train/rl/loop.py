@@ -133,9 +133,6 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     restored = ckpt.restore_run(place.template(template), resume=resume, log=log,
                                 model_config=config.to_hf_config(), train_config=tc.to_dict(),
                                 rl_config=json.loads(json.dumps(rc.to_dict())))
-    if restored is None and resume and ckpt.all_steps():  # (a fresh start would drop the
-        # metrics and reference of the run these checkpoints belong to)
-        raise ValueError(f"--resume: no readable checkpoint in {ckpt.directory}")
     resumed_from = None
     if restored is not None:
         start, state, meta = restored
@@ -160,8 +157,6 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
         log(f"initialised from {init_from}")
     else:
         start, state = 0, place.initial(build, compiler_options)
-    if resume and resumed_from is None:
-        log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
     counter, before = int(meta0["task_counter"]), meta0["heldout_before"]
     before_d, after_d = meta0["heldout_before_by_domain"], None
 
