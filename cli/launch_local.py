@@ -7,7 +7,10 @@ Each process gets ``KDSA_COORDINATOR`` / ``KDSA_NUM_PROCESSES`` / ``KDSA_PROCESS
 start with the program name, as torchrun users type it (``-- kdsa train ...`` and
 ``-- train ...`` are the same). ``--module`` runs another module than the kdsa CLI
 (the test suite's multi-host checks). When one process fails the others are
-stopped and the command exits with that process's status (no hang).
+stopped and the command exits with that process's status (no hang); a process killed by a
+signal (the kernel's out-of-memory killer: SIGKILL) is named as such, and the command exits
+with 128 + its number, as a shell does. Every process's last lines are printed before the
+command returns.
 
 SIGTERM or Ctrl-C to the launcher (a scheduler's preemption notice) is forwarded to every
 process, and the launcher waits up to ``--stop-timeout`` seconds while they finish their step,
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 _GRACE_S = 5  # after a failure: seconds between SIGTERM and SIGKILL for the rest
+_DRAIN_S = 5  # at the end: seconds to print what the processes wrote last
 _PROGRAM_NAMES = ("kdsa", "kdsa.cli.main")
 
 def register(sub) -> None:
@@ -72,7 +76,7 @@ def run(args) -> int:
     if not cmd:
         raise ValueError("no command given after --")
     port = _free_port()
-    procs = []
+    procs, pumps = [], []
     for pid in range(args.processes):
         env = dict(os.environ, KDSA_COORDINATOR=f"127.0.0.1:{port}",
                    KDSA_NUM_PROCESSES=str(args.processes), KDSA_PROCESS_ID=str(pid),
@@ -84,7 +88,8 @@ def run(args) -> int:
         proc = subprocess.Popen([sys.executable, "-m", args.module, *cmd], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        threading.Thread(target=_pump, args=(proc, f"[p{pid}]"), daemon=True).start()
+        pumps.append(threading.Thread(target=_pump, args=(proc, f"[p{pid}]"), daemon=True))
+        pumps[-1].start()
         procs.append(proc)
     stop = _Forwarder(procs)
     start, status = time.monotonic(), 0
@@ -97,8 +102,9 @@ def run(args) -> int:
                 failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     i, status = failed[0]
-                    print(f"[launch-local] process {i} exited with {status}; stopping the "
-                          f"others", file=sys.stderr)
+                    print(f"[launch-local] process {i} {_how(status)}; stopping the others",
+                          file=sys.stderr)
+                    status = 128 - status if status < 0 else status
                     break
                 if all(c == 0 for c in codes):
                     return 0
@@ -110,7 +116,29 @@ def run(args) -> int:
                 time.sleep(0.1)
     finally:
         _stop_all(procs, _GRACE_S)
+        _drain(pumps, _DRAIN_S)
     return status if status > 0 else 1
+
+
+def _how(code: int) -> str:
+    """How a process ended, from its return code (-N: killed by signal N)."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
+
+
+def _drain(pumps, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for the output threads to print the processes'
+    last lines (their pipes end when the processes have exited; a child process of theirs
+    still holding a pipe open is not waited for)."""
+    deadline = time.monotonic() + timeout
+    for t in pumps:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Forwarder:
@@ -164,7 +192,8 @@ def _wait_stopped(procs, stop: _Forwarder, timeout: float) -> int:
               file=sys.stderr)
     _stop_all(procs, 0)
     codes = {p.returncode for p in procs}
-    return codes.pop() if len(codes) == 1 and not late else 128 + stop.signum
+    code = codes.pop() if len(codes) == 1 and not late else 128 + stop.signum
+    return 128 - code if code < 0 else code
 
 
 def _stop_all(procs, grace_s: float) -> None:

@@ -53,6 +53,28 @@ def test_launch_local_stops_the_others_when_one_process_fails():
     assert elapsed < 45
 
 
+def test_a_process_killed_by_a_signal_is_named_and_the_job_exits_128_plus_it(tmp_path):
+    """Process 1 killed by SIGKILL (what the out-of-memory killer sends): the launcher names the
+    signal (it printed "exited with -9"), exits 137 as a shell would (it exited 1), and prints
+    the last lines both processes wrote."""
+    (tmp_path / "dies.py").write_text(
+        "import os, signal, time\n"
+        "me = os.environ['KDSA_PROCESS_ID']\n"
+        "for i in range(5000):\n"
+        "    print(f'p{me} line {i}')\n"  # more than a pipe holds
+        "print(f'p{me} last line', flush=True)\n"
+        "if me == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n")
+    cmd = [sys.executable, "-m", "kdsa.cli.main", "launch-local", "--processes", "2",
+           "--timeout", "60", "--module", "dies", "--", "x"]
+    proc = subprocess.run(cmd, env=launch_env(PYTHONPATH=str(tmp_path)), capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 128 + 9, (proc.returncode, proc.stderr[-2000:])
+    assert "process 1 was killed by SIGKILL (out of memory?); stopping the others" in proc.stderr
+    assert "[p0] p0 last line" in proc.stdout and "[p1] p1 last line" in proc.stdout
+
+
 def test_jobcheck_steps_and_the_cross_process_count():
     """``jobcheck``'s step splitting, and its count of moves whose shards change process
     (the 2-process test asserts most arrays do): fake devices of 2 processes x 2."""
