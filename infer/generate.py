@@ -34,6 +34,7 @@ from kdsa.infer.budget import BudgetConfig, check_effort
 from kdsa.infer.chat import get_format, messages_from_openai, next_call_index, tools_from_openai
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.infer.engine import Engine, EngineDead, Request
+from kdsa.infer.jsonl import read_lines
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import load_tokenizer
@@ -98,14 +99,8 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
     ``path:line``; otherwise it becomes a :class:`BadLine` in its place. Request seeds default
     to ``seed + line - 1`` (folded to 32 bits)."""
     p = prompts_file(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"--prompts {path}: not UTF-8 text (a binary file?)") from None
     reqs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in read_lines(p, f"--prompts {path}"):
         row = None
         try:
             try:

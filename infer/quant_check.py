@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdsa.infer.jsonl import read_records
+
 CATEGORIES = ("reasoning", "answer", "tool_name", "tool_args", "other", "digits")
 
 
@@ -320,12 +322,8 @@ def run_quant_check(load_reference, load_candidate, prompts_path, *, engine_kw: 
 def _efforts(prompts_path, effort: str | None) -> dict[str, str | None]:
     """Request id -> effort level of each chat line (``reasoning_effort``, else ``effort``);
     None for raw-text and token-id lines (no thinking budget)."""
-    from pathlib import Path
-
     out = {}
-    for n, line in enumerate(Path(prompts_path).read_text().splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            out[str(row.get("id", n))] = (row.get("reasoning_effort", effort)
-                                          if "messages" in row else None)
+    for n, row in read_records(prompts_path):  # the lines read_requests took
+        out[str(row.get("id", n))] = (row.get("reasoning_effort", effort)
+                                      if "messages" in row else None)
     return out

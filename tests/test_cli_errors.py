@@ -192,6 +192,36 @@ def test_documents_of_the_wrong_type_are_refused(tmp_path):
             PackedJsonlData(path, 1, 8, 0, vocab_size=256)
 
 
+def test_jsonl_readers_split_lines_at_newlines_only_and_name_a_non_utf8_line(tmp_path):
+    """JSON strings may hold U+2028 / U+2029 / U+0085 raw (``ensure_ascii=False`` writes them
+    so): every JSONL reader keeps such a line whole (``str.splitlines`` cut it: "not valid
+    JSON"), takes a byte-order mark and CRLF endings, and names the line where non-UTF-8 text
+    starts (the data readers gave only the codec's message)."""
+    from kdsa.infer.chat import get_format
+    from kdsa.infer.quant_check import _efforts
+    from kdsa.infer.tokenizer import ByteTokenizer
+    from kdsa.train.vision_data import is_chat_jsonl, read_image_sft_jsonl
+
+    odd = "a\u2028b\u2029c\x85d"
+    docs = tmp_path / "docs.jsonl"
+    docs.write_bytes(("\ufeff" + json.dumps({"text": odd}, ensure_ascii=False) + "\r\n\r\n"
+                      + json.dumps({"tokens": [1, 2, 3]}) + "\n").encode())
+    data = PackedJsonlData(docs, 1, 16, 0, vocab_size=256, eos_id=0)
+    assert data.tokens[0].tolist()[:len(odd.encode()) + 5] == [*odd.encode(), 0, 1, 2, 3, 0]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"id": "x", "reasoning_effort": "high", "messages": [
+        {"role": "user", "content": odd}, {"role": "assistant", "content": "ok"}]},
+        ensure_ascii=False) + "\n", encoding="utf-8")
+    assert is_chat_jsonl(chat) and _efforts(chat, None) == {"x": "high"}
+    assert len(read_image_sft_jsonl(chat, get_format("xtml", ByteTokenizer(512)), None,
+                                    batch_size=1, seq_len=128).tokens) == 1
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
+    for read in (lambda: PackedJsonlData(bad, 1, 8, 0, vocab_size=256), lambda: is_chat_jsonl(bad)):
+        with pytest.raises(ValueError, match=f"{bad}: not UTF-8 text at line 3"):
+            read()
+
+
 def test_ctrl_c_stops_like_sigterm_and_a_second_one_interrupts():
     before = signal.getsignal(signal.SIGINT)
     with _StopFlag() as flag:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kdsa.infer.jsonl import read_records
+
 
 class SyntheticData:
     """Learnable synthetic rows: ``x_t = (a + b * t) mod V`` with random ``a, b`` per row.
@@ -91,13 +93,7 @@ def data_fingerprint(kind: str, *arrays: np.ndarray) -> str:
 
 
 def _read_jsonl(path: Path, eos_id: int | None, tokenizer=None):
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+    for n, rec in read_records(path):
         if not isinstance(rec, dict) or not ("tokens" in rec or "text" in rec):
             raise ValueError(f"{path}:{n}: expected an object with 'tokens' or 'text'")
         if "tokens" in rec:

@@ -25,12 +25,12 @@ without a vision tower is an error naming the line.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from kdsa.infer.chat import Message, messages_from_openai
+from kdsa.infer.jsonl import read_records
 from kdsa.model.vision.assemble import batch_arrays, check_placeholders, pack_images
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.train.chat_rows import conversation_row
@@ -109,36 +109,19 @@ class ImageSftData:
         return out | batch_arrays(packed)
 
 
-def _jsonl_records(path: Path):
-    """``(line number, object)`` per non-empty line; bad JSON names the line."""
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-
-
 def read_image_sft_jsonl(path, chat_format, vision, **kw) -> ImageSftData:
     """:class:`ImageSftData` from a JSONL file; image paths are relative to its directory;
     errors name ``FILE:LINE``."""
     path = Path(path)
-    recs = list(_jsonl_records(path))
+    recs = list(read_records(path))
     return ImageSftData([r for _, r in recs], chat_format, vision, base_dir=path.parent,
                         names=[f"{path}:{n}" for n, _ in recs], **kw)
 
 
 def is_chat_jsonl(path) -> bool:
     """Whether the first record of a JSONL file is a chat example (``{"messages": ...}``)."""
-    path = Path(path)
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-                return isinstance(rec, dict) and "messages" in rec
+    for _, rec in read_records(path):
+        return isinstance(rec, dict) and "messages" in rec
     return False
 
 
