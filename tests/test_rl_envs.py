@@ -108,6 +108,49 @@ def test_tool_use_protocol():
     # a call on the last allowed turn ends the episode with 0
     two = hist + (Message("assistant", "?"),)
     assert env.respond(t, AssistantOutput(tool_calls=(call,)), two).done
+    # the code as a number of its own: inside a longer number it is no answer
+    assert env.respond(t, AssistantOutput(content=f"{book[word]}3"), hist).reward == 0.0
+    assert env.respond(t, AssistantOutput(content=f"19{book[word]}"), hist).reward == 0.0
+    assert env.respond(t, AssistantOutput(content=f"code:{book[word]}."), hist).reward == 1.0
+    with pytest.raises(ValueError, match="unknown options.*max_turn"):
+        make_env("tool_lookup", max_turn=3)  # a TypeError (traceback) before
+    with pytest.raises(ValueError, match=r"rl.envs\[0\].options: no 'seed' here"):
+        RLConfig(envs=({"name": "tool_lookup", "options": {"seed": 3}},))  # a TypeError later
+
+
+def _sublist_replaced(ids: list, old: list, new: list) -> list:
+    k = next(k for k in range(len(ids)) if ids[k:k + len(old)] == old)
+    return ids[:k] + new + ids[k + len(old):]
+
+
+@pytest.mark.parametrize("fmt_name,edits", [
+    ("k2", [('{"word": "cup"}', "{word: cup}")]),
+    ("xtml", [('type="string"', 'type="object"'), ("cup", "{cup")])])
+def test_a_tool_call_the_parser_drops_gets_an_error_and_the_episode_goes_on(fmt_name, edits):
+    """Arguments that are not a JSON object make the chat format's parser drop the call
+    (``AssistantOutput.errors``): the episode goes on with a user message carrying the parser's
+    error (it ended as an answer with reward 0), and the next turn renders after it."""
+    tok = ByteTokenizer(384, flavor="k2") if fmt_name == "k2" else ByteTokenizer(512)
+    fmt = get_format(fmt_name, tok)
+    env = ToolLookupEnv(seed=1)
+    t = env.task(4)
+    call = ToolCall("functions.lookup:0", "lookup", '{"word": "cup"}')
+    base = fmt.render(list(t.messages), tools=list(t.tools))
+    full = fmt.render(list(t.messages) + [Message("assistant", "", reasoning="",
+                                                  tool_calls=(call,))],
+                      tools=list(t.tools), add_generation_prompt=False)
+    gen = full[len(base):]  # the assistant turn as the model would write it
+    assert fmt.parse(gen, strict=False).tool_calls == (call,)
+    for old, new in edits:
+        gen = _sublist_replaced(gen, tok.encode(old), tok.encode(new))
+    out = fmt.parse(gen, strict=False)
+    assert not out.tool_calls and any(e.startswith("malformed tool call") for e in out.errors)
+    o = env.respond(t, out, ())
+    assert not o.done and [m.role for m in o.messages] == ["user"]
+    assert o.messages[0].content.startswith("error: malformed tool call"), o.messages
+    assert ro.continuation_ids(fmt, t, "high", [out.as_message()], list(o.messages))
+    two = (Message("assistant", "?"), Message("assistant", "?"))
+    assert env.respond(t, out, two).done  # on the last allowed turn: over, reward 0
 
 
 class _ToolScriptRunner:

@@ -47,6 +47,10 @@ class EnvSpec:
         opts = raw.get("options", {})
         if not isinstance(opts, dict):
             raise ValueError(f"{where}.options must be an object")
+        for key in ("seed", "family"):  # given by the run's seed and by the name rg:FAMILY
+            if key in opts:
+                raise ValueError(f"{where}.options: no {key!r} here (the environments' seed "
+                                 f"is the run's; rg:FAMILY names the family)")
         return cls(name=raw["name"], weight=float(w), options=dict(opts))
 
 

@@ -10,8 +10,12 @@ Protocol (``max_turns`` assistant turns, default 3):
    or ``infer/xtml.py``). The call is checked: tool name declared, arguments a JSON object
    matching the schema. Valid: the tool message carries the code of the requested word;
    invalid: it carries ``error: ...`` naming the problem. Either way the episode continues.
+   A call the chat format cannot parse (arguments that are not a JSON object: the parser drops
+   it, ``AssistantOutput.errors``) gets a user message ``error: ...`` with the parser's words,
+   and the episode continues too (it used to count as the final answer, reward 0).
 2. The assistant answers in plain content. Reward 1 when the content contains the code of the
-   task's word and a valid ``lookup`` of that word happened earlier in the episode, else 0.
+   task's word as a number of its own (not inside a longer one: "473" is not 47) and a valid
+   ``lookup`` of that word happened earlier in the episode, else 0.
    Running out of turns ends the episode with reward 0.
 
 Per-domain metrics: ``valid_call`` (a valid call of the right word happened), ``correct``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 from kdsa.infer.chat import AssistantOutput, Message, Tool, ToolCall
 from kdsa.train.rl.envs.base import Environment, Outcome, Task, register_env
@@ -33,8 +38,8 @@ LOOKUP = Tool("lookup", "Look up the code of a word.",
 
 @register_env("tool_lookup")
 class ToolLookupEnv(Environment):
-    def __init__(self, *, seed: int = 0, max_turns: int = 3):
-        super().__init__(seed=seed)
+    def __init__(self, *, seed: int = 0, max_turns: int = 3, **kwargs):
+        super().__init__(seed=seed, **kwargs)  # unknown options: the base class's error
         if not isinstance(max_turns, int) or max_turns < 2:
             raise ValueError(f"tool_lookup: max_turns must be an integer >= 2 (call, then "
                              f"answer), got {max_turns!r}")
@@ -66,7 +71,8 @@ class ToolLookupEnv(Environment):
         turn = sum(m.role == "assistant" for m in history)
         looked_up = any(m.role == "tool" and m.content == str(book[word])
                         and _called(history, m.tool_call_id, word) for m in history)
-        if output.tool_calls:
+        dropped = [e for e in output.errors if e.startswith("malformed tool call")]
+        if output.tool_calls or dropped:
             if turn + 1 >= self.max_turns:
                 return Outcome(0.0, metrics={"valid_call": float(looked_up), "correct": 0.0})
             results = []
@@ -75,8 +81,10 @@ class ToolLookupEnv(Environment):
                 text = err if err else (str(book[w]) if w in book else f"error: no code "
                                         f"for {w!r}")
                 results.append(Message("tool", text, tool_call_id=call.id))
+            results += [Message("user", f"error: {e}") for e in dropped]  # no call id to answer
             return Outcome(done=False, messages=tuple(results))
-        correct = looked_up and str(book[word]) in output.content
+        code = re.search(rf"(?<!\d){book[word]}(?!\d)", output.content)  # a number of its own
+        correct = looked_up and code is not None
         return Outcome(float(correct), metrics={"valid_call": float(looked_up),
                                                 "correct": float(correct)})
 
