@@ -121,6 +121,42 @@ def test_a_cut_inside_a_boundary_character_continues_as_one_go():
         assert _fields(eps[0]) == _fields(whole[0]), cap
 
 
+def test_a_close_the_model_began_masks_only_the_tokens_the_budget_forced():
+    """xtml's end-of-thinking marker is several tokens. A model that samples the marker's first
+    token on the token that reaches the cap gets only the rest forced (``ThinkingBudget``):
+    its own first token stays a trained token with its sampler log-prob (the rollout searched
+    for the whole marker and masked the sampled token too), in one go and cut by a step cap."""
+    from scripted import _answer
+
+    tok = ByteTokenizer(384)
+    fmt = get_format("xtml", tok)
+    close, opener = list(fmt.reasoning_end_ids), list(fmt.after_reasoning_ids)
+    assert len(close) > 1
+    caps = {"low": 0, "high": 5, "max": 16}  # the script's 4 reasoning tokens, then its close
+    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
+                  reasoning_caps=caps, token_budgets={"low": 60, "high": 60, "max": 60})
+    runner = _SequenceScript(tok, fmt, answer_ids=_answer("Yes it is.", fmt=fmt),
+                             reasoning_tokens=4, num_slots=8, max_len=rc.seq_len + 1)
+    engine = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=caps, grace=0),
+                    seed=0)
+    env = _Yes(seed=0)
+    envs, tasks = {env.domain: env}, [(env.task(0), "high")]
+    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
+                    temperature=0.0)
+    e = whole[0]
+    assert e.done and e.score == 1.0, e.texts
+    gen = e.tokens[e.prompt_len:]
+    mask, logp = e.mask[e.prompt_len:], e.sampler_logp[e.prompt_len:]
+    assert gen[4:4 + len(close) + len(opener)] == close + opener
+    assert mask[:5] == [1.0] * 5 and logp[4] != 0.0  # the model's own first marker token
+    assert mask[5:4 + len(close) + len(opener)] == [0.0] * (len(close) + len(opener) - 1)
+    eps, calls = ro.start_episodes(fmt, tasks, 1), 0
+    while not eps[0].done:  # cut after 3 tokens: the replay over the turn agrees
+        ro.play(engine, fmt, envs, eps, rc=rc, seed=calls, step_cap=3, temperature=0.0)
+        calls += 1
+    assert _fields(eps[0]) == _fields(e)
+
+
 def test_loop_carries_partial_groups_up_to_max_staleness(setup):
     fmt, engine, rc, envs, env = setup
 

@@ -76,18 +76,6 @@ def continuation_ids(fmt, task: Task, effort: str, history: list[Message],
     return full[len(base):]
 
 
-def _forced_positions(fmt, c) -> set[int]:
-    """Indices of ``c.token_ids`` that the thinking budget forced."""
-    if not c.forced_close:
-        return set()
-    marker = list(fmt.reasoning_end_ids) + list(fmt.after_reasoning_ids)
-    ids = c.token_ids
-    for i in range(len(ids) - len(marker) + 1):
-        if ids[i:i + len(marker)] == marker:
-            return set(range(i, i + len(marker)))
-    return set()
-
-
 def start_episodes(fmt, tasks: list[tuple[Task, str]], group_size: int) -> list[Episode]:
     """``group_size`` fresh episodes per ``(task, effort)``, consecutive."""
     eps = []
@@ -157,12 +145,12 @@ def play(engine: Engine, fmt, envs: dict[str, Environment], eps: list[Episode], 
         outs = engine.generate([r for *_, r in reqs])
         for (e, capped, pre, req), c in zip(reqs, outs):
             split = bool(e.turn_tokens) or (capped and c.finish_reason == "length")
-            if split:  # forced tokens from the budget replayed over the whole turn
+            forced = set()  # the tokens the budget forced: the budget replayed over the turn
+            if split or c.forced_close:  # (not a search for the whole marker: when the model
+                # had sampled its first tokens, the budget forced only the rest)
                 forced = {i - len(e.turn_tokens) for i in _budget_replay(
                     engine, fmt, rc.reasoning_caps[e.effort], e.turn_tokens + list(
                         c.token_ids))[0]}
-            else:
-                forced = _forced_positions(fmt, c)
             for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
                 e.tokens.append(int(t))
                 e.mask.append(0.0 if i in forced else 1.0)
