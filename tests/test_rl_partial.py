@@ -190,3 +190,32 @@ def test_loop_carries_partial_groups_up_to_max_staleness(setup):
     assert [g[0] for g in got] == [0, 0, 0, 0, 2, 2]
     assert [g[1] for g in got] == [2, 4, 6, 8, 8, 8]
     assert got[4][3] > 0 and got[3][3] == 0  # finished groups are trained on
+
+
+def test_finished_groups_past_the_batch_wait_for_the_next_step(setup):
+    """Efforts of different lengths (low: 12 tokens, 3 pieces of 4; max: 17 tokens, 5 pieces)
+    make carried groups finish beside new ones, more than ``prompts_per_step`` in a step: the
+    surplus leads the next step's batch (it was thrown away). Every group started is trained
+    on, waiting or dropped as stale."""
+    fmt, engine, rc, envs, env = setup
+
+    class _Sampler:
+        def __init__(self):
+            self.engine, self.fmt = engine, fmt
+
+        def sync(self, graphdef, state):
+            return 0.0
+
+    tc = TrainConfig(steps=10, warmup_steps=0, seed=0)
+    rc = rc.replace(prompts_per_step=2, group_size=2, max_sampling_rounds=1,
+                    dynamic_sampling=False, partial_rollout_tokens=4, max_staleness=4,
+                    effort_weights={"low": 1.0, "high": 0.0, "max": 1.0})
+    pending, counter, rows = [], 0, []
+    for step in range(8):
+        m, counter = _rl_iteration(_Sampler(), envs, {env.domain: 1.0}, None, None, rc, tc,
+                                   step, counter, rc.rollouts_per_step, pending)
+        rows.append((m["sampled_groups"], m["kept_groups"], m["stale_dropped_groups"]))
+    assert max(r[0] for r in rows) > rc.prompts_per_step, rows  # a step with a surplus
+    trained, dropped = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    assert trained + dropped + len(pending) == 8 * rc.prompts_per_step, (rows, len(pending))
+    assert dropped == 0, rows

@@ -330,6 +330,9 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
     ``pending``: groups with episodes cut by the step cap (partial rollouts) in earlier steps;
     they are continued first, with the first round's new episodes; the list is updated in
     place (groups still unfinished ``rl.max_staleness`` steps after they started are dropped).
+    With partial rollouts, finished groups past this step's ``prompts_per_step`` (carried
+    groups finishing beside new ones) wait there too and lead the next step's batch, under the
+    same staleness limit (they were thrown away).
     """
     sync_s = sampler.sync(graphdef, state)
     t0 = time.perf_counter()
@@ -344,8 +347,11 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
         for e in new:
             e.born = step
         groups = [new[g:g + rc.group_size] for g in range(0, len(new), rc.group_size)]
-        if rnd == 0:
-            groups, pending[:] = pending + groups, []
+        if rnd == 0:  # finished groups that waited lead the batch; cut ones are continued
+            ready = [grp for grp in pending if all(e.done for e in grp)]
+            kept += ready
+            groups = [grp for grp in pending if not all(e.done for e in grp)] + groups
+            pending[:] = []
         before = sum(e.generated for grp in groups for e in grp)
         groups, played = play_split(  # multi-host: each process its share, then all of them
             lambda e, **kw: ro.play(sampler.engine, sampler.fmt, envs, e, **kw), groups, rc=rc,
@@ -365,6 +371,12 @@ def _rl_iteration(sampler, envs, weights, graphdef, state, rc, tc, step, counter
         kept += ro.varied_groups(eps, rc.group_size) if rc.dynamic_sampling else done
         if len(kept) >= rc.prompts_per_step or not rc.dynamic_sampling:
             break
+    if cap is not None:  # partial rollouts: finished groups past the batch wait for the next
+        for grp in kept[rc.prompts_per_step:]:
+            if step - grp[0].born < rc.max_staleness:
+                carried.append(grp)
+            else:
+                dropped += 1
     pending[:] = carried
     kept = kept[:rc.prompts_per_step]
     rollout_s = time.perf_counter() - t0
