@@ -287,6 +287,30 @@ def test_config_errors():
     assert rc.envs[0].weight == 2.0 and rc.loss_config().aggregation == "token"
 
 
+def test_prompts_that_fill_seq_len_are_refused_or_named(fmt):
+    """tool_lookup's prompts (about 300 byte tokens) under the default rl.seq_len=96: every
+    episode was cut before its first token and nothing trained, without an error; now refused
+    before anything compiles. Where some sampled prompts fit and some do not, a warning."""
+    from kdsa.model.config import get_preset
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.rl.preflight import PROMPT_SAMPLES, check_rl_configs
+
+    cfg, tc = get_preset("tiny"), TrainConfig()
+    with pytest.raises(ValueError, match="rl.seq_len=96 leaves no room to answer 'tool_lookup'"):
+        check_rl_configs(cfg, tc, RLConfig(envs=("tool_lookup",)))
+    arith = RLConfig(envs=({"name": "rg:basic_arithmetic", "options": ARITH},),
+                     effort_weights={"low": 1.0, "high": 0.0, "max": 0.0}, chat_format="k2")
+    env = make_env("rg:basic_arithmetic", seed=0, **ARITH)
+    lengths = sorted(len(ro.render_prompt(fmt, env.task(i), "low"))
+                     for i in range(PROMPT_SAMPLES))
+    assert lengths[0] < lengths[-1]
+    said = []
+    check_rl_configs(cfg, tc, arith.replace(seq_len=lengths[-1]), log=said.append)
+    assert len(said) == 1 and "of the first 16 prompts of 'rg:basic_arithmetic'" in said[0]
+    check_rl_configs(cfg, tc, arith.replace(seq_len=lengths[-1] + 1), log=said.append)
+    assert len(said) == 1
+
+
 def test_cli_config_errors_exit_2(tmp_path, capsys):
     from kdsa.cli.main import main
 

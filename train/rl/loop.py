@@ -103,7 +103,7 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     tokenizer start the run (``train/init_from.py``); a run that finishes writes
     ``RUN_DIR/model`` (experts in ``export_experts``, default as in ``init_from``)."""
     tok_path = tokenizer_folder(init_from)
-    check_rl_configs(config, tc, rc, tok_path)
+    check_rl_configs(config, tc, rc, tok_path, log=log)
     step_fn = rl_step_with_options(tuple(sorted((compiler_options or {}).items())))
     run_dir = Path(run_dir)
     envs, weights = build_envs(rc, tc.seed)
