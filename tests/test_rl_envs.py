@@ -83,6 +83,20 @@ def test_reasoning_gym_rewrite_and_errors():
         make_env("rg:chain_sum", bogus=1)
     with pytest.raises(ValueError, match="rewrite must be"):
         make_env("rg:chain_sum", rewrite="x")
+    with pytest.raises(ValueError, match="size must be an integer in"):
+        make_env("rg:chain_sum", size=2_000_000)  # train entry 1,000,003 = held-out entry 0
+
+
+def test_stripes_always_show_both_colours():
+    """image_stripes' smallest images (4 and 5 pixels) drew stripes up to 5 wide: one colour
+    in about a fifth of them, with no right answer."""
+    from kdsa.train.rl.envs.image_stripes import stripes
+
+    rng = np.random.default_rng(0)
+    for size in (4, 5, 6, 28):
+        for _ in range(200):
+            img = stripes(rng, bool(rng.integers(2)), size)
+            assert len(np.unique(img)) == 2, size
 
 
 def test_tool_use_protocol():

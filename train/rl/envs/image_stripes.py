@@ -25,8 +25,10 @@ ANSWERS = {"h": ("h", "horizontal"), "v": ("v", "vertical")}
 
 
 def stripes(rng: np.random.Generator, horizontal: bool, size: int) -> np.ndarray:
-    """``[size, size, 3]`` uint8 black/white stripes of random width (2..5) and phase."""
-    w, phase = int(rng.integers(2, 6)), int(rng.integers(0, 12))
+    """``[size, size, 3]`` uint8 black/white stripes of random width (2..5, at most half the
+    image, so both colours show: a 4-pixel image with 5-pixel stripes was one colour, with no
+    answer) and phase."""
+    w, phase = int(rng.integers(2, min(6, size // 2 + 1))), int(rng.integers(0, 12))
     band = ((np.arange(size) + phase) // w) % 2 * 255
     img = np.broadcast_to(band[:, None, None], (size, size, 3)).astype(np.uint8)
     return img if horizontal else img.transpose(1, 0, 2).copy()

@@ -21,7 +21,8 @@ from __future__ import annotations
 import re
 
 from kdsa.infer.chat import AssistantOutput, Message
-from kdsa.train.rl.envs.base import Environment, Outcome, Task, register_env
+from kdsa.train.rl.envs.base import (HELDOUT_SEED_OFFSET, Environment, Outcome, Task,
+                                      register_env)
 
 
 @register_env("reasoning_gym")
@@ -33,6 +34,13 @@ class ReasoningGymEnv(Environment):
 
         if not family:
             raise ValueError("reasoning_gym environment needs a family (rg:FAMILY)")
+        if not isinstance(size, int) or not 1 <= size <= HELDOUT_SEED_OFFSET:
+            # reasoning-gym builds entry i from seed + i: past the offset, train entries would
+            # be the held-out split's
+            raise ValueError(f"environment {self.name!r}: size must be an integer in [1, "
+                             f"{HELDOUT_SEED_OFFSET}] (entry i is drawn from seed + i, and "
+                             f"the held-out split starts at seed + {HELDOUT_SEED_OFFSET}), "
+                             f"got {size!r}")
         self.family, self.size, self.system = family, size, system
         self.domain = f"rg:{family}"
         self._datasets = {}
