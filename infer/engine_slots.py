@@ -3,8 +3,9 @@ chunked prefill, the batched decode step, and finishing a request (its slot free
 ``Completion`` built).
 
 Waiting requests move into free slots in arrival order and are prefilled chunk by chunk, at most
-``prefill_tokens_per_step`` prompt tokens per step (at least one chunk); the last chunk samples
-the request's first token from the prefill logits. The decode step runs every slot that is
+``prefill_tokens_per_step`` prompt tokens per step (at least one chunk), the oldest request's
+first (slot order let a stream of new requests in a lower slot hold an older one's prefill back
+for ever); the last chunk samples the request's first token from the prefill logits. The decode step runs every slot that is
 generating at once, each row at its own position. Tokens then go to ``engine_tokens.py``.
 
 Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) must match its
@@ -86,7 +87,8 @@ class SlotScheduling:
             self._fail(None, a, e)
         if getattr(self.runner, "batched_prefill", False):  # a ModelRunner on one device
             budget, did = self._prefill_together(budget, did)
-        for i, a in enumerate(self.slots):
+        for i in self._oldest_first():
+            a = self.slots[i]
             if a is not None and a.req.images and a.features is None and not self._encode(i, a):
                 did, a = True, None
             if a is not None and a.prefilled < len(a.feed) and (budget > 0 or not did):
@@ -101,12 +103,13 @@ class SlotScheduling:
 
     def _prefill_together(self, budget: int, did: bool) -> tuple[int, bool]:
         """Batched prefill: while two or more slots have prompt left, run one chunk of each
-        (slot order, as many as the budget holds) in one step; what is left for one slot alone
-        goes the one-slot way. A failed step aborts the requests of its rows."""
+        (oldest request first, as many as the budget holds) in one step; what is left for one
+        slot alone goes the one-slot way. A failed step aborts the requests of its rows."""
         while budget > 0 or not did:
             rows, total = [], 0
-            for i, a in enumerate(self.slots):
-                if a is None or a.prefilled >= len(a.feed):
+            for i in self._oldest_first():
+                a = self.slots[i]
+                if a.prefilled >= len(a.feed):
                     continue
                 n = min(self._chunk_length(a), len(a.feed) - a.prefilled)
                 if rows and total + n > budget:
@@ -140,6 +143,11 @@ class SlotScheduling:
             if done:
                 self._sample_and_apply(done, logits)
         return budget, did
+
+    def _oldest_first(self) -> list[int]:
+        """The occupied slots, the request that arrived first first."""
+        taken = [i for i, a in enumerate(self.slots) if a is not None]
+        return sorted(taken, key=lambda i: (self.slots[i].metrics.arrival, self.slots[i].admitted))
 
     def _prefill_slot(self, i: int, a: _Active, budget: int, did: bool) -> int:
         """Prefill chunks of slot ``i`` within ``budget`` tokens (one at least); returns the

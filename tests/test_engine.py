@@ -407,3 +407,37 @@ def test_cpu_decode_weights_follow_the_model(model, monkeypatch):
     for j, part in enumerate(w1(again).parts):
         np.testing.assert_array_equal(part, w1(nnx.state(model))[j])
         np.testing.assert_array_equal(part, 2.0 * w1(first).parts[j])
+
+
+class _BatchedScript(ScriptedRunner):
+    """``ScriptedRunner`` with the batched prefill's interface (rows in the order given)."""
+    batched_prefill = True
+
+    def prefill_batch(self, slots, chunks, starts):
+        return np.concatenate([self.prefill(s, c, st) for s, c, st in zip(slots, chunks, starts)])
+
+
+@pytest.mark.parametrize("runner,slots", [(ScriptedRunner, 2), (_BatchedScript, 6)],
+                         ids=["one-slot", "batched"])
+def test_prefill_budget_goes_to_the_oldest_request_first(runner, slots):
+    """A steady stream of long prompts: a new one always lands in the lowest free slot. The
+    step's prefill budget (4 chunks) went in slot order, so requests in the higher slots,
+    submitted early, got no token while later ones finished (batched: 6 rows, 4 chunks a
+    step); now the oldest requests' prompts come first and they finish first."""
+    eng = Engine(runner(TOK, FMT, answer_ids=_answer_ids(), num_slots=slots, prefill_chunk=64),
+                 TOK, chat_format=FMT)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    order = []
+
+    def submit(name, token):
+        eng.submit(Request([token] * 512, sp, request_id=name,
+                           on_event=lambda ev: ev.completion and order.append(ev.request_id)))
+
+    first = [f"R{n}" for n in range(slots)]
+    for n, name in enumerate(first):
+        submit(name, n + 1)
+    for step in range(80):
+        if len(eng._waiting) < 2:
+            submit(f"C{step}", 99)
+        eng.step()
+    assert order[:slots] == first, order
