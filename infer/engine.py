@@ -210,6 +210,7 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         is dead). Never raises for a request's failure: those requests are aborted."""
         if self.failure is not None:
             return False
+        failed = self.stats["failed"]
         try:
             self._apply_cancellations()
             did = self._prefill_some()
@@ -225,6 +226,9 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
             did = True
         else:
             self._note("step")
+        lost = getattr(self.runner, "lost_buffers", None)
+        if self.stats["failed"] > failed and lost is not None and lost():
+            self._after_lost_cache()
         if self.failure is not None:  # doomed in this step: ``die`` aborts what is left
             self.die(self.failure)
         return did

@@ -24,7 +24,8 @@ import logging
 
 import numpy as np
 
-from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, key_items, page_keys
+from kdsa.infer.page_pool import PagePool
+from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, PrefixCache, key_items, page_keys
 from kdsa.infer.requests import _Active
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 
@@ -132,6 +133,27 @@ class PageScheduling:
             if page is not None:
                 a.pages = a.pages + page
                 self.runner.set_pages(i, a.pages)
+
+    def _after_lost_cache(self) -> None:
+        """A failed step consumed the runner's cache (``ModelRunner.lost_buffers`` rebuilt it
+        empty): the requests still running lost their state and are aborted, and the pools and
+        prefix caches start afresh (their pages' rows and snapshots are gone; the hit counters
+        are kept). Waiting requests are untouched and run later; the engine goes on."""
+        log.error("a failed step consumed the cache: the running requests are aborted and the "
+                  "prefix cache is emptied")
+        error = RuntimeError("a failed step lost the cache this request's state was in")
+        for i, a in enumerate(self.slots):
+            if a is not None:
+                self._fail(i, a, error)
+        old_pools, old_prefixes = self.pools, self.prefixes
+        self.pools = [PagePool(p.num_pages) for p in old_pools]
+        for new, old in zip(self.pools, old_pools):
+            new.peak = old.peak
+        self.prefixes = [PrefixCache(pool, p.num_snapshots, p.every)
+                         for pool, p in zip(self.pools, old_prefixes)]
+        for new, old in zip(self.prefixes, old_prefixes):
+            new.hit_tokens, new.queried_tokens = old.hit_tokens, old.queried_tokens
+        self.page_sources = self.prefixes or self.pools
 
     def _preempt(self, i: int, a: _Active) -> None:
         """Give slot ``i`` and its pages back and queue ``a`` first, to run again by recompute:

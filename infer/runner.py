@@ -125,12 +125,13 @@ class ModelRunner(PagedSlots):
         # None: the default placement (one CPU or GPU device); else a mesh's, or one TPU
         # device's (the DSA buffers row-major: infer/cache_layout.py)
         cache_sh = self.cache_shardings(jax.eval_shape(make))
+        # (kept: a failed step's donated buffers are rebuilt empty, ``PagedSlots.lost_buffers``)
+        self._new_cache = make if cache_sh is None else jax.jit(make, out_shardings=cache_sh)
+        self.cache = self._new_cache()
         if cache_sh is None:
-            self.cache = make()
             self._copy_page, self._save = copy_page_jit, save_state_jit
             self._restore = restore_state_jit
         else:
-            self.cache = jax.jit(make, out_shardings=cache_sh)()
             # logits on every device (all processes sample alike); the cache stays put
             rep = (make_single_device_sharding(self.device) if mesh is None
                    else NamedSharding(mesh, P()))
@@ -141,8 +142,9 @@ class ModelRunner(PagedSlots):
             self._save = jax.jit(save_state, donate_argnums=(1,), out_shardings=snap_sh)
             self._restore = jax.jit(restore_state, donate_argnums=(0,), out_shardings=cache_sh)
         if num_snapshots:  # KDA states of the prefix cache (infer/prefix_cache.py)
-            self.snapshots = jax.jit(snapshot_of, out_shardings=None if cache_sh is None
-                                     else snap_sh)(self.cache)
+            self._new_snapshots = jax.jit(snapshot_of, out_shardings=None if cache_sh is None
+                                          else snap_sh)
+            self.snapshots = self._new_snapshots(self.cache)
         self.graphdef, self.state = nnx.split(model)
         # the decode step on one CPU device reads per-layer weight arrays when a repeated
         # layer's weights are large (module docstring); decided once from the shapes, the

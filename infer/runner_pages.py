@@ -11,6 +11,7 @@ partition, the ids as they are.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 # The narrowest block table a paged decode step reads (4096 tokens): below it the indexer's
@@ -30,6 +31,22 @@ class PagedSlots:
             if n and n % k:
                 raise ValueError(f"{what}={n} must be a multiple of the mesh's {k} batch device "
                                  f"groups: each holds its own part of the cache ({flag})")
+
+    def lost_buffers(self) -> bool:
+        """Whether a failed step consumed the cache or the snapshots: a compiled step deletes
+        the buffers donated to it once it starts running, whether or not it finishes (a device
+        out of memory mid-step). Then both are rebuilt empty and every block table row is
+        cleared: what the slots, the pages and the snapshots held is gone (the engine aborts
+        the running requests and forgets its cached pages)."""
+        bufs = jax.tree.leaves(self.cache) + jax.tree.leaves(self.snapshots)
+        if not any(x.is_deleted() for x in bufs):
+            return False
+        self.cache = self._new_cache()
+        if self.snapshots is not None:
+            self.snapshots = self._new_snapshots(self.cache)
+        if self.block_table is not None:
+            self.block_table[:] = -1
+        return True
 
     def partition_of(self, slot: int) -> int:
         """The device group that runs ``slot`` (and holds its pages and snapshots)."""

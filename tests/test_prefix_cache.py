@@ -4,6 +4,7 @@ whole history (resumed from the last turn's end-of-request snapshot, inside a pa
 concurrent requests resuming from one snapshot (the partial page and the KDA state copied on
 write), and under eviction (no page leaked)."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -293,6 +294,41 @@ def test_a_failed_state_copy_fails_one_request_and_leaks_nothing(model):
     assert cached.healthy
     _same(_run(cached, prompts[1:]), _run(plain, prompts[1:]))  # resumes, exact
     assert cached.metrics()["prefix_cache"]["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("step", ["_prefill", "_decode"])
+def test_a_step_that_fails_after_consuming_the_cache_does_not_stop_the_engine(model, step):
+    """A compiled step deletes the cache donated to it once it runs, whether or not it
+    finishes (a device out of memory mid-step; here the real step runs, then an error is
+    raised). The engine went on with a deleted cache: every later step failed ("Array has been
+    deleted") until it declared itself dead. Now the runner rebuilds its buffers empty, the
+    running requests are aborted, the prefix cache is emptied, and later requests are exact."""
+    rng = np.random.default_rng(3)
+    system = rng.integers(0, 256, 140).tolist()
+    prompts = [system + rng.integers(0, 256, n).tolist() for n in (10, 20, 30)]
+    cached, plain = _engine(model, True), _engine(model, False)
+    _run(cached, prompts[:1])  # pages and snapshots cached
+    runner, real, calls = cached.runner, getattr(cached.runner, step), []
+
+    def once(*args, **kw):
+        out = real(*args, **kw)  # the donated cache is consumed here
+        calls.append(1)
+        if len(calls) == 1:
+            jax.block_until_ready(out)
+            raise RuntimeError("injected failure after the step ran")
+        return out
+
+    setattr(runner, step, once)
+    reqs = [Request(q, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+            for q in prompts[1:]]
+    with pytest.raises(GenerationError, match="injected failure|lost the cache"):
+        cached.generate(reqs)
+    assert cached.healthy and calls
+    usage = cached.prefix.usage()
+    assert usage["cached_pages"] == usage["snapshots"] == 0 and usage["queried_tokens"] > 0
+    assert cached.pools[0].free == cached.pools[0].num_pages
+    _same(_run(cached, prompts), _run(plain, prompts))  # the engine goes on, exact
+    assert cached.healthy
 
 
 def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
