@@ -74,8 +74,9 @@ class PageScheduling:
         items, keys = self._fed_keys(a)
         depth, snapshot, shared, partial = prefix.lookup(keys, items, leave=0 if a.tokens else 1)
         held = shared + ([] if partial is None else [partial])
-        fresh = None  # (alone, it may also take end snapshots' pages: allocate drops them)
-        if not spare or prefix.available >= need - len(shared) + spare:
+        fresh = None  # (end snapshots give way: allocate drops them for their pages; counting
+        # only free and idle pages kept a request out, its slot empty, while another ran)
+        if not spare or prefix.reclaimable >= need - len(shared) + spare:
             fresh = prefix.allocate(need - len(shared))
         if fresh is None:
             prefix.release(held)

@@ -172,6 +172,13 @@ class PrefixCache:
         (it also drops end snapshots for their partial pages when these are not enough)."""
         return self.pool.free + len(self.idle)
 
+    @property
+    def reclaimable(self) -> int:
+        """Pages :meth:`allocate` can hand out at most: :attr:`available` and the partial
+        pages that only end-of-request snapshots hold (it drops those snapshots for them)."""
+        held = collections.Counter(page for _, _, page in self.partial.values())
+        return self.available + sum(self.refs[p] == n for p, n in held.items())
+
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh pages (held once), evicting idle cached pages as needed; None (nothing
         taken) when even that is not enough."""

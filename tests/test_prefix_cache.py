@@ -331,6 +331,29 @@ def test_a_step_that_fails_after_consuming_the_cache_does_not_stop_the_engine(mo
     assert cached.healthy
 
 
+def test_end_snapshots_give_way_to_a_waiting_request_while_another_runs(model):
+    """Six finished requests leave end-of-request snapshots holding six of 12 pages; a long
+    request L runs in one slot. A new request H fits if those snapshots are dropped: it used to
+    wait (with its slot empty) until L finished, as admission counted only free and idle pages
+    while anything ran; now it runs beside L."""
+    eng = _engine(model, True, num_pages=12, snapshots=6, every=4)
+    sp = lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    eng.generate([Request([k] * 70, sp(1)) for k in range(6)])
+    assert len(eng.prefix.partial) == 6
+    done = []
+    on_event = lambda ev: ev.completion and done.append(ev.request_id)  # noqa: E731
+    eng.submit(Request([9] * 10, sp(300), request_id="L", on_event=on_event))
+    for _ in range(120):
+        eng.step()
+    eng.submit(Request([8] * 250, sp(2), request_id="H", on_event=on_event))
+    for _ in range(10):
+        eng.step()
+    assert done == ["H"], (done, eng.prefix.usage())
+    while eng.has_work():
+        eng.step()
+    assert done == ["H", "L"] and eng.healthy
+
+
 def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
     """``ModelRunner.warmup`` (``kdsa serve`` runs it before listening) compiles the state and
     page copies the engine makes while admitting a request, so the first prefix-cache hit
