@@ -203,7 +203,7 @@ def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):
         assert main(["convert", "hf-to-orbax", str(work / "hf"), str(conv)]) == 0
     config = training_config(read_info(conv)[0])
     rc = RLConfig(envs=("test_first_letter",), steps=1, prompts_per_step=2, group_size=2,
-                  seq_len=48, num_slots=4, chat_format="xtml",
+                  seq_len=144, num_slots=4, chat_format="xtml",  # prompts: 135 tokens
                   reasoning_caps={"low": 0, "high": 0, "max": 0},
                   token_budgets={"low": 2, "high": 2, "max": 2}, max_sampling_rounds=1)
     tc = TrainConfig(steps=1, learning_rate=1e-3, schedule="constant", checkpoint_every=100)
@@ -211,6 +211,7 @@ def test_rl_from_a_converted_checkpoint_uses_its_tokenizer_and_exports(work):
                  evaluate_heldout=False, compiler_options={"xla_backend_optimization_level": 0})
     assert isinstance(out.sampler.tok, HFTokenizer)  # the model's own, not the byte tokenizer
     assert out.final_step == 1 and 1 in out.metrics
+    assert out.metrics[1]["rollout_tokens"] > 0  # (at seq_len 48 every prompt filled the row)
     assert (work / "rl" / "model" / "tokenizer.json").is_file()
     assert read_info(work / "rl" / "model")[0] == read_info(conv)[0]
 
