@@ -190,16 +190,27 @@ def test_resume_refuses_other_data(tmp_path):
     docs.write_text("".join(json.dumps({"text": f"document {i}: " + "abc " * (5 + i)}) + "\n"
                             for i in range(12)))
     run = tmp_path / "run"
-    first = run_training(small_config(), TC, run, data_path=docs, progress=False, stop_at=2)
+    tc = TC.replace(peak_flops=1e12)
+    first = run_training(small_config(), tc, run, data_path=docs, progress=False, stop_at=2)
     assert first.stopped and first.final_step == 2
+    # throughput and MFU count every position computed (4 x 16), not the loss tokens (the
+    # packed rows' padding and document ends), and the one device the update ran on
+    from kdsa.model.count import count_params
+
+    active = count_params(small_config()).active_params
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["tokens"] < 64 for r in rows), rows
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(64 / r["step_time_s"])
+        assert r["mfu"] == pytest.approx(6 * active * 64 / r["step_time_s"] / 1e12)
     original = docs.read_text()
     docs.write_text(original + json.dumps({"text": "one more document"}) + "\n")
     for data in (docs, None):
         with pytest.raises(ValueError, match=r"was trained on other data \(jsonl rows="):
-            run_training(small_config(), TC, run, data_path=data, progress=False, resume=True)
+            run_training(small_config(), tc, run, data_path=data, progress=False, resume=True)
     moved = tmp_path / "moved.jsonl"
     moved.write_text(original)
-    rest = run_training(small_config(), TC, run, data_path=moved, progress=False, resume=True,
+    rest = run_training(small_config(), tc, run, data_path=moved, progress=False, resume=True,
                         stop_at=3)
     assert rest.resumed_from == 2 and rest.final_step == 3
 

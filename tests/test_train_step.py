@@ -264,3 +264,33 @@ def test_muon_partition_of_the_model_parameters():
     assert any(d is None for n, d in dims.items() if "norm" in n)
     tx = make_optimizer(TrainConfig(optimizer="muon"), params)
     jax.eval_shape(tx.init, nnx.as_pure(params))  # the dims tree matches the parameter tree
+
+
+def test_weight_decay_reaches_matrices_not_stacked_norms_or_vectors():
+    """AdamW's weight decay on matrices, embeddings and expert weights only. A scanned stack
+    gives every layer parameter a leading ``layers`` axis, and the old rule (``ndim >= 2``)
+    decayed every stacked norm weight, bias and KDA ``A_log`` / ``dt_bias``: zero gradients,
+    one update, and they moved."""
+    from kdsa.train.optim import decay_tree
+
+    abstract = abstract_model(small_config())
+    tc = TrainConfig(weight_decay=0.5, learning_rate=0.1, schedule="constant", warmup_steps=0,
+                     clip_norm=0.0)
+    _, params, _ = split_model(abstract, tc)
+    names = {jax.tree_util.keystr(p): d for p, d in
+             jax.tree_util.tree_flatten_with_path(decay_tree(params))[0]}
+    shapes = {jax.tree_util.keystr(p): v.shape for p, v in
+              jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]}
+    assert names.keys() == shapes.keys()
+    vectors = [n for n in names if any(k in n for k in ("norm", "A_log", "dt_bias", "bias'"))]
+    stacked = [n for n in vectors if len(shapes[n]) >= 2]
+    assert stacked and not any(names[n] for n in vectors), [n for n in vectors if names[n]]
+    assert all(names[n] for n in names if n.endswith("['kernel']") or "embed_tokens" in n
+               or "['experts']" in n), [n for n in names if not names[n]]
+    pure = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), nnx.as_pure(params))
+    tx = make_optimizer(tc, params)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, pure), tx.init(pure), pure)
+    moved = {jax.tree_util.keystr(p): float(jnp.abs(u).max()) for p, u in
+             jax.tree_util.tree_flatten_with_path(updates)[0]}
+    assert all(moved[n] == 0.0 for n in vectors) and all(moved[n] > 0 for n in names
+                                                         if names[n])

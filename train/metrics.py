@@ -15,6 +15,11 @@ TensorFlow). A resumed run opens its writer with ``purge_step = resume_step + 1`
 starts with a ``SessionLog`` START event at that step, TensorBoard's signal to drop the older
 files' events from there on, so a redone step shows once.
 
+``tokens`` counts the step's loss tokens; ``tokens_per_s`` and the MFU count every position the
+step computes (``batch_size * seq_len``: prompts, padding and document boundaries included),
+as throughput benchmarks do (until 2026-12-07 both counted loss tokens, which understated a
+chat SFT run's by the share of its answers).
+
 MFU estimate: ``6 * active_params * tokens / step_time / (peak_flops * devices)``, the usual
 dense-equivalent count (forward 2, backward 4 FLOPs per active parameter per token; attention
 score FLOPs are not counted), with ``active_params`` from ``kdsa.model.count``.

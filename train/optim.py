@@ -16,6 +16,14 @@ names (``layers.py`` glossary): the stacked-layer axis ``layers`` and the expert
 are batch axes, and a parameter whose remaining dims are exactly two is a matrix (kernels are
 ``[in, out]``: reduction over ``in``). The token embedding and the LM head stay on AdamW, as in
 Moonlight; so do norms, biases and other vectors.
+
+Weight decay (AdamW, and Muon's matrices) applies to matrices and embeddings: parameters with
+two or more dimensions besides the ``layers`` / ``experts`` batch axes, read from the same
+logical axis names. Norm weights, biases and per-head vectors (KDA's ``A_log`` and ``dt_bias``)
+are not decayed. (Until 2026-12-07 the rule was ``ndim >= 2``, and a scanned stack's leading
+``layers`` axis made every stacked norm, bias and per-head vector two-dimensional: all decayed.)
+With Muon, the parameters on its AdamW side (embedding, head, vectors) get no weight decay:
+``optax.contrib.muon`` takes one unmasked ``adam_weight_decay`` for all of them.
 """
 
 from __future__ import annotations
@@ -48,6 +56,15 @@ def learning_rate_schedule(tc: TrainConfig) -> optax.Schedule:
         decay_steps=tc.total_decay_steps, end_value=peak * tc.min_lr_ratio)
 
 
+def core_dims(axes: tuple | None, ndim: int) -> list[int]:
+    """The dimensions of a parameter other than its batch axes (``layers``, ``experts``):
+    ``axes`` are its logical names; a stack's leading layer axes may be unnamed."""
+    axes = tuple(axes) if axes is not None else (None,) * ndim
+    if len(axes) < ndim:  # the stack adds leading layer axes without naming them
+        axes = ("layers",) * (ndim - len(axes)) + axes
+    return [i for i, a in enumerate(axes) if a not in BATCH_AXES]
+
+
 def matrix_dims(path: tuple, axes: tuple | None, ndim: int) -> MuonDimensionNumbers | None:
     """Muon dimension numbers for one parameter, or None for AdamW.
 
@@ -55,43 +72,45 @@ def matrix_dims(path: tuple, axes: tuple | None, ndim: int) -> MuonDimensionNumb
     """
     if any(str(k) in ADAMW_ONLY for k in path):
         return None
-    axes = tuple(axes) if axes is not None else (None,) * ndim
-    if len(axes) < ndim:  # the stack adds leading layer axes without naming them
-        axes = ("layers",) * (ndim - len(axes)) + axes
-    core = [i for i, a in enumerate(axes) if a not in BATCH_AXES]
+    core = core_dims(axes, ndim)
     if len(core) != 2:
         return None
     return MuonDimensionNumbers(reduction_axis=core[0], output_axis=core[1])
 
 
-def muon_dims_tree(params: nnx.State) -> nnx.State:
-    """Same structure as ``nnx.as_pure(params)``: per leaf its dims (None = AdamW)."""
+def _per_leaf(params: nnx.State, fn) -> nnx.State:
+    """Same structure as ``nnx.as_pure(params)``: ``fn(path, axes, ndim)`` per parameter."""
     def one(path, var):
         axes = var.get_metadata().get("axes") if isinstance(var, nnx.Variable) else None
         ndim = len(var.get_value().shape) if isinstance(var, nnx.Variable) else jnp.ndim(var)
-        return matrix_dims(tuple(getattr(k, "key", k) for k in path), axes, ndim)
+        return fn(tuple(getattr(k, "key", k) for k in path), axes, ndim)
 
     return jax.tree_util.tree_map_with_path(one, params,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def decay_mask(params) -> object:
-    """AdamW weight decay on matrices and embeddings (ndim >= 2), not on norms and biases."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def muon_dims_tree(params: nnx.State) -> nnx.State:
+    """Per parameter its Muon dims (None = AdamW)."""
+    return _per_leaf(params, matrix_dims)
+
+
+def decay_tree(params: nnx.State) -> nnx.State:
+    """Per parameter whether weight decay applies: two or more dims besides the batch axes
+    (matrices, embeddings, expert weights); not norms, biases, per-head vectors."""
+    return _per_leaf(params, lambda path, axes, ndim: len(core_dims(axes, ndim)) >= 2)
 
 
 def make_optimizer(tc: TrainConfig, params: nnx.State | None = None
                    ) -> optax.GradientTransformation:
-    """The optax chain for ``tc``. ``params`` (with ``axes`` metadata) is needed for Muon.
+    """The optax chain for ``tc``. ``params`` (with ``axes`` metadata) says which parameters
+    are matrices (Muon) and which are decayed.
 
-    Cached per (config, dims) so repeated runs in one process reuse the compiled train step.
+    Cached per (config, dims, decay) so repeated runs in one process reuse the compiled step.
     """
-    dims = None
-    if tc.optimizer == "muon":
-        if params is None:
-            raise ValueError("optimizer='muon' needs the parameter tree (axes metadata)")
-        dims = _Hashable(muon_dims_tree(params))
-    return _make(tc, dims)
+    if params is None:
+        raise ValueError("make_optimizer needs the parameter tree (axes metadata)")
+    dims = _Hashable(muon_dims_tree(params)) if tc.optimizer == "muon" else None
+    return _make(tc, dims, _Hashable(decay_tree(params)))
 
 
 class _Hashable:
@@ -101,7 +120,8 @@ class _Hashable:
         self.tree = tree
         leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None or isinstance(
             x, MuonDimensionNumbers))
-        self._key = (str(treedef), tuple(None if d is None else tuple(d) for d in leaves))
+        self._key = (str(treedef), tuple(
+            d if d is None or isinstance(d, bool) else tuple(d) for d in leaves))
 
     def __hash__(self):
         return hash(self._key)
@@ -111,11 +131,12 @@ class _Hashable:
 
 
 @functools.lru_cache(maxsize=16)
-def _make(tc: TrainConfig, dims: _Hashable | None) -> optax.GradientTransformation:
+def _make(tc: TrainConfig, dims: _Hashable | None, decay: _Hashable
+          ) -> optax.GradientTransformation:
     lr = learning_rate_schedule(tc)
     if tc.optimizer == "adamw":
         opt = optax.adamw(lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
-                          mask=decay_mask)
+                          mask=lambda _: decay.tree)
     else:
         dims_tree = dims.tree
         opt = muon(lr, ns_steps=tc.muon_ns_steps, beta=tc.muon_beta, eps=tc.eps,

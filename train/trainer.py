@@ -240,21 +240,22 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
     stopped = False
     bar = Progress(tc.steps, initial=start, enabled=progress)
     step = start
-    devices = jax.device_count() if mesh is None else mesh.size
+    devices = place.size  # the update's devices (one without a mesh, whatever the host has)
     step_fn = train_step_with_options(tuple(sorted((compiler_options or {}).items())),
                                       donate=True)  # one train state in memory, not two
     try:
         with _StopFlag() as flag, place.rules():
             while step < tc.steps:
                 batch = data.batch(data_index)
+                processed = batch["inputs"].size  # positions computed, loss tokens or not
                 t0 = time.perf_counter()
                 batch = place.batch(batch)  # on a mesh each process hands over its own rows
                 state, m = step_fn(graphdef, state, batch, tc=tc, tx=tx, layout=layout)
                 m = {k: float(v) for k, v in jax.device_get(m).items()}
                 dt = time.perf_counter() - t0
                 step, data_index = step + 1, data_index + 1
-                m.update(step_time_s=dt, tokens_per_s=m["tokens"] / dt,
-                         mfu=mfu(active, m["tokens"], dt, tc.peak_flops, devices))
+                m.update(step_time_s=dt, tokens_per_s=processed / dt,
+                         mfu=mfu(active, processed, dt, tc.peak_flops, devices))
                 losses[step] = m["loss"]
                 writer.write(step, m)
                 _show_step(bar, step, m)
