@@ -91,6 +91,21 @@ def test_episode_split_across_steps_equals_one_go(setup, cap):
     assert whole[1].reasoning_tokens == 3 + engine.budgets.grace  # no boundary in "Hmm, "
 
 
+def _one_high_effort_episode(tok, fmt, caps, grace, **script):
+    """``(rc, engine, envs, tasks, episodes)``: one "high" episode played in one go, greedy,
+    by a ``_SequenceScript`` with ``script``'s options."""
+    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
+                  reasoning_caps=caps, token_budgets={"low": 60, "high": 60, "max": 60})
+    runner = _SequenceScript(tok, fmt, num_slots=8, max_len=rc.seq_len + 1, **script)
+    engine = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=caps, grace=grace),
+                    seed=0)
+    env = _Yes(seed=0)
+    envs, tasks = {env.domain: env}, [(env.task(0), "high")]
+    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
+                    temperature=0.0)
+    return rc, engine, envs, tasks, whole
+
+
 def test_a_cut_inside_a_boundary_character_continues_as_one_go():
     """Reasoning "ab。cd..." (byte tokens: "。" is three) under a cap of 2 with 4 tokens of
     grace: the uncut turn's close is forced right after "。", a sentence boundary (5 reasoning
@@ -102,16 +117,8 @@ def test_a_cut_inside_a_boundary_character_continues_as_one_go():
     fmt = get_format("k2", tok)
     answer = tok.encode("Yes it is.") + [fmt.stop_ids[0]]
     caps = {"low": 0, "high": 2, "max": 16}
-    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
-                  reasoning_caps=caps, token_budgets={"low": 60, "high": 60, "max": 60})
-    runner = _SequenceScript(tok, fmt, answer_ids=answer, reasoning="ab\u3002cdefgh",
-                             num_slots=8, max_len=rc.seq_len + 1)
-    engine = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=caps, grace=4),
-                    seed=0)
-    env = _Yes(seed=0)
-    envs, tasks = {env.domain: env}, [(env.task(0), "high")]
-    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
-                    temperature=0.0)
+    rc, engine, envs, tasks, whole = _one_high_effort_episode(
+        tok, fmt, caps, 4, answer_ids=answer, reasoning="ab\u3002cdefgh")
     assert whole[0].done and whole[0].score == 1.0 and whole[0].reasoning_tokens == 5
     for cap in (3, 4):  # cut after the first, the second byte of the character
         eps, calls = ro.start_episodes(fmt, tasks, 1), 0
@@ -133,16 +140,8 @@ def test_a_close_the_model_began_masks_only_the_tokens_the_budget_forced():
     close, opener = list(fmt.reasoning_end_ids), list(fmt.after_reasoning_ids)
     assert len(close) > 1
     caps = {"low": 0, "high": 5, "max": 16}  # the script's 4 reasoning tokens, then its close
-    rc = RLConfig(envs=("rg:basic_arithmetic",), seq_len=200, group_size=2,
-                  reasoning_caps=caps, token_budgets={"low": 60, "high": 60, "max": 60})
-    runner = _SequenceScript(tok, fmt, answer_ids=_answer("Yes it is.", fmt=fmt),
-                             reasoning_tokens=4, num_slots=8, max_len=rc.seq_len + 1)
-    engine = Engine(runner, tok, chat_format=fmt, budgets=BudgetConfig(caps=caps, grace=0),
-                    seed=0)
-    env = _Yes(seed=0)
-    envs, tasks = {env.domain: env}, [(env.task(0), "high")]
-    whole = ro.play(engine, fmt, envs, ro.start_episodes(fmt, tasks, 1), rc=rc, seed=0,
-                    temperature=0.0)
+    rc, engine, envs, tasks, whole = _one_high_effort_episode(
+        tok, fmt, caps, 0, answer_ids=_answer("Yes it is.", fmt=fmt), reasoning_tokens=4)
     e = whole[0]
     assert e.done and e.score == 1.0, e.texts
     gen = e.tokens[e.prompt_len:]
@@ -157,16 +156,19 @@ def test_a_close_the_model_began_masks_only_the_tokens_the_budget_forced():
     assert _fields(eps[0]) == _fields(e)
 
 
+class _Sampler:
+    """The loop's generation side without weights."""
+
+    def __init__(self, engine, fmt):
+        self.engine, self.fmt = engine, fmt
+
+    def sync(self, graphdef, state):
+        return 0.0
+
+
 def test_loop_carries_partial_groups_up_to_max_staleness(setup):
     fmt, engine, rc, envs, env = setup
-
-    class _Sampler:  # the loop's generation side without weights
-        def __init__(self):
-            self.engine, self.fmt = engine, fmt
-
-        def sync(self, graphdef, state):
-            return 0.0
-
+    sampler = _Sampler(engine, fmt)
     tc = TrainConfig(steps=10, warmup_steps=0, seed=0)
     base = rc.replace(prompts_per_step=2, group_size=2, max_sampling_rounds=1,
                       dynamic_sampling=False, partial_rollout_tokens=4,
@@ -176,7 +178,7 @@ def test_loop_carries_partial_groups_up_to_max_staleness(setup):
     def run(rc, steps):
         pending, counter, out = [], 0, []
         for step in range(steps):
-            m, counter = _rl_iteration(_Sampler(), envs, {env.domain: 1.0}, None, None, rc,
+            m, counter = _rl_iteration(sampler, envs, {env.domain: 1.0}, None, None, rc,
                                        tc, step, counter, rc.rollouts_per_step, pending)
             out.append((m["sampled_groups"], m["pending_groups"], m["stale_dropped_groups"],
                         float(m["_batch"]["loss_mask"].sum())))
@@ -198,21 +200,14 @@ def test_finished_groups_past_the_batch_wait_for_the_next_step(setup):
     surplus leads the next step's batch (it was thrown away). Every group started is trained
     on, waiting or dropped as stale."""
     fmt, engine, rc, envs, env = setup
-
-    class _Sampler:
-        def __init__(self):
-            self.engine, self.fmt = engine, fmt
-
-        def sync(self, graphdef, state):
-            return 0.0
-
+    sampler = _Sampler(engine, fmt)
     tc = TrainConfig(steps=10, warmup_steps=0, seed=0)
     rc = rc.replace(prompts_per_step=2, group_size=2, max_sampling_rounds=1,
                     dynamic_sampling=False, partial_rollout_tokens=4, max_staleness=4,
                     effort_weights={"low": 1.0, "high": 0.0, "max": 1.0})
     pending, counter, rows = [], 0, []
     for step in range(8):
-        m, counter = _rl_iteration(_Sampler(), envs, {env.domain: 1.0}, None, None, rc, tc,
+        m, counter = _rl_iteration(sampler, envs, {env.domain: 1.0}, None, None, rc, tc,
                                    step, counter, rc.rollouts_per_step, pending)
         rows.append((m["sampled_groups"], m["kept_groups"], m["stale_dropped_groups"]))
     assert max(r[0] for r in rows) > rc.prompts_per_step, rows  # a step with a surplus
