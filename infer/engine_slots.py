@@ -5,8 +5,9 @@ chunked prefill, the batched decode step, and finishing a request (its slot free
 Waiting requests move into free slots in arrival order and are prefilled chunk by chunk, at most
 ``prefill_tokens_per_step`` prompt tokens per step (at least one chunk), the oldest request's
 first (slot order let a stream of new requests in a lower slot hold an older one's prefill back
-for ever); the last chunk samples the request's first token from the prefill logits. The decode step runs every slot that is
-generating at once, each row at its own position. Tokens then go to ``engine_tokens.py``.
+for ever); the last chunk samples the request's first token from the prefill logits. The
+decode step runs every slot that is generating at once, each row at its own position. Tokens
+then go to ``engine_tokens.py``.
 
 Images (``docs/vision.md``): a request's ``images`` (patched, in prompt order) must match its
 ``<|media_pad|>`` placeholders (checked in :meth:`Engine.submit`, a ``ValueError``); when the
