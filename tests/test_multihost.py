@@ -56,7 +56,7 @@ def test_launch_local_stops_the_others_when_one_process_fails():
 def test_a_process_killed_by_a_signal_is_named_and_the_job_exits_128_plus_it(tmp_path):
     """Process 1 killed by SIGKILL (what the out-of-memory killer sends): the launcher names the
     signal (it printed "exited with -9"), exits 137 as a shell would (it exited 1), and prints
-    the last lines both processes wrote."""
+    the last line process 1 wrote before it was killed."""
     (tmp_path / "dies.py").write_text(
         "import os, signal, time\n"
         "me = os.environ['KDSA_PROCESS_ID']\n"
@@ -72,7 +72,7 @@ def test_a_process_killed_by_a_signal_is_named_and_the_job_exits_128_plus_it(tmp
                           text=True, timeout=90)
     assert proc.returncode == 128 + 9, (proc.returncode, proc.stderr[-2000:])
     assert "process 1 was killed by SIGKILL (out of memory?); stopping the others" in proc.stderr
-    assert "[p0] p0 last line" in proc.stdout and "[p1] p1 last line" in proc.stdout
+    assert "[p1] p1 last line" in proc.stdout  # (process 0 may be stopped before its own)
 
 
 def test_jobcheck_steps_and_the_cross_process_count():
