@@ -85,6 +85,9 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
+MALFORMED_CALL = "malformed tool call"  # how the parsers' errors name a call they dropped
+
+
 @dataclasses.dataclass(frozen=True)
 class AssistantOutput:
     """Parsed model output. ``errors``: problems skipped in non-strict parsing."""

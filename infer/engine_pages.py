@@ -24,8 +24,7 @@ import logging
 
 import numpy as np
 
-from kdsa.infer.page_pool import PagePool
-from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, PrefixCache, key_items, page_keys
+from kdsa.infer.prefix_cache import CONFIRMED, SPECULATIVE, key_items, page_keys
 from kdsa.infer.requests import _Active
 from kdsa.model.paged_cache import PAGE_SIZE, pages_for
 
@@ -146,15 +145,8 @@ class PageScheduling:
         for i, a in enumerate(self.slots):
             if a is not None:
                 self._fail(i, a, error)
-        old_pools, old_prefixes = self.pools, self.prefixes
-        self.pools = [PagePool(p.num_pages) for p in old_pools]
-        for new, old in zip(self.pools, old_pools):
-            new.peak = old.peak
-        self.prefixes = [PrefixCache(pool, p.num_snapshots, p.every)
-                         for pool, p in zip(self.pools, old_prefixes)]
-        for new, old in zip(self.prefixes, old_prefixes):
-            new.hit_tokens, new.queried_tokens = old.hit_tokens, old.queried_tokens
-        self.page_sources = self.prefixes or self.pools
+        for source in self.page_sources:  # a prefix cache resets its pool too
+            source.reset()
 
     def _preempt(self, i: int, a: _Active) -> None:
         """Give slot ``i`` and its pages back and queue ``a`` first, to run again by recompute:

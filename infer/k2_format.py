@@ -28,7 +28,8 @@ import codecs
 import json
 
 from kdsa.infer.budget import check_effort
-from kdsa.infer.chat import (AssistantOutput, ChatFormat, MalformedOutputError, Message,
+from kdsa.infer.chat import (MALFORMED_CALL, AssistantOutput, ChatFormat,
+                             MalformedOutputError, Message,
                              OutputParser, Tool, ToolCall, call_number, check_history,
                              media_span)
 
@@ -233,7 +234,7 @@ class K2Parser(OutputParser):
             if not isinstance(args, dict):
                 raise ValueError(f"arguments are a JSON {type(args).__name__}, not an object")
         except (ValueError, RecursionError) as e:  # RecursionError: nested past the stack
-            self._error(f"malformed tool call {self.call_id!r}: {e}")
+            self._error(f"{MALFORMED_CALL} {self.call_id!r}: {e}")
             return []
         call = ToolCall(self.call_id, name, json.dumps(args, ensure_ascii=False))
         self.calls.append(call)

@@ -22,8 +22,12 @@ class PagePool:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self.peak = 0  # the most pages held at once
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free (what they held is gone); ``peak`` is kept."""
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
 
     @property
     def free(self) -> int:

@@ -107,20 +107,26 @@ class PrefixCache:
             raise ValueError(f"need num_snapshots >= 1 and snapshot_every >= 1, got "
                              f"{num_snapshots}, {snapshot_every}")
         self.pool, self.every = pool, snapshot_every
+        self.num_snapshots = num_snapshots
+        self.hit_tokens = self.queried_tokens = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing cached and every page of the pool free (their rows and the snapshots are
+        gone: ``Engine`` after a failed step consumed the cache); the hit counters are kept."""
+        self.pool.reset()
         self.page_of: dict[bytes, int] = {}  # key -> page holding those rows
         self.key_of: dict[int, bytes] = {}
         self.refs: collections.Counter[int] = collections.Counter()
         self.idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
         self.snap_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU
         self.rank: dict[bytes, int] = {}  # snapshot key -> SPECULATIVE, END or CONFIRMED
-        self.free_snaps = list(range(num_snapshots - 1, -1, -1))
-        self.num_snapshots = num_snapshots
+        self.free_snaps = list(range(self.num_snapshots - 1, -1, -1))
         # end-of-request snapshots inside a page: snapshot key -> (chain key before the page,
         # the page's tokens, the page holding their rows); and chain key -> those snapshot keys
         self.partial: dict[bytes, tuple[bytes, tuple[int, ...], int]] = {}
         self.ends_under: collections.defaultdict[bytes, set[bytes]] = \
             collections.defaultdict(set)
-        self.hit_tokens = self.queried_tokens = 0
 
     # ---- lookup and pages ----
     def lookup(self, keys: list[bytes], prompt, leave: int = 1

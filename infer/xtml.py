@@ -32,7 +32,8 @@ import json
 import re
 
 from kdsa.infer.budget import check_effort
-from kdsa.infer.chat import (AssistantOutput, ChatFormat, MalformedOutputError, Message,
+from kdsa.infer.chat import (MALFORMED_CALL, AssistantOutput, ChatFormat,
+                             MalformedOutputError, Message,
                              OutputParser, Tool, ToolCall, check_history, media_span)
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
@@ -307,7 +308,7 @@ class XtmlParser(OutputParser):
             except (ValueError, RecursionError):
                 f.bad = f.bad or f"json element is not valid JSON: {f.raw[:40]!r}"
         if f.bad:
-            self._error(f"malformed tool call {name!r}: {f.bad}")
+            self._error(f"{MALFORMED_CALL} {name!r}: {f.bad}")
             return []
         args = f.raw if f.raw is not None else json.dumps(f.args, ensure_ascii=False)
         call = ToolCall(f"functions.{name}:{self.next_call}", name, args)

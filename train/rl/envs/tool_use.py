@@ -27,7 +27,7 @@ import json
 import random
 import re
 
-from kdsa.infer.chat import AssistantOutput, Message, Tool, ToolCall
+from kdsa.infer.chat import MALFORMED_CALL, AssistantOutput, Message, Tool, ToolCall
 from kdsa.train.rl.envs.base import Environment, Outcome, Task, register_env
 
 WORDS = ("cat", "dog", "sun", "map", "owl", "fig", "cup", "hat", "pen", "box")
@@ -71,7 +71,7 @@ class ToolLookupEnv(Environment):
         turn = sum(m.role == "assistant" for m in history)
         looked_up = any(m.role == "tool" and m.content == str(book[word])
                         and _called(history, m.tool_call_id, word) for m in history)
-        dropped = [e for e in output.errors if e.startswith("malformed tool call")]
+        dropped = [e for e in output.errors if e.startswith(MALFORMED_CALL)]
         if output.tool_calls or dropped:
             if turn + 1 >= self.max_turns:
                 return Outcome(0.0, metrics={"valid_call": float(looked_up), "correct": 0.0})
