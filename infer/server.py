@@ -49,9 +49,25 @@ ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
 METRICS = web.AppKey("metrics", object)  # prometheus.ServerMetrics: this app's registry
 
 
+TEXT_BODY_BYTES = 16 * 2**20  # a request's body without images
+
+
+def body_limit(engine, image_limits=None) -> int:
+    """The largest request body: 16 MiB of text, plus, for a model that reads images, room for
+    ``max_images`` images of ``max_bytes`` each in base64 (4/3 of their size), so the image
+    limits, not the body cap, decide which images are refused."""
+    if vision_config(engine) is None:
+        return TEXT_BODY_BYTES
+    from kdsa.model.vision.inputs import ImageLimits
+
+    lim = image_limits or ImageLimits()
+    return TEXT_BODY_BYTES + lim.max_images * (lim.max_bytes * 4 // 3 + 4)
+
+
 def build_app(engine, chat_format, *, model_name: str = "kdsa",
               default_max_tokens: int | None = None, image_limits=None) -> web.Application:
-    app = web.Application(client_max_size=16 * 2**20, middlewares=[_errors])
+    app = web.Application(client_max_size=body_limit(engine, image_limits),
+                          middlewares=[_errors])
     app[ENGINE], app[FORMAT], app[TOKENIZER] = engine, chat_format, engine.tok
     app[CONFIG] = {"model": model_name, "default_max_tokens": default_max_tokens,
                    "created": int(time.time()), "image_limits": image_limits}

@@ -14,6 +14,8 @@ from flax import nnx
 from PIL import Image
 
 from kdsa.model.config import get_preset
+from kdsa.model.vision import attention as vision_attention_module
+from kdsa.model.vision.attention import vision_attention_blocked, vision_attention_dense
 from kdsa.model.vision.assemble import pack_images, scatter_features
 from kdsa.model.vision.inputs import decode_image, image_from_url
 from kdsa.model.vision.patching import merge_order, patch_grid, patchify
@@ -91,6 +93,23 @@ def test_transparency_is_composited_onto_the_chessboard():
     a = 128 / 255                                      # background at (0, 12): gray (square 1)
     g = round(180 * (1 - a))
     assert out[0, 12].tolist() == [round(200 * a + 180 * (1 - a)), g, g]
+
+
+def test_sixteen_bit_grayscale_is_scaled_not_clipped():
+    """A 16-bit grayscale PNG (Pillow mode I;16) decodes to value / 257, its transparent gray
+    value onto the chessboard; a float TIFF is refused by name."""
+    gray = np.array([[0, 257, 30000, 65535]], np.uint16)
+    buf = io.BytesIO()
+    Image.fromarray(gray).save(buf, "PNG")
+    out = decode_image(buf.getvalue())
+    assert out[..., 0].tolist() == [[0, 1, 117, 255]] and (out[..., 1] == out[..., 0]).all()
+    buf = io.BytesIO()
+    Image.fromarray(gray).save(buf, "PNG", transparency=30000)
+    assert decode_image(buf.getvalue())[0, 2].tolist() == [255, 255, 255]  # chessboard white
+    buf = io.BytesIO()
+    Image.fromarray(np.full((2, 2), 0.5, np.float32)).save(buf, "TIFF")
+    with pytest.raises(ValueError, match="mode F"):
+        decode_image(buf.getvalue(), "image 1")
 
 
 def test_only_the_api_image_formats_are_decoded():
@@ -230,6 +249,54 @@ def test_packed_images_equal_each_alone(tower):
     out = run(tower, jax.tree.map(jnp.asarray, pack_images([[shuffled]], 64)))[0]
     base = run(tower, jax.tree.map(jnp.asarray, pack_images([[im]], 64)))[0]
     np.testing.assert_allclose(out[:im.num_patches], base[perm], rtol=2e-5, atol=2e-5)
+
+
+def test_blocked_attention_equals_the_dense_reference_values_and_gradients():
+    """The tiled online softmax against the one-softmax reference: several images per row, a
+    row length no block divides, padding (id 0), gradients of q, k, v."""
+    rng = np.random.default_rng(6)
+    b, p, h, d = 2, 45, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, p, h, d)), jnp.float32) for _ in range(3))
+    segment = np.zeros((b, p), np.int32)
+    segment[0, :7], segment[0, 7:30], segment[0, 30:41] = 1, 2, 3  # 41-44 padding
+    segment[1, :45] = np.repeat([1, 2], [20, 25])
+    segment = jnp.asarray(segment)
+    ref = vision_attention_dense(q, k, v, segment)
+    for block in (8, 16):
+        out = vision_attention_blocked(q, k, v, segment, block=block)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.sin(fn(q, k, v, segment)))
+
+    g_ref = jax.grad(lambda *a: loss(vision_attention_dense, *a), argnums=(0, 1, 2))(q, k, v)
+    g = jax.grad(lambda *a: loss(lambda *x: vision_attention_blocked(*x, block=8), *a),
+                 argnums=(0, 1, 2))(q, k, v)
+    for x, y in zip(g, g_ref):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_attention_skips_the_blocks_of_other_images():
+    """A key block of another image is not read: NaN values there leave the first image's
+    outputs finite (the dense reference multiplies them by 0 and gives NaN)."""
+    b, p, h, d = 1, 32, 1, 4
+    q = k = jnp.ones((b, p, h, d), jnp.float32)
+    v = jnp.ones((b, p, h, d), jnp.float32).at[:, 16:].set(jnp.nan)
+    segment = jnp.asarray(np.repeat([1, 2], 16)[None], jnp.int32)
+    out = vision_attention_blocked(q, k, v, segment, block=8)
+    np.testing.assert_array_equal(np.asarray(out[0, :16]), 1.0)
+    assert np.isnan(np.asarray(vision_attention_dense(q, k, v, segment)[0, :16])).all()
+
+
+def test_tower_with_tiled_attention_equals_the_dense_tower(tower, monkeypatch):
+    rng = np.random.default_rng(7)
+    ims = [patchify(rng.integers(0, 256, s + (3,)).astype(np.uint8), VC)
+           for s in [(30, 45), (14, 20), (56, 28)]]
+    batch = jax.tree.map(jnp.asarray, pack_images([ims], 64))
+    dense = tower(batch.patches, batch.pos, batch.grid, batch.segment)
+    monkeypatch.setattr(vision_attention_module, "BLOCK", 8)  # image 1 spans 2 tiles
+    tiled = tower(batch.patches, batch.pos, batch.grid, batch.segment)
+    np.testing.assert_allclose(tiled, dense, rtol=2e-5, atol=2e-5)
 
 
 def test_scatter_features_lands_at_placeholders():

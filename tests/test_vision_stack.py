@@ -2,6 +2,7 @@
 features at the placeholders, chunked prefill with images + decode == the full forward, the
 engine, and ``/v1/chat/completions`` with an image (real HTTP); malformed images are 400s."""
 
+import base64
 import dataclasses
 import http.client
 import json
@@ -218,6 +219,27 @@ def test_image_limits_are_400(served):
     assert status == 400 and "more than 20000 bytes" in out["error"]["message"], out
     status, out = _post(handle, _body(small))  # the server still serves
     assert status == 200
+
+
+def test_body_limit_leaves_room_for_the_image_limits():
+    """aiohttp's body cap was 16 MiB whatever the image limits: an image over about 12 MiB
+    (16 MiB in base64) was a 413 before the 400 naming the image could be given."""
+    import types
+
+    from kdsa.infer.server import TEXT_BODY_BYTES, body_limit, build_app
+
+    def engine(vision):
+        return types.SimpleNamespace(runner=types.SimpleNamespace(
+            config=types.SimpleNamespace(vision_config=vision)), tok=None)
+
+    assert body_limit(engine(None)) == TEXT_BODY_BYTES
+    lim = ImageLimits()
+    b64 = len(base64.b64encode(bytes(lim.max_bytes)))
+    assert body_limit(engine(object()), lim) >= TEXT_BODY_BYTES + lim.max_images * b64
+    small = ImageLimits(max_images=2, max_bytes=20000)
+    assert body_limit(engine(object()), small) == TEXT_BODY_BYTES + 2 * (20000 * 4 // 3 + 4)
+    app = build_app(engine(object()), FMT, image_limits=small)
+    assert app._client_max_size == body_limit(engine(object()), small)
 
 
 def test_serve_passes_the_image_limit_flags(monkeypatch):

@@ -90,8 +90,33 @@ def chessboard(height: int, width: int) -> np.ndarray:
     return np.where((y + x) % 2 == 0, white, gray).astype(np.uint8)
 
 
+# Pillow's 16-bit grayscale modes (a 16-bit PNG or TIFF): ``convert("RGB")`` clips their values
+# at 255 instead of scaling them, so a mid-gray 16-bit image came out white
+WIDE_GRAY = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def eight_bit_gray(im):
+    """A 16-bit grayscale PIL image -> ``L`` (``LA`` when a gray value is transparent), values
+    scaled by 255 / 65535 and rounded."""
+    from PIL import Image
+
+    x = np.asarray(im).astype(np.float64)
+    gray = np.clip(np.round(x / 257.0), 0, 255).astype(np.uint8)
+    t = im.info.get("transparency")
+    if isinstance(t, int):
+        alpha = np.where(x == t, 0, 255).astype(np.uint8)
+        return Image.fromarray(np.stack([gray, alpha], -1), "LA")
+    return Image.fromarray(gray, "L")
+
+
 def flatten_alpha(im) -> np.ndarray:
-    """A PIL image -> RGB ``uint8 [H, W, 3]``; transparency composited onto :func:`chessboard`."""
+    """A PIL image -> RGB ``uint8 [H, W, 3]``; transparency composited onto :func:`chessboard`;
+    16-bit grayscale scaled to 8 bits; float images (mode ``F``) refused."""
+    if im.mode in WIDE_GRAY:
+        im = eight_bit_gray(im)
+    elif im.mode == "F":
+        raise ValueError("32-bit float pixels (mode F) are not supported; save the image with "
+                         "8 or 16 bits per channel")
     has_alpha = im.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in im.info
     if not has_alpha:
         return np.asarray(im.convert("RGB"), dtype=np.uint8)

@@ -13,7 +13,8 @@ Parameter names mirror the checkpoint under ``vision_tower.``: ``patch_embed.pro
 Images are packed, not padded to a square: the input is ``[B, P]`` patches per row (several
 images per row, each a run of patches with its own ``segment`` id, 0 = padding); attention is
 masked to the patches of the same image (vLLM uses ``cu_seqlens`` for the same effect), scale
-``d^-0.5``. Logical axes: ``vision_embed`` (tower width), ``vision_heads`` (attention width),
+``d^-0.5``, in tiles beyond 512 patches (``attention.py``: a 65K-patch image's scores do not fit
+whole). Logical axes: ``vision_embed`` (tower width), ``vision_heads`` (attention width),
 ``vision_mlp`` (block MLP and projector hidden).
 """
 
@@ -24,17 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kdsa.model.layers import LayerNorm, Linear, RMSNorm, dtype_of, param
+from kdsa.model.vision.attention import vision_attention
 from kdsa.model.vision.position import apply_rope_2d, interpolate_pos_emb, rope_2d_angles
-
-
-def vision_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
-    """q, k, v [B, P, H, d]; segment [B, P] -> [B, P, H, d]: softmax attention within each
-    image (equal segment ids), float32 scores."""
-    scale = q.shape[-1] ** -0.5
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-    same = segment[:, None, :, None] == segment[:, None, None, :]          # [B, 1, P, P]
-    p = jax.nn.softmax(jnp.where(same, s, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32)).astype(v.dtype)
 
 
 def _norm(vc, dim: int):
