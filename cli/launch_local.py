@@ -64,17 +64,26 @@ def _pump(proc: subprocess.Popen, prefix: str) -> None:
         sys.stdout.flush()
 
 
+def inner_command(args) -> list[str]:
+    """The command each process runs: what follows the separating ``--`` (argparse drops it;
+    a later ``--`` belongs to the command), without a leading program name ``kdsa``."""
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if cmd and args.module == "kdsa.cli.main" and Path(cmd[0]).name in _PROGRAM_NAMES:
+        cmd = cmd[1:]  # `-- kdsa train ...`: the program name, as torchrun users type it
+    if not cmd:
+        raise ValueError("no command given after --")
+    return cmd
+
+
 def run(args) -> int:
     if args.processes < 1 or args.devices_per_process < 1:
         raise ValueError("--processes and --devices-per-process must be >= 1")
     for flag, value in (("--timeout", args.timeout), ("--stop-timeout", args.stop_timeout)):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0 seconds, got {value}")
-    cmd = [c for c in args.cmd if c != "--"]
-    if cmd and args.module == "kdsa.cli.main" and Path(cmd[0]).name in _PROGRAM_NAMES:
-        cmd = cmd[1:]  # `-- kdsa train ...`: the program name, as torchrun users type it
-    if not cmd:
-        raise ValueError("no command given after --")
+    cmd = inner_command(args)
     port = _free_port()
     procs, pumps = [], []
     for pid in range(args.processes):

@@ -148,7 +148,8 @@ def _train_mesh(args, name, config, tc, rc):
         return None
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     return fit_layout(config, "train", preset=name, override=sizes,
-                      batch=rc.rows_per_micro_batch(tc.accum_steps), seq=rc.seq_len, log=log)
+                      batch=rc.rows_per_micro_batch(tc.accum_steps), seq=rc.seq_len, log=log,
+                      per_process_multiple=rc.generate_devices)
 
 
 def _demo_run_dir(resume: bool):

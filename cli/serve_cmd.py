@@ -12,8 +12,10 @@ def register(sub) -> None:
     from kdsa.cli.generate_cmd import add_engine_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible chat-completions server",
-                       description="Serve POST /v1/chat/completions (streaming, tools, "
-                                   "reasoning_effort), GET /v1/models and GET /health; all "
+                       description="Serve POST /v1/chat/completions (OpenAI: streaming, "
+                                   "tools, reasoning_effort), POST /v1/messages and "
+                                   "/v1/messages/count_tokens (Anthropic), GET /v1/models, "
+                                   "GET /health and GET /metrics (Prometheus); all "
                                    "connections share one continuous-batching engine.")
     add_engine_args(p)
     from kdsa.cli.config_args import positive_int

@@ -54,6 +54,23 @@ def train_config_from_args(args):
     return tc.replace(**changes) if changes else tc
 
 
+def _read_data(path, config, tc, tok):
+    """``--data`` read and checked before anything compiles: chat JSONL (every line, images
+    decoded), or text / token JSONL through the model's tokenizer; the path itself for the
+    byte-level reader of ``run_training``."""
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    from kdsa.train.vision_data import chat_sft_data, is_chat_jsonl
+    if is_chat_jsonl(path):
+        return chat_sft_data(config, tc, path, tokenizer=tok)
+    if tok is not None:
+        from kdsa.train.data import PackedJsonlData
+        return PackedJsonlData(path, tc.batch_size, tc.seq_len, tc.seed,
+                               vocab_size=config.vocab_size, eos_id=config.eos_token_id,
+                               pad_id=config.pad_token_id or 0, tokenizer=tok)
+    return path
+
+
 def run(args) -> int:
     import jax
 
@@ -74,19 +91,11 @@ def run(args) -> int:
                 f"in the dense warm-up stage (--train-set indexer_stage=... to choose)")
         tc = warm
     check_configs(config, tc)  # every config error before anything compiles
-    if args.data is not None and not args.data.is_file():
-        raise ValueError(f"--data {args.data}: no such file")
     tok = model_tokenizer(args, config)  # the model's own (--init-from), else bytes
     data = args.data
-    if data is not None:
-        from kdsa.train.vision_data import chat_sft_data, is_chat_jsonl
-        if is_chat_jsonl(data):  # every line checked (images decoded) before anything compiles
-            data = chat_sft_data(config, tc, data, tokenizer=tok)
-        elif tok is not None:
-            from kdsa.train.data import PackedJsonlData
-            data = PackedJsonlData(data, tc.batch_size, tc.seq_len, tc.seed,
-                                   vocab_size=config.vocab_size, eos_id=config.eos_token_id,
-                                   pad_id=config.pad_token_id or 0, tokenizer=tok)
+    if data is not None:  # on every host, which must agree (sharding/agreement.py)
+        from kdsa.sharding.agreement import agreed
+        data = agreed(lambda: _read_data(args.data, config, tc, tok), f"--data {args.data}")
     from kdsa.sharding.mesh import fit_layout
     mesh = fit_layout(config, "train", preset=name, override=mesh_sizes,
                       batch=tc.micro_batch_size, seq=tc.seq_len, log=log)

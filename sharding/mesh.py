@@ -192,13 +192,16 @@ def make_mesh(sizes: Mapping[str, int] | str | None = None, *,
 
 def fit_layout(config, layout: str, *, preset: str | None = None,
                override: str | Mapping[str, int] | None = None, batch: int | None = None,
-               seq: int | None = None, devices: Sequence | None = None, log=None) -> Mesh:
+               seq: int | None = None, devices: Sequence | None = None, log=None,
+               per_process_multiple: int = 1) -> Mesh:
     """The mesh of a run. ``override`` (``--mesh``): exactly those sizes over ``devices``
     (default all), checked against the model and batch (:func:`check_layout`, clear error).
     Otherwise the preset's default layout (:func:`layout_sizes`) with its ``-1`` axis as large
     as the devices allow *and* the model and batch fit (e.g. ``fsdp=-1`` with 8 devices and a
     micro-batch of 2 rows gives ``fsdp=2`` on 2 devices; ``log`` says so). With several
-    processes a device subset takes the same number of devices from each."""
+    processes a device subset takes the same number of devices from each, a multiple of
+    ``per_process_multiple`` (RL: each process's generate mesh, which the weights are gathered
+    onto from the process's own share)."""
     devices = list(devices if devices is not None else jax.devices())
     if override:
         sizes = dict(zip(AXES, resolve_sizes(parse_mesh_spec(override), len(devices))))
@@ -212,7 +215,7 @@ def fit_layout(config, layout: str, *, preset: str | None = None,
         check_layout(config, sizes, layout, batch=batch, seq=seq)
         return make_mesh(sizes, devices=devices)
     top = len(devices) // fixed
-    error, fallback = None, None
+    error, fallback, uneven = None, None, None
     procs = len({d.process_index for d in devices})  # a subset takes as many from each
     for f in [f for f in range(top, 0, -1) if top % f == 0 and (fixed * f) % procs == 0]:
         sizes = dict(want, **{free[0]: f})
@@ -221,13 +224,22 @@ def fit_layout(config, layout: str, *, preset: str | None = None,
         except ValueError as e:
             error = error or e
             continue
+        if procs > 1 and (fixed * f // procs) % per_process_multiple:
+            uneven = uneven or sizes
+            continue
         replicated = replicated_weight_dims(config, sizes, layout)
         if replicated:  # fits, but whole weights on every device: a smaller size, if any, first
             fallback = fallback or (f, sizes, replicated)
             continue
         return _fitted(sizes, devices, fixed * f, f < top, layout, top, free[0], log)
+    if fallback is None and uneven is not None:
+        raise ValueError(f"{layout} layout: {_fmt(uneven)} fits the model and batch but gives "
+                         f"each of {procs} processes {math.prod(uneven.values()) // procs} "
+                         f"devices, not a multiple of {per_process_multiple}; pass --mesh, or "
+                         f"a batch that splits over more devices")
     if fallback is None:
-        raise error
+        raise error or ValueError(f"{layout} layout: no size of {free[0]} splits evenly over "
+                                  f"{procs} processes; pass --mesh")
     f, sizes, replicated = fallback
     if log is not None:
         log(f"{layout} layout: {_fmt(sizes)} keeps {'; '.join(replicated)}; these weights are "

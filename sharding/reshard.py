@@ -147,6 +147,28 @@ def _chunks(leaves, targets, chunk_bytes: int) -> list[list[int]]:
     return out
 
 
+def local_gather_problem(devices, n: int, all_devices=None) -> str | None:
+    """Why arrays on ``devices`` (a job's device set, every process's) cannot be gathered onto
+    each process's local mesh of its first ``n`` devices by id (:func:`_per_process_mesh`), or
+    None. Each process must hold the same number of them, a multiple of ``n``, including its
+    own first ``n``; checked from the device list alone, so a run can refuse a layout before it
+    compiles anything. ``all_devices``: the job's devices (default ``jax.devices()``)."""
+    all_devices = jax.devices() if all_devices is None else all_devices
+    by_process: dict[int, list] = collections.defaultdict(list)
+    for d in sorted(devices, key=lambda d: d.id):
+        by_process[d.process_index].append(d)
+    counts = {p: len(v) for p, v in sorted(by_process.items())}
+    firsts = {p: sorted((d for d in all_devices if d.process_index == p),
+                        key=lambda d: d.id)[:n] for p in by_process}
+    missing = {p: [d.id for d in firsts[p] if d not in by_process[p]] for p in by_process}
+    if any(c % n for c in counts.values()) or len(set(counts.values())) > 1 \
+            or any(missing.values()):
+        return (f"the devices ({counts} per process) do not hold every process's first {n} "
+                f"devices in equal numbers (a multiple of {n} per process; missing "
+                f"{ {p: m for p, m in missing.items() if m} })")
+    return None
+
+
 def _per_process_mesh(local: Mesh, devices) -> Mesh:
     """A mesh over ``devices`` (the source arrays' device set: JAX moves arrays across hosts
     only within one set) shaped ``[process, copies, *local.shape]``: each process's block is
@@ -163,12 +185,9 @@ def _per_process_mesh(local: Mesh, devices) -> Mesh:
     if list(local.devices.flat) != list(device_array(sizes, mine).flat):
         raise ValueError(f"a local target mesh must be this process's first {n} devices as "
                          f"make_mesh arranges them, got {[d.id for d in local.devices.flat]}")
-    counts = {p: len(v) for p, v in by_process.items()}
-    if any(c % n for c in counts.values()) or len(set(counts.values())) > 1 \
-            or set(mine) - set(by_process[jax.process_index()]):
-        raise ValueError(f"the arrays' devices ({counts} per process) do not hold every "
-                         f"process's first {n} devices in equal numbers; cannot gather them "
-                         f"onto a local mesh")
+    problem = local_gather_problem(devices, n)
+    if problem:
+        raise ValueError(f"{problem}; cannot gather the arrays onto a local mesh")
     blocks = [np.stack([device_array(sizes, v[i:i + n]) for i in range(0, len(v), n)])
               for v in (by_process[p] for p in sorted(by_process))]
     return Mesh(np.stack(blocks), ("process", "copies") + tuple(local.axis_names))

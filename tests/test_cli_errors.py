@@ -315,6 +315,21 @@ def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):
         assert f"{flag} must be > 0" in _one_error_line(capsys, "launch-local")
 
 
+def test_launch_local_keeps_a_later_double_dash_in_the_command():
+    """Only the separating ``--`` goes: every ``--`` was dropped, so a command that needs one
+    ran differently under the launcher."""
+    from kdsa.cli.launch_local import inner_command
+    from kdsa.cli.main import build_parser
+
+    def cmd(*argv):
+        return inner_command(build_parser().parse_args(["launch-local", "--processes", "2",
+                                                        *argv]))
+
+    assert cmd("--", "kdsa", "train", "--set", "a=1", "--", "-x") == \
+        ["train", "--set", "a=1", "--", "-x"]
+    assert cmd("--", "rl", "--demo") == ["rl", "--demo"]
+
+
 def test_moe_capacity_factor_reaches_the_update_rules(monkeypatch):
     """``--train-set moe_capacity_factor=1.25`` (the K3 pod recipe, docs/post_training.md) is
     a train-config field the update's sharding rules get (it was a ``use_sharding`` option no

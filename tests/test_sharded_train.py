@@ -149,6 +149,38 @@ def test_fit_layout_defaults_and_errors():
         run_training(cfg, TC, "/nonexistent-never-written", mesh=make_mesh("tensor=8"))
 
 
+def test_rl_layouts_leave_each_process_whole_generate_meshes(monkeypatch):
+    """Multi-process RL gathers the weights from each process's share of the update's mesh
+    onto its first ``rl.generate_devices`` devices. A fitted subset gives every process a
+    multiple of them; a mesh that cannot is named before anything compiles (it failed at the
+    first weight sync, after the compile)."""
+    import types
+
+    from kdsa.sharding import mesh as mesh_mod
+    from kdsa.sharding.reshard import local_gather_problem
+
+    devs = [types.SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]  # 2 x 4
+    monkeypatch.setattr(mesh_mod, "make_mesh", lambda sizes, devices: (sizes, devices))
+    cfg = small_config()
+    sizes, use = fit_layout(cfg, "train", preset="tiny", batch=2, seq=16, devices=devs)
+    assert sizes["fsdp"] == 2 and [d.id for d in use] == [0, 4]  # 1 device per process
+    sizes, use = fit_layout(cfg, "train", preset="tiny", batch=4, seq=16, devices=devs,
+                            per_process_multiple=2)
+    assert sizes["fsdp"] == 4 and [d.id for d in use] == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match="fsdp=2 fits the model and batch but gives each of 2 "
+                                         "processes 1 devices, not a multiple of 2"):
+        fit_layout(cfg, "train", preset="tiny", batch=2, seq=16, devices=devs,
+                   per_process_multiple=2)
+    assert local_gather_problem(use, 2, devs) is None
+    assert "{0: 1, 1: 1} per process" in local_gather_problem([devs[0], devs[4]], 2, devs)
+    three = [types.SimpleNamespace(id=i, process_index=i // 3) for i in range(6)]  # 2 x 3
+    assert "a multiple of 2" in local_gather_problem(three, 2, three)
+    assert "missing {0: [1]}" in local_gather_problem([devs[0], devs[2], devs[4], devs[5]], 2,
+                                                      devs)
+    assert local_gather_problem(three, 1, three) is None and \
+        local_gather_problem(three, 3, three) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # generation on the generate layout
 # ---------------------------------------------------------------------------------------------

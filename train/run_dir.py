@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from kdsa.model.folders import train_steps
+from kdsa.sharding.agreement import agreed
 from kdsa.train.checkpointing import UNFINISHED_MARK
 
 
@@ -57,26 +58,18 @@ def check_run_dir(run_dir: str | Path, checkpoint_bytes: int, keep: int,
     job of several processes every process raises when any one's check failed (one process
     alone exiting left the others waiting in the job's first collective): every process must
     call it, with ``checkpoint_bytes`` 0 where another process asks for the room."""
-    error = None
-    try:
-        _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
-        if resume:
-            _inside_a_run(Path(run_dir), checkpoints)
-        if also is not None:
-            also()
-    except ValueError as e:
-        error = e
-    except OSError as e:  # (a stale mount, a missing permission: every process must hear)
-        error = ValueError(f"run dir {run_dir} cannot be checked "
-                           f"({e.strerror or type(e).__name__})")
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None)))
-        if error is None and failed.any():
-            raise ValueError(f"run dir {run_dir}: the check failed on process(es) "
-                             f"{np.flatnonzero(failed).tolist()} (their error says why)")
-    if error is not None:
-        raise error
+    def check():
+        try:
+            _check(Path(run_dir), checkpoint_bytes, keep, checkpoints)
+            if resume:
+                _inside_a_run(Path(run_dir), checkpoints)
+            if also is not None:
+                also()
+        except OSError as e:  # (a stale mount, a missing permission: every process must hear)
+            raise ValueError(f"run dir {run_dir} cannot be checked "
+                             f"({e.strerror or type(e).__name__})") from None
+
+    agreed(check, f"run dir {run_dir}")
 
 
 def _inside_a_run(run_dir: Path, checkpoints: str) -> None:

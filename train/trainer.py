@@ -33,6 +33,7 @@ from flax import nnx
 
 from kdsa.model.config import ModelConfig
 from kdsa.model.transformer import Transformer, abstract_model
+from kdsa.sharding.agreement import agreed, same_on_every_process
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.data import make_data
@@ -184,8 +185,13 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
         check_layout(config, dict(mesh.shape), "train", batch=tc.micro_batch_size,
                      seq=tc.seq_len)
     run_dir = Path(run_dir)
-    data = make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed, data_path,
-                     eos_id=config.eos_token_id, pad_id=config.pad_token_id)
+    # every host reads its own copy of the data: a failure on one stops all, and the rows
+    # must be the same everywhere (each host hands over its share of one global batch)
+    data = agreed(lambda: make_data(config.vocab_size, tc.batch_size, tc.seq_len, tc.seed,
+                                    data_path, eos_id=config.eos_token_id,
+                                    pad_id=config.pad_token_id), "the training data")
+    if getattr(data, "fingerprint", None) is not None:
+        same_on_every_process(data.fingerprint, "the training data")
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)
     # writable, room for the checkpoints, a run dir if resumed: before compiling

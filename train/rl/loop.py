@@ -52,6 +52,7 @@ from flax import nnx
 from kdsa.model.config import ModelConfig
 from kdsa.model.outputs import layers_of
 from kdsa.sharding.mesh import check_layout, fit_layout
+from kdsa.sharding.reshard import local_gather_problem
 from kdsa.train.checkpointing import Checkpointer
 from kdsa.train.config import TrainConfig
 from kdsa.train.init_from import (check_export_destination, export_run, init_from_path,
@@ -110,10 +111,16 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     multi = jax.process_count() > 1  # rollouts split, one update over every process's devices
     if mesh is None and multi:
         mesh = fit_layout(config, "train", batch=rc.rows_per_micro_batch(tc.accum_steps),
-                          seq=rc.seq_len, log=log)
+                          seq=rc.seq_len, log=log, per_process_multiple=rc.generate_devices)
     elif mesh is not None:
         check_layout(config, dict(mesh.shape), "train",
                      batch=rc.rows_per_micro_batch(tc.accum_steps), seq=rc.seq_len)
+    if multi:  # each step gathers the weights onto every process's generate mesh
+        problem = local_gather_problem(mesh.devices.flat, rc.generate_devices)
+        if problem:
+            raise ValueError(f"rl.generate_devices={rc.generate_devices} with the update's mesh "
+                             f"{dict(mesh.shape)}: {problem}; choose --mesh or "
+                             f"rl.generate_devices to fit")
     writes = jax.process_index() == 0
     abstract, graphdef, tx, build = prepare(config, tc)
     template = jax.eval_shape(build)

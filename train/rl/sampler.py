@@ -27,7 +27,9 @@ class Sampler:
 
     def __init__(self, model, config: ModelConfig, rc: RLConfig, seed: int,
                  tokenizer_path: str | Path | None = None):
-        self.mesh = make_mesh({"data": -1}, devices=jax.local_devices()[:rc.generate_devices])
+        # the first devices by id: those the weight sync gathers onto (sharding/reshard.py)
+        self.mesh = make_mesh({"data": -1}, devices=sorted(
+            jax.local_devices(), key=lambda d: d.id)[:rc.generate_devices])
         self.tok = load_tokenizer(tokenizer_path, vocab_size=config.vocab_size,
                                   flavor="k2" if rc.chat_format == "k2" else "k3")
         self.fmt = get_format(rc.chat_format, self.tok)
