@@ -10,8 +10,9 @@ Decode is timed on the engine's compiled step (``ModelRunner.decode``, every slo
 given context position, cache preallocated to the context), so a row costs what a slot costs
 in serving: KDA layers (the same in both models) are constant per token; the hybrid's DSA
 layers read ``index_topk`` selected keys of the latent cache plus the indexer over all keys, the
-baseline's dense layers read all keys. Each (batch, context) shape compiles once per model; the
-two models alternate inside a row, so both see the same load. The end-to-end row runs
+baseline's dense layers read all keys. Each (batch, context) shape compiles once per model; in
+a row one model's reps run, then the other's, back to back (best of the reps each), so a load
+change between them moves the ratio. The end-to-end row runs
 ``Engine.generate`` (sampling, host bookkeeping) of the hybrid at one batch size. The load
 average is recorded before and after: on a shared CPU the absolute tokens/s are upper-bound
 noisy, the ratios (hybrid / dense-DSA baseline) much less so.

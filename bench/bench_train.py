@@ -8,7 +8,7 @@ Measured side by side in one run (each a median of ``reps`` timed calls after a 
   and right after the training step, the better of the two;
 * **training**: tokens/s of the jitted optimizer step (``train/step.py``, AdamW, on one device,
   where the RL loop trains; ``kdsa train`` on a one-device machine), and its FLOP/s two ways,
-  each as a fraction of the roofline: *model* FLOPs ``6 * active_params * tokens`` (the convention of
+  each as a fraction of the roofline: *model* FLOPs ``6 * matmul_params * tokens`` (the convention of
   ``train/metrics.py``'s MFU: attention scores not counted) and *executed* FLOPs (XLA's cost
   analysis of the compiled step: attention, routing, optimizer, recompute included);
 * **rollouts**: tokens/s of ``Engine.generate`` on the same model through the RL loop's own
@@ -180,8 +180,11 @@ def main() -> int:
     roof1 = matmul_flops(args.matmul, reps)  # again right after the step: same load
     roof = max(roof0, roof1)
     bar.advance_to(2, desc=f"train {tps:.0f} tokens/s")
-    active = count_params(config, preset).active_params
-    model_flops = 6.0 * active * tc.batch_size * tc.seq_len / step_s
+    counts = count_params(config, preset)
+    active = counts.active_params
+    # 6 N per token with N the parameters a token multiplies by: the input embedding is a
+    # lookup (counting it overstated k3-slice's model FLOPs by 9.5%)
+    model_flops = 6.0 * counts.matmul_params * tc.batch_size * tc.seq_len / step_s
     exec_flops = executed / step_s
     if args.train_only:
         roll = sync_s = tree_bytes = train_mesh = None
@@ -201,6 +204,7 @@ def main() -> int:
                      "before_train": roof0, "after_train": roof1},
         "train": {"batch": tc.batch_size, "seq_len": tc.seq_len, "step_s": step_s,
                   "tokens_per_s": tps, "active_params": active,
+                  "matmul_params": counts.matmul_params,
                   "model_flops_per_s": model_flops, "model_flops_fraction": model_flops / roof,
                   "executed_flops_per_step": executed, "executed_flops_per_s": exec_flops,
                   "executed_flops_fraction": exec_flops / roof, "memory": memory},

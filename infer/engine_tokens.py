@@ -115,8 +115,11 @@ class TokenStep:
             for kind, value in req.parser.feed(token):
                 if kind == "content":
                     a.text += value
-                else:
-                    deltas.append((kind, value))
+                    continue
+                if a.sent < len(a.text):  # text held back for a stop string came first: it
+                    deltas.append(("content", a.text[a.sent:]))  # goes out before the call
+                    a.sent = len(a.text)  # (a stop string never spans a tool call)
+                deltas.append((kind, value))
         else:
             a.text += piece
         reason = None

@@ -141,7 +141,8 @@ class K2Format(ChatFormat):
         return out
 
     def parser(self, *, thinking=True, strict=False, first_call_index=0) -> "K2Parser":
-        return K2Parser(self.tok, thinking=thinking, strict=strict)
+        return K2Parser(self.tok, thinking=thinking, strict=strict,
+                        first_call_index=first_call_index)
 
 
 def k2_call_id(call: ToolCall, index: int) -> str:
@@ -163,9 +164,17 @@ def call_name(call_id: str) -> str:
     return name
 
 
+def _no_repeated_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"repeated keys {repeated}")
+    return dict(pairs)
+
+
 class K2Parser(OutputParser):
-    def __init__(self, tok, *, thinking: bool, strict: bool):
-        self.tok, self.strict = tok, strict
+    def __init__(self, tok, *, thinking: bool, strict: bool, first_call_index: int = 0):
+        self.tok, self.strict, self.first_call_index = tok, strict, first_call_index
         self.sid = {s: tok.special(s) for s in _ALL}
         self.state = "reasoning" if thinking else "content"
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -227,16 +236,26 @@ class K2Parser(OutputParser):
         return ev
 
     def _finish_call(self) -> list:
+        """The call as the model wrote it: ``arguments`` are its own text (checked to be one
+        JSON object without repeated keys), not a re-serialisation, so the next turn's history
+        renders the tokens it generated (``{"x":1.0}`` came back as ``{"x": 1.0}``); an id
+        repeated within the message gets the next free ``functions.NAME:N``, so each result
+        can be told apart."""
         raw = self.buf.decode("utf-8", errors="replace")
         try:
             name = call_name(self.call_id or "")
-            args = json.loads(raw)
+            args = json.loads(raw, object_pairs_hook=_no_repeated_keys)
             if not isinstance(args, dict):
                 raise ValueError(f"arguments are a JSON {type(args).__name__}, not an object")
         except (ValueError, RecursionError) as e:  # RecursionError: nested past the stack
             self._error(f"{MALFORMED_CALL} {self.call_id!r}: {e}")
             return []
-        call = ToolCall(self.call_id, name, json.dumps(args, ensure_ascii=False))
+        call_id = self.call_id
+        if any(c.id == call_id for c in self.calls):
+            free = max([self.first_call_index] + [
+                n + 1 for n in (call_number(c.id) for c in self.calls) if n is not None])
+            call_id = f"functions.{name}:{free}"
+        call = ToolCall(call_id, name, raw)
         self.calls.append(call)
         return [("tool_call", call)]
 

@@ -361,6 +361,8 @@ async def _stream_events(request, job, queue, pending, n, model, tok, send, done
         for kind, value in ev.deltas:
             if kind == "tool_call" and job.tool_choice == "none":
                 continue  # tool_choice "none": never sampled; a second guard (docs/serving.md)
+            if kind == "reasoning" and not job.thinking:
+                continue  # as the whole body: no reasoning_content with thinking off
             await send(api.chunk(job, model_name=model, index=i,
                                  delta=api.delta_of(kind, value, tool_index[i]), logprobs=lp))
             lp = None

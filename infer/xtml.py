@@ -160,15 +160,11 @@ class XtmlFormat(ChatFormat):
 
     def _call(self, b: _Builder, c: ToolCall, index: int) -> None:
         b.open(f'call tool="{_esc(c.name)}" index="{index}"')
-        try:
-            args = json.loads(c.arguments)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
-            args = None
-        if isinstance(args, dict):
-            for k, v in args.items():
+        items = object_items(c.arguments)
+        if items is not None:
+            for k, v, raw in items:  # a number as written (1e3, 2.50), not re-serialised
                 ty = _ARG_TYPES[type(v)]
-                body = v if ty == "string" else json.dumps(v, ensure_ascii=False)
-                b.element(f'argument key="{_esc(k)}" type="{ty}"', body)
+                b.element(f'argument key="{_esc(k)}" type="{ty}"', v if ty == "string" else raw)
         else:
             b.element("json", c.arguments)
         b.close("call")
@@ -185,12 +181,48 @@ _CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",),
 _TEXT = {"think": "reasoning", "response": "content"}
 
 
+_JSON_WS = re.compile(r"[ \t\n\r]*")
+
+
+def object_items(text: str) -> list[tuple[str, object, str]] | None:
+    """``(key, value, value's own text)`` of a JSON object's members in order, or None when
+    ``text`` is not one JSON object with distinct keys. The value's text is what the JSON
+    holds (``1e3``, ``2.50``, ``{"a":1}``), so a call renders as the model wrote it."""
+    dec = json.JSONDecoder()
+    ws = lambda i: _JSON_WS.match(text, i).end()  # noqa: E731
+    try:
+        i = ws(0)
+        if text[i:i + 1] != "{":
+            return None
+        items, i = [], ws(i + 1)
+        while text[i:i + 1] != "}":
+            if items:
+                if text[i:i + 1] != ",":
+                    return None
+                i = ws(i + 1)
+            if text[i:i + 1] != '"':
+                return None
+            key, i = json.decoder.scanstring(text, i + 1)
+            i = ws(i)
+            if text[i:i + 1] != ":":
+                return None
+            i = ws(i + 1)
+            value, end = dec.raw_decode(text, i)
+            items.append((key, value, text[i:end]))
+            i = ws(end)
+        if ws(i + 1) != len(text) or len({k for k, _, _ in items}) != len(items):
+            return None
+        return items
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
+        return None
+
+
 class _Frame:
     def __init__(self, name: str, attrs: dict):
         self.name, self.attrs = name, attrs
         self.buf = bytearray()
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.args: dict = {}
+        self.args: dict = {}  # key -> the value's JSON text
         self.raw: str | None = None
         self.bad: str | None = None
 
@@ -281,8 +313,11 @@ class XtmlParser(OutputParser):
         if key is None:
             call.bad = call.bad or "argument without a key"
             return
+        if key in call.args:
+            call.bad = call.bad or f"argument {key!r} given twice"
+            return
         if ty == "string":
-            call.args[key] = text
+            call.args[key] = json.dumps(text, ensure_ascii=False)
             return
         try:
             value = json.loads(text)
@@ -296,7 +331,7 @@ class XtmlParser(OutputParser):
                                                                isinstance(value, bool)):
             call.bad = call.bad or f"argument {key!r} of type {ty} has value {text[:40]!r}"
         else:
-            call.args[key] = value
+            call.args[key] = text  # as written: 1e3 stays 1e3 in the arguments and the history
 
     def _finish_call(self, f: _Frame) -> list:
         name = f.attrs.get("tool", "")
@@ -310,7 +345,8 @@ class XtmlParser(OutputParser):
         if f.bad:
             self._error(f"{MALFORMED_CALL} {name!r}: {f.bad}")
             return []
-        args = f.raw if f.raw is not None else json.dumps(f.args, ensure_ascii=False)
+        args = f.raw if f.raw is not None else "{" + ", ".join(  # each value's JSON text
+            f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in f.args.items()) + "}"
         call = ToolCall(f"functions.{name}:{self.next_call}", name, args)
         self.next_call += 1
         self.calls.append(call)

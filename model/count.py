@@ -3,7 +3,8 @@
 The model is built with ``nnx.eval_shape`` (no memory is allocated), so ``k3-2.8t`` is counted
 on a laptop. Each parameter is assigned to one component by its path; activated parameters per
 token count the routed experts at ``num_experts_per_token / num_experts`` and everything else in
-full (embedding and head included).
+full (embedding and head included); ``matmul_params``, what MFU counts, leaves out the input
+embedding table (a lookup) and the vision tower and projector.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class ParamReport:
     preset: str
     total_params: int
     active_params: int
+    # the active parameters a text token multiplies by (MFU's ``6 N``): without the input
+    # embedding table (a row lookup; the head still counts, tied or not) and the vision tower
+    # and projector (they run on image patches)
+    matmul_params: int
     components: dict[str, int]
     active_components: dict[str, int]
     weight_bytes_bf16: int
@@ -91,8 +96,11 @@ def count_params(config: ModelConfig, preset: str = "custom") -> ParamReport:
         return config.mixer_kinds[start + path[3]]
 
     comps = {c: 0 for c in COMPONENTS}
+    lookup = 0  # the input embedding table, when the head is a matrix of its own
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable)):
         comps[_component(path, mixer_of_layer)] += _num_params(var)
+        if path[0] == "embed_tokens" and not config.tie_word_embeddings:
+            lookup += _num_params(var)
     total = sum(comps.values())
     frac = config.num_experts_per_token / config.num_experts if config.num_experts else 0.0
     active = {c: (round(n * frac) if c == "routed_experts" else n) for c, n in comps.items()}
@@ -101,6 +109,8 @@ def count_params(config: ModelConfig, preset: str = "custom") -> ParamReport:
     routed = comps["routed_experts"]
     return ParamReport(
         preset=preset, total_params=total, active_params=sum(active.values()),
+        matmul_params=sum(active.values()) - lookup - active["vision_tower"]
+        - active["mm_projector"],
         components=comps, active_components=active,
         weight_bytes_bf16=2 * total,
         weight_bytes_mxfp4_experts=2 * (total - routed) + math.ceil(routed * MXFP4_BITS / 8),

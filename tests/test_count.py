@@ -103,3 +103,19 @@ def test_mxfp4_experts_count_logical_weights():
     packed = count_params(get_preset("k3-2.8t").replace(expert_weight_format="mxfp4"))
     assert packed.components == bf16.components
     assert packed.active_params == bf16.active_params
+
+
+def test_mfu_counts_the_parameters_a_token_multiplies_by():
+    """MFU's ``6 N``: the input embedding is a row lookup (counting it overstated k3-slice's
+    model FLOPs by 9.5%) unless it is also the head (tied); the vision tower and projector run
+    on image patches, not on text tokens."""
+    cfg = get_preset("tiny")
+    r = count_params(cfg)
+    assert r.matmul_params == r.active_params - cfg.vocab_size * cfg.hidden_size
+    tied = count_params(cfg.replace(tie_word_embeddings=True))
+    assert tied.matmul_params == tied.active_params
+    vl = get_preset("tiny-vl")
+    r = count_params(vl)
+    assert r.components["vision_tower"] > 0 and r.matmul_params == (
+        r.active_params - vl.vocab_size * vl.hidden_size - r.components["vision_tower"]
+        - r.components["mm_projector"])

@@ -285,6 +285,26 @@ def test_stop_strings_are_cut_and_never_streamed():
     assert TOK.decode(c.token_ids).endswith("The a")
 
 
+def test_held_back_text_goes_out_before_a_tool_call():
+    """With a stop string, the text's last characters wait (they may start one); a tool call
+    after them went out first, and the streamed order (text, call, the held text) was not the
+    message's (the Anthropic stream opened a text block after the tool_use block)."""
+    from scripted import CALL, _answer
+
+    eng = Engine(ScriptedRunner(TOK, FMT, answer_ids=_answer("Let me check.", [CALL]),
+                                reasoning_tokens=4), TOK, chat_format=FMT,
+                 budgets=BudgetConfig(caps=dict(CAPS), grace=GRACE))
+    kinds = []
+    for stop in ((), ("STOP!",)):
+        req = _chat_request("low", eng, stop=stop)
+        req.on_event = lambda ev: kinds.extend(k for k, v in ev.deltas if k != "content" or v)
+        c = eng.generate([req])[0]
+        assert c.output.content == "Let me check." and len(c.output.tool_calls) == 1
+        order = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+        assert order == ["reasoning", "content", "tool_call"], (stop, kinds)
+        kinds.clear()
+
+
 def test_cancel_frees_the_slot():
     eng = _scripted_engine()  # reasons without end until the cap
     reqs = [_chat_request("max", eng) for _ in range(eng.runner.num_slots + 1)]

@@ -112,6 +112,26 @@ def test_streaming_matches_non_streaming(chat):
     assert len(lp) == body["usage"]["completion_tokens"] // 2 and len(lp[0]["top_logprobs"]) == 2
 
 
+def test_thinking_off_streams_no_reasoning_like_the_body():
+    """A K2 model that opens ``<think>`` although thinking is off: its reasoning was streamed
+    as ``reasoning_content`` while the body, rendered the same way, left it out."""
+    k2tok = ByteTokenizer(384, "k2")
+    k2 = get_format("k2", k2tok)
+    runner = ScriptedRunner(k2tok, k2, answer_ids=k2tok.encode_markup(
+        "<think>R</think>It is sunny.<|im_end|>"), max_len=1024)
+    handle = start_server(Engine(runner, k2tok, chat_format=k2), k2, model_name="k2-test")
+    try:
+        req = {"messages": USER, "reasoning_effort": "none", "max_tokens": 40}
+        stream = _sse(_post(handle, {**req, "stream": True})[1])
+        deltas = [c["choices"][0]["delta"] for c in stream if c["choices"]]
+        assert not any("reasoning_content" in d for d in deltas), deltas
+        assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
+        msg = json.loads(_post(handle, req)[1])["choices"][0]["message"]
+        assert msg["content"] == "It is sunny." and "reasoning_content" not in msg
+    finally:
+        handle.stop()
+
+
 def test_tool_calls_round_trip(tools_server):
     status, text = _post(tools_server, {"messages": USER, "tools": TOOLS, "tool_choice": "auto",
                                         "reasoning_effort": "low"})

@@ -237,7 +237,7 @@ def run_training(config: ModelConfig, tc: TrainConfig, run_dir: str | Path, *,
             start, state, data_index = 0, place.initial(build, compiler_options), 0
 
     from kdsa.model.count import count_params
-    active = count_params(config).active_params
+    active = count_params(config).matmul_params  # MFU's 6 N (model/count.py)
     # drops the lines of steps > start: a fresh run (start 0) those of an earlier run into this
     # folder that stopped before its first checkpoint
     writer = MetricsWriter(run_dir, resume_step=start)
