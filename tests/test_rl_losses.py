@@ -222,3 +222,24 @@ def test_sequence_tis_in_the_loss():
                                          jnp.asarray(MASK), jnp.asarray(ADV))[0])
     np.testing.assert_allclose(g(jnp.asarray(LOGP)), g0(jnp.asarray(LOGP)) * w[:, None],
                                rtol=1e-6)
+
+
+def test_trained_policy_leaves_out_ids_the_sampler_cannot_emit():
+    """A model vocabulary padded past its tokenizer's: the engine samples over the tokenizer's
+    ids only, so the trainer's log-probs and entropy are those of the same distribution (they
+    were over the whole padded vocabulary: log-probs lower by log(1 - p_pad), TIS below 1)."""
+    from kdsa.train.rl.step import tempered, token_logprobs_and_entropy
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(2, 3, 10)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 7, (2, 3)), jnp.int32)
+    for temp in (1.0, 0.7):
+        lp, ent = token_logprobs_and_entropy(tempered(logits, temp, 7), targets)
+        x = np.asarray(logits, np.float64)[..., :7] / temp
+        ref = x - np.log(np.exp(x).sum(-1, keepdims=True))
+        np.testing.assert_allclose(lp, np.take_along_axis(ref, np.asarray(targets)[..., None],
+                                                          -1)[..., 0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ent, -(np.exp(ref) * ref).sum(-1), rtol=1e-5)
+    assert tempered(logits, 1.0, 10) is logits and tempered(logits, 1.0) is logits
+    with pytest.raises(ValueError, match="sampled_vocab must be a positive integer"):
+        RLLossConfig(sampled_vocab=0)

@@ -214,3 +214,14 @@ def test_finished_groups_past_the_batch_wait_for_the_next_step(setup):
     trained, dropped = sum(r[1] for r in rows), sum(r[2] for r in rows)
     assert trained + dropped + len(pending) == 8 * rc.prompts_per_step, (rows, len(pending))
     assert dropped == 0, rows
+
+
+def test_a_step_without_finished_episodes_reports_no_reward():
+    """Partial rollouts can cut every group of a step: its reward is missing (NaN; null in
+    metrics.jsonl), not 0.0, which drew a false zero on the reward curve."""
+    import math
+
+    from kdsa.train.rl.rollout import domain_metrics
+
+    m = domain_metrics([])
+    assert all(math.isnan(m[k]) for k in ("reward", "score", "truncated_frac", "gen_tokens"))

@@ -143,12 +143,14 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
     """Replaying the training router's own choice changes nothing (agreement 1) against
     replaying nothing (every row -1: the router's choice); other experts change the loss and
     lower the agreement. One compiled step: every batch has ``expert_ids``. (Without them, no
-    agreement is reported: ``tests/test_rl_step.py``.)"""
+    agreement is reported: ``tests/test_rl_step.py``.) The KL reference (the same weights here)
+    replays the same experts: its KL stays 0 with other experts (it routed with its own router,
+    so the term measured routing disagreement instead of the policy's drift)."""
     from kdsa.train.rl.step import rl_step_with_options
     from kdsa.train.trainer import prepare
 
     tc = TrainConfig(steps=1, learning_rate=1e-2, schedule="constant", warmup_steps=0, seed=0)
-    rc = RLConfig(envs=("rg:basic_arithmetic",))
+    rc = RLConfig(envs=("rg:basic_arithmetic",), kl_coef=0.1)
     abstract, graphdef, tx, build = prepare(SMALL, tc)
     state = build()
     b, t = 8, 12
@@ -163,13 +165,15 @@ def test_rl_step_trains_with_the_replayed_experts(small_model):
     step = rl_step_with_options(tuple(FAST.items()))
     kw = dict(tc=tc, tx=tx, loss_cfg=rc.loss_config(), layout=abstract.segment_layout)
     none = np.full_like(own, -1)  # no record anywhere: the router's own choice
-    s0, m0 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, None, 1.0, **kw)
-    s1, m1 = step(graphdef, state, batch | {"expert_ids": own}, 0.0, None, 1.0, **kw)
+    ref = state.params
+    s0, m0 = step(graphdef, state, batch | {"expert_ids": none}, 0.0, ref, 1.0, **kw)
+    s1, m1 = step(graphdef, state, batch | {"expert_ids": own}, 0.0, ref, 1.0, **kw)
     assert float(m1["routing_replay_agreement"]) == 1.0
     np.testing.assert_allclose(float(m1["pg_loss"]), float(m0["pg_loss"]), rtol=1e-6)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7),
                  s0.params, s1.params)
     other = np.where(own >= 0, (own + 1) % SMALL.num_experts, -1)
-    _, m2 = step(graphdef, state, batch | {"expert_ids": other}, 0.0, None, 1.0, **kw)
+    _, m2 = step(graphdef, state, batch | {"expert_ids": other}, 0.0, ref, 1.0, **kw)
     assert float(m2["routing_replay_agreement"]) < 0.9
     assert abs(float(m2["ce"]) - float(m0["ce"])) > 1e-4
+    assert max(abs(float(m["kl"])) for m in (m0, m1, m2)) < 1e-6

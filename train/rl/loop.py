@@ -175,6 +175,8 @@ def run_rl(config: ModelConfig, tc: TrainConfig, rc: RLConfig, run_dir: str | Pa
     if sampler is None:
         sampler = Sampler(nnx.merge(graphdef, state.params, state.rest), config, rc, tc.seed,
                           tok_path)
+    if sampler.tok.vocab_size < config.vocab_size:  # the ids the engine samples from
+        loss_cfg = dataclasses.replace(loss_cfg, sampled_vocab=sampler.tok.vocab_size)
     rows, T = rc.rollouts_per_step, rc.seq_len
     # drop the lines of steps after the one this run starts from (a fresh run: every line,
     # left by an earlier run into this folder that stopped before its first checkpoint)

@@ -52,6 +52,9 @@ class RLLossConfig:
     tis_cap: float = 2.0
     entropy_coef: float = 0.0  # RL steps: loss -= coef * mean token entropy (train/rl/step.py)
     temperature: float = 1.0  # the rollouts': the policy trained is softmax(logits / T)
+    # ids the sampler can emit: the tokenizer's, when the model's vocabulary is padded past it
+    # (the engine samples over those only, so the trained policy leaves the rest out too)
+    sampled_vocab: int | None = None
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -68,6 +71,11 @@ class RLLossConfig:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef!r}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if self.sampled_vocab is not None and (isinstance(self.sampled_vocab, bool) or not
+                                               isinstance(self.sampled_vocab, int)
+                                               or self.sampled_vocab < 1):
+            raise ValueError(f"sampled_vocab must be a positive integer, got "
+                             f"{self.sampled_vocab!r}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
 

@@ -354,8 +354,9 @@ def domain_metrics(eps: list[Episode]) -> dict[str, float]:
         acc.setdefault(f"gen_tokens/{e.effort}", []).append(e.generated)
         acc.setdefault(f"reasoning_tokens/{e.effort}", []).append(e.reasoning_tokens)
     out = {k: float(np.mean(v)) for k, v in acc.items()}
-    out["reward"] = float(np.mean([e.reward for e in eps])) if eps else 0.0
-    out["score"] = float(np.mean([e.score for e in eps])) if eps else 0.0
-    out["truncated_frac"] = float(np.mean([e.truncated for e in eps])) if eps else 0.0
-    out["gen_tokens"] = float(np.mean([e.generated for e in eps])) if eps else 0.0
+    # no finished episode (partial rollouts cut every group): no value, not a reward of 0
+    # (metrics.jsonl writes null; the reward curve leaves a gap)
+    for key, attr in (("reward", "reward"), ("score", "score"), ("truncated_frac", "truncated"),
+                      ("gen_tokens", "generated")):
+        out[key] = float(np.mean([getattr(e, attr) for e in eps])) if eps else float("nan")
     return out

@@ -97,9 +97,14 @@ def _target_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(x, -1)
 
 
-def tempered(logits: jax.Array, temperature: float) -> jax.Array:
-    """``logits / T`` (float32), the logits of the policy the rollouts sample at ``T``."""
-    return logits if temperature == 1.0 else logits.astype(jnp.float32) / temperature
+def tempered(logits: jax.Array, temperature: float, vocab: int | None = None) -> jax.Array:
+    """``logits / T`` (float32), the logits of the policy the rollouts sample at ``T``; ids from
+    ``vocab`` on (a model vocabulary padded past its tokenizer's, which the engine never
+    samples) get -1e30, so the trained distribution is the sampled one."""
+    x = logits if temperature == 1.0 else logits.astype(jnp.float32) / temperature
+    if vocab is not None and vocab < x.shape[-1]:
+        x = jnp.where(jnp.arange(x.shape[-1]) < vocab, x.astype(jnp.float32), -1e30)
+    return x
 
 
 def _policy_forward(model, mb):
@@ -124,8 +129,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
     def objective(model, mb):
         out = _policy_forward(model, mb)
         # [b, T] each: the sampled (tempered) policy's log-probs and entropy
-        logp, ent = token_logprobs_and_entropy(tempered(out.logits, loss_cfg.temperature),
-                                               mb["targets"])
+        logp, ent = token_logprobs_and_entropy(
+            tempered(out.logits, loss_cfg.temperature, loss_cfg.sampled_vocab), mb["targets"])
         ce_logp = logp if loss_cfg.temperature == 1.0 else _target_logprobs(out.logits,
                                                                              mb["targets"])
         mk = mb["loss_mask"].astype(jnp.float32)
@@ -138,10 +143,9 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         if loss_cfg.kl_beta > 0:  # the frozen reference policy on the same tokens
             def reference():
                 ref = nnx.merge(graphdef, ref_params, state.rest)
-                return token_logprobs(tempered(ref.forward(
-                    mb["inputs"], segment_ids=mb.get("segment_ids"),
-                    images=batch_image_inputs(ref, mb)).logits, loss_cfg.temperature),
-                    mb["targets"])
+                return token_logprobs(tempered(_policy_forward(ref, mb).logits,
+                                               loss_cfg.temperature, loss_cfg.sampled_vocab),
+                                      mb["targets"])
 
             # an SFT step (w = 1) skips the reference's forward: the KL term it feeds has
             # weight 0 there (and the loop passes the policy itself as the reference: KL 0)
@@ -186,7 +190,7 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
 
 
 def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig,
-                     temperature: float):
+                     temperature: float, vocab: int | None = None):
     """``[B, T]`` log-probs of the batch's targets under the state's policy at ``temperature``,
     micro-batch by micro-batch (no gradient): the ``old_logp`` of mini-batch updates, taken once
     before the first one so the later ones see a ratio other than 1."""
@@ -194,14 +198,15 @@ def _policy_logprobs(graphdef, state: TrainState, batch, *, tc: TrainConfig,
     model = nnx.merge(graphdef, state.params, state.rest)
 
     def one(_, mb):
-        return None, token_logprobs(tempered(_policy_forward(model, mb).logits, temperature),
-                                    mb["targets"])
+        return None, token_logprobs(tempered(_policy_forward(model, mb).logits, temperature,
+                                             vocab), mb["targets"])
 
     _, logp = jax.lax.scan(one, None, mbs)  # [M, B/M, T]
     return logp.reshape(batch["targets"].shape)
 
 
-policy_logprobs = jax.jit(_policy_logprobs, static_argnames=("graphdef", "tc", "temperature"))
+policy_logprobs = jax.jit(_policy_logprobs,
+                          static_argnames=("graphdef", "tc", "temperature", "vocab"))
 
 
 def split_rows(batch: dict, k: int, group: int = 1) -> list[dict]:
@@ -240,9 +245,9 @@ def minibatch_updates(graphdef, state: TrainState, minibatches: list[dict], ref_
     many = len(minibatches) > 1  # one compiled program whichever mini-batches are active
     minibatches = [mb for mb, on in zip(minibatches, active) if on]
     if many:
-        minibatches = [dict(mb, old_logp=policy_logprobs(graphdef, state, mb, tc=tc,
-                                                         temperature=loss_cfg.temperature))
-                       for mb in minibatches]
+        minibatches = [dict(mb, old_logp=policy_logprobs(
+            graphdef, state, mb, tc=tc, temperature=loss_cfg.temperature,
+            vocab=loss_cfg.sampled_vocab)) for mb in minibatches]
     out = []
     for mb in minibatches:
         state, m = step_fn(graphdef, state, mb, 0.0, ref_params, update_scale, tc=tc, tx=tx,
