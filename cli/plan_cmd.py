@@ -48,6 +48,12 @@ def register(sub) -> None:
                    help="tokens per sequence (generate: the context the caches hold)")
     p.add_argument("--prefill-chunk", type=positive_int, default=4096)
     p.add_argument("--moe-capacity-factor", type=positive_float, default=None)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="train: the optimizer state counted (Muon: one momentum per matrix "
+                        "element, AdamW's two for the rest) and compiled")
+    p.add_argument("--platform", choices=("tpu", "gpu"), default=None,
+                   help="generate: the caches as the engine lays them out there (TPU: rows "
+                        "padded to 128 lanes); default: tpu with --compile, else unpadded")
     p.add_argument("--paged", action="store_true",
                    help="with --layout generate --compile: compile the steps on the paged "
                         "cache (the server's default: --batch x the pages of --seq, one "
@@ -86,10 +92,12 @@ def run(args) -> int:
         batch = _prod(sizes[a] for a in (get_rules(args.layout)["act_batch"] or ())) * (
             args.accum_steps if args.layout == "train" else 1)  # one row per device per pass
     hbm = _device_memory(args)
+    tpu = args.platform == "tpu" or (args.platform is None and args.compile)
     plan = make_plan(config, args.layout, sizes, device_memory=hbm,
                      batch=batch, seq=args.seq, prefill_chunk=args.prefill_chunk,
                      moe_capacity_factor=args.moe_capacity_factor,
-                     accum_steps=args.accum_steps)
+                     accum_steps=args.accum_steps, optimizer_moments=_moments(args.optimizer),
+                     rope_lanes=128 if tpu else None)
     compiled, refused = _compile(args, config, sizes, batch) if args.compile else ({}, {})
     if args.json:
         out = plan.to_json()
@@ -108,6 +116,17 @@ def run(args) -> int:
     if refused or any(c.peak > hbm for c in compiled.values()):
         return 3
     return 0 if plan.fits else 3
+
+
+def _moments(optimizer: str):
+    """Optimizer state elements per trainable element, by parameter (``make_plan``)."""
+    if optimizer == "adamw":
+        return None  # AdamW's two moments everywhere
+    from kdsa.sharding.rules import variable_axes
+    from kdsa.train.optim import matrix_dims
+
+    return lambda path, var: 1 if matrix_dims(
+        tuple(getattr(k, "key", k) for k in path), variable_axes(var), var.ndim) else 2
 
 
 def _device_memory(args) -> int:
@@ -140,7 +159,8 @@ def _compile(args, config, sizes, batch) -> tuple[dict, dict]:
                                        paged=args.paged)
     else:
         steps = {"train step": lambda: compile_train_step(
-            config, TrainConfig(steps=1, batch_size=batch, accum_steps=args.accum_steps),
+            config, TrainConfig(steps=1, batch_size=batch, accum_steps=args.accum_steps,
+                                optimizer=args.optimizer),
             args.topology, sizes, batch=batch, seq=args.seq,
             moe_capacity_factor=args.moe_capacity_factor)}
     compiled, refused = {}, {}

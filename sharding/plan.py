@@ -10,7 +10,10 @@ Memory terms (bytes on the busiest device):
 * ``gradients`` (train): trainable (``nnx.Param``) shards in the parameter dtype.
 * ``optimizer`` (train): AdamW's two moments per trainable element in the parameter dtype
   (optax's default; the trainer keeps no separate master copy: set ``param_dtype=float32`` for
-  float32 master weights and moments). Until 2026-12-04 this term counted 12 bytes per bfloat16
+  float32 master weights and moments); with Muon (``optimizer_moments``, ``kdsa plan
+  --optimizer muon``) one momentum per matrix element and AdamW's two for the rest.
+* ``accumulator`` (train, ``accum_steps > 1``): the gradient sum carried across micro-batches
+  (``train/step.py``), a second gradient-sized buffer beside each micro-batch's gradients. Until 2026-12-04 this term counted 12 bytes per bfloat16
   parameter (float32 moments and master); the XLA:TPU compile of a K3 slice showed 4 (its
   arguments are exactly 3x the bfloat16 parameters; docs/sharding.md section 9).
 * ``gathered`` (train): weights sharded over ``fsdp`` (and, in the train layout, non-expert
@@ -43,7 +46,8 @@ Memory terms (bytes on the busiest device):
   of 1.25 19.7 GiB; this term predicts 62.8 of the 70.1 GiB difference (docs/sharding.md).
 * ``caches`` (generate): ``batch`` sequences over ``act_batch``, ``seq`` tokens each: DSA
   latent + RoPE key + indexer key per token per DSA layer (not head-sharded: one latent per
-  token), KDA state per sequence per KDA layer (heads over ``tensor``).
+  token; with ``rope_lanes``, TPU's 128, each buffer's width as the engine pads it there), KDA
+  state per sequence per KDA layer (heads over ``tensor``).
 * ``prefill`` (generate): one layer's activations for ``prefill_chunk`` tokens (the chunk a
   prefill step processes on a device, all its requests together), plus the request's cache row
   twice (read out of its slot, and the updated row written back). Measured against XLA:TPU
@@ -215,7 +219,7 @@ def layer_activation_elements(c: ModelConfig, mixer: str, ffn: str, tp: int) -> 
 def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device_memory: int,
               batch: int, seq: int, prefill_chunk: int = 4096,
               moe_capacity_factor: float | None = None, accum_steps: int = 1,
-              model=None) -> Plan:
+              model=None, optimizer_moments=None, rope_lanes: int | None = None) -> Plan:
     """The plan for ``config`` under ``layout`` on a mesh of resolved ``sizes`` (no ``-1``).
 
     ``accum_steps`` (train): micro-batches per step; the activation terms are one micro-batch's
@@ -223,6 +227,9 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
     of theirs (each pass gathers the weights and reduces its gradients). Raises ``ValueError``
     (from ``mesh.check_layout``) when an axis product does not divide a model, micro-batch or
     sequence dimension. ``model``: a prebuilt abstract model (tests reuse it).
+    ``optimizer_moments(path, var)``: optimizer state elements per trainable element (default
+    2, AdamW; ``cli/plan_cmd.py`` passes Muon's rule). ``rope_lanes``: the DSA cache rows as
+    the engine lays them out on TPU (``infer/cache_layout.py``).
     """
     if any(sizes.get(a, 1) < 1 for a in AXES):
         raise ValueError(f"plan needs explicit axis sizes (no -1), got {sizes}")
@@ -242,8 +249,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         model = abstract_model(config)
     train = layout == "train"
     cb = jnp.dtype(dtype_of(config.compute_dtype)).itemsize
-    mem = dict.fromkeys(("parameters", "gradients", "optimizer", "gathered", "activations",
-                         "logits", "moe_dispatch", "caches", "prefill"), 0)
+    mem = dict.fromkeys(("parameters", "gradients", "accumulator", "optimizer", "gathered",
+                         "activations", "logits", "moe_dispatch", "caches", "prefill"), 0)
     gathered_units: dict = {}  # unit -> gathered bytes of its weights (one layer repeat)
     comm = dict.fromkeys(AXES, 0.0)
     passes = 3 if config.remat_policy in ("full", "nothing_saveable") else 2
@@ -257,7 +264,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
         if not train or not isinstance(var, nnx.Param):
             continue
         mem["gradients"] += elems * itemsize
-        mem["optimizer"] += elems * 2 * itemsize  # AdamW's two moments, parameter dtype
+        moments = 2 if optimizer_moments is None else optimizer_moments(path, var)
+        mem["optimizer"] += elems * moments * itemsize  # in the parameter dtype
         by_axis = _gather_factors(logical, spec, sizes)
         factor = by_axis["fsdp"] * by_axis["expert"]
         if factor > 1:  # a layer repeat's weights are gathered together; others one by one
@@ -279,6 +287,8 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
                 comm[a] += 2 * (n - 1) / n * elems * itemsize
     if gathered_units:
         mem["gathered"] = max(gathered_units.values())
+    if train and accum_steps > 1:  # the micro-batches' gradient sum beside each one's
+        mem["accumulator"] = mem["gradients"]
     b_l = batch // _prod(sizes, rules, "act_batch")
     t_l = seq // _prod(sizes, rules, "act_seq")
     tp = _prod(sizes, rules, "act_heads")
@@ -326,12 +336,13 @@ def make_plan(config: ModelConfig, layout: str, sizes: dict[str, int], *, device
             h_l = lac.num_heads // tp
             comm["sequence"] += passes * (
                 n_kda * (s - 1) * b_l * h_l * lac.head_dim * 2 * lac.head_dim * 4
-                + n_dsa * (s - 1) / s * b_l * seq * (dsa_cache_bytes_per_token(config)))
+                + n_dsa * (s - 1) / s * b_l * seq * dsa_cache_bytes_per_token(config))
     else:
         # the recurrent state and the conv window both split their heads over tensor
         kda_seq = kda_cache_bytes_per_sequence(config) // max(
             1, min(tp, config.linear_attn_config.num_heads))
-        row = n_dsa * seq * dsa_cache_bytes_per_token(config) + n_kda * kda_seq  # a sequence
+        row = (n_dsa * seq * dsa_cache_bytes_per_token(config, rope_lanes)  # a sequence
+               + n_kda * kda_seq)
         mem["caches"] = b_l * row
         mem["prefill"] = max(per_layer) * min(prefill_chunk, b_l * seq) * cb + 2 * row
         mem["logits"] = b_l * -(-config.vocab_size // _prod(sizes, rules, "vocab")) * 4

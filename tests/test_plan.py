@@ -11,6 +11,7 @@ from kdsa.cli.main import main
 from kdsa.model.config import get_preset
 from kdsa.model.count import abstract_model, count_params
 from kdsa.sharding.mesh import AXES, make_mesh
+from kdsa.model.dsa_cache import dsa_cache_bytes_per_token
 from kdsa.sharding.plan import layer_activation_elements, make_plan, parse_bytes
 from kdsa.sharding.rules import replicated_report, state_shardings
 
@@ -72,7 +73,10 @@ def test_activation_and_cache_terms_follow_their_formulas(tiny_abstract):
     two = make_plan(TINY, "train", sizes, batch=16, **kw)
     assert two.memory["activations"] == 2 * one.memory["activations"]  # linear in tokens
     accum = make_plan(TINY, "train", sizes, batch=16, accum_steps=2, **kw)  # micro-batch 8
-    assert accum.memory == one.memory and accum.batch == 16  # one micro-batch's activations
+    # one micro-batch's activations, and the gradient sum carried across them (it was left
+    # out: XLA:TPU's temporaries grew 10x with accumulation while the plan stayed the same)
+    assert accum.memory == {**one.memory, "accumulator": one.memory["gradients"]}
+    assert one.memory["accumulator"] == 0 and accum.batch == 16
     assert accum.communication == {a: 2 * v for a, v in one.communication.items()}  # 2 passes
     with pytest.raises(ValueError, match="--accum-steps is the train layout's"):
         make_plan(TINY, "generate", sizes, batch=16, accum_steps=2, **kw)
@@ -300,3 +304,33 @@ def test_train_generate_serve_take_the_layouts(command, tmp_path, capsys, monkey
         err = capsys.readouterr().err
         assert f"--config {cfg}: mesh: {msg}" in err, err
     assert seen == []
+
+
+def test_muon_state_and_tpu_cache_rows(tiny_abstract, capsys):
+    """``--optimizer muon``: one momentum per matrix element (AdamW's two for the embedding,
+    head and vectors), equal to optax's state for the model (the plan counted AdamW's for every
+    run); ``--platform tpu`` (the default with ``--compile``): the DSA cache rows padded to 128
+    lanes as the engine allocates them there."""
+    import jax
+
+    from kdsa.cli.plan_cmd import _moments
+    from kdsa.train.config import TrainConfig
+    from kdsa.train.optim import make_optimizer
+
+    cfg = TINY.replace(param_dtype="bfloat16")
+    sizes = dict(data=1, fsdp=1, expert=1, tensor=1, sequence=1)
+    params = nnx.state(abstract_model(cfg), nnx.Param)
+    for opt in ("adamw", "muon"):
+        state = jax.eval_shape(make_optimizer(TrainConfig(optimizer=opt), params).init,
+                               nnx.as_pure(params))
+        want = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if x.ndim)
+        plan = make_plan(cfg, "train", sizes, device_memory=GiB, batch=1, seq=32,
+                         optimizer_moments=_moments(opt))
+        # (Muon's state also holds its 3 Newton-Schulz coefficients: 12 bytes)
+        assert 0 <= want - plan.memory["optimizer"] <= 12, opt
+    gen = dict(device_memory=GiB, batch=2, seq=256, model=tiny_abstract)
+    plain = make_plan(TINY, "generate", sizes, **gen)
+    tpu = make_plan(TINY, "generate", sizes, rope_lanes=128, **gen)
+    n_dsa = TINY.mixer_kinds.count("dsa")
+    grow = 2 * 256 * n_dsa * (dsa_cache_bytes_per_token(TINY, 128) - dsa_cache_bytes_per_token(TINY))
+    assert tpu.memory["caches"] - plain.memory["caches"] == grow > 0
