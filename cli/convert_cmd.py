@@ -65,16 +65,17 @@ def _common(p) -> None:
                         "checkpoint folder; never SRC or a folder holding it)")
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"`` / ``"500MB"`` / ``"1GiB"`` / ``"123"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+def parse_size(text: str, flag: str = "size") -> int:
+    """``"5GB"`` / ``"500MB"`` / ``"1GiB"`` / ``"123"`` -> bytes; errors name ``flag``."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B?\s*", str(text),
+                     re.IGNORECASE)
     if not m:
-        raise ValueError(f"cannot read size {text!r} (e.g. 5GB, 500MB, 1GiB)")
+        raise ValueError(f"{flag}: cannot read size {text!r} (e.g. 5GB, 500MB, 1GiB)")
     base = 1024 if m.group(3) else 1000
     power = " KMGT".index(m.group(2).upper() or " ")
     size = int(float(m.group(1)) * base ** power)
     if size < 1:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"{flag}: size {text!r} must be positive")
     return size
 
 
@@ -85,7 +86,7 @@ def run(args) -> int:
 
     if args.direction == "orbax-to-hf":
         s = convert.orbax_to_hf(args.src, args.dst, experts=args.experts, layout=args.layout,
-                                dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size),
+                                dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size, "--max-shard-size"),
                                 dry_run=args.dry_run, progress=not args.no_progress,
                                 overwrite=args.overwrite)
         print(s.format())
@@ -110,7 +111,7 @@ def run(args) -> int:
     s = convert.hf_to_orbax(args.src, args.dst, config=config, experts=args.experts, mesh=mesh,
                             layout=args.layout, dry_run=args.dry_run,
                             progress=not args.no_progress, seed=args.seed,
-                            batch_bytes=parse_size(args.batch_size), overwrite=args.overwrite,
+                            batch_bytes=parse_size(args.batch_size, "--batch-size"), overwrite=args.overwrite,
                             allow_partial=args.allow_partial)
     print(s.format())
     return 0

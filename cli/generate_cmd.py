@@ -94,6 +94,13 @@ def engine_from_args(args):
             hint = " (--no-prefix-cache turns it off)" if "prefix" in flag else ""
             raise ValueError(f"{flag} must be >= 1, got {value}{hint}")
     sizes = layout_override(args, args.layout)  # --mesh, --layouts or --config's mesh section
+    from kdsa.cli.convert_cmd import parse_size
+    cache_bytes = (None if args.cache_memory is None  # (read before the model is built)
+                   else parse_size(args.cache_memory, "--cache-memory"))
+    if cache_bytes is not None and args.num_pages is not None:
+        raise ValueError("give --num-pages or --cache-memory, not both")
+    if args.dense_cache and (args.num_pages is not None or cache_bytes is not None):
+        raise ValueError("--dense-cache takes no pool size: drop --num-pages / --cache-memory")
 
     def mesh_for(config, preset):
         if not sizes and jax.process_count() == 1:
@@ -125,18 +132,13 @@ def engine_from_args(args):
     budgets = BudgetConfig(caps={"low": args.budget_low, "high": args.budget_high,
                                  "max": args.budget_max}, grace=args.budget_grace)
     num_pages = args.num_pages
-    if args.cache_memory is not None:
-        if num_pages is not None:
-            raise ValueError("give --num-pages or --cache-memory, not both")
-        from kdsa.cli.convert_cmd import parse_size
+    if cache_bytes is not None:
         from kdsa.infer.page_pool import pages_in
         from kdsa.infer.cache_layout import rope_lanes_for
-        num_pages = pages_in(parse_size(args.cache_memory), config, rope_lanes_for(mesh))
+        num_pages = pages_in(cache_bytes, config, rope_lanes_for(mesh))
         if mesh is not None:  # the bytes of one device: one group's partition of the pool
             from kdsa.sharding.rules import batch_groups
             num_pages *= batch_groups(mesh, args.layout)[1]
-    if args.dense_cache and num_pages is not None:
-        raise ValueError("--dense-cache takes no pool size: drop --num-pages / --cache-memory")
     if num_pages is None and not args.dense_cache and any(
             m != "kda" for m in config.mixer_kinds):  # paged + prefix cache by default
         from kdsa.model.paged_cache import pages_for
@@ -162,7 +164,12 @@ def register(sub) -> None:
     add_engine_args(p)
     p.add_argument("--prompts", type=abs_path, required=True, help="input JSONL")
     p.add_argument("--out", type=abs_path, required=True,
-                   help="output JSONL (written by process 0)")
+                   help="output JSONL (written by process 0, record by record into "
+                        "OUT.partial, renamed to OUT at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the job an interruption left in OUT.partial: its records "
+                        "are kept, the remaining lines generated")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--effort", default="max", choices=("low", "high", "max"),
                    help="thinking effort for chat requests without reasoning_effort")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -171,6 +178,23 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
+
+
+def check_results_destination(out, *, resume: bool, overwrite: bool) -> None:
+    """Before the model is built: an existing ``--out`` is replaced only with ``--overwrite``;
+    the records an interrupted job left in ``OUT.partial`` are continued with ``--resume``,
+    or refused (never silently thrown away)."""
+    from kdsa.infer.jsonl import partial_of
+
+    partial = partial_of(out)
+    if resume and not partial.is_file() and out.is_file():
+        raise ValueError(f"--resume: {out} is complete (no {partial.name} to continue); "
+                         f"--overwrite generates it again")
+    if not resume and partial.is_file():
+        raise ValueError(f"--out {out}: an interrupted job left {partial}; --resume continues "
+                         f"it, or delete it to start over")
+    if out.is_file() and not overwrite and not resume:
+        raise ValueError(f"--out {out} exists; --overwrite replaces it")
 
 
 def run(args) -> int:
@@ -193,11 +217,20 @@ def run(args) -> int:
     prompts_file(args.prompts)
     if jax.process_index() == 0:  # (the one process that writes it)
         output_file(args.out, "--out", inputs=(("--prompts", args.prompts),))
+        check_results_destination(args.out, resume=args.resume, overwrite=args.overwrite)
     engine, fmt, name = engine_from_args(args)
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
                          seed=args.seed, strict=False)
     writer = jax.process_index() == 0
-    summary = run_job(engine, reqs, args.out, writer=writer, progress=not args.no_progress)
+    try:
+        summary = run_job(engine, reqs, args.out, writer=writer,
+                          progress=not args.no_progress, resume=args.resume)
+    except KeyboardInterrupt:
+        if writer:
+            from kdsa.infer.jsonl import partial_of
+            print(f"kdsa generate: the finished records are in {partial_of(args.out)}; the "
+                  f"same command with --resume continues", file=sys.stderr)
+        raise
     if writer:
         print(f"model {name}: {summary['served']} of {summary['requests']} requests, "
               f"{summary['prompt_tokens']} prompt "

@@ -34,6 +34,8 @@ def register(sub) -> None:
     p.add_argument("--prompts", type=abs_path, required=True, help="JSONL, kdsa generate format")
     p.add_argument("--out", type=abs_path, required=True, help="the JSON report")
     p.add_argument("--html", type=abs_path, default=None, help="also an HTML page")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out / --html")
     p.add_argument("--tokenizer", type=abs_path, default=None,
                    help="default: the reference folder's, else the byte tokenizer")
     p.add_argument("--chat-format", default="xtml", choices=("xtml", "k2"))
@@ -89,6 +91,9 @@ def run(args) -> int:
         if args.html is not None:
             output_file(Path(args.html), "--html",
                         inputs=(("--prompts", args.prompts), ("--out", args.out)))
+        for flag, path in (("--out", args.out), ("--html", args.html)):
+            if path is not None and Path(path).is_file() and not args.overwrite:
+                raise ValueError(f"{flag} {path} exists; --overwrite replaces it")
     sizes = layout_override(args, "generate")
     mesh = None
     if sizes:
@@ -114,7 +119,9 @@ def run(args) -> int:
     report["candidate"] = str(args.candidate) if args.candidate else "reference, MXFP4 experts"
 
     if jax.process_index() == 0:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        from kdsa.infer.jsonl import write_atomic
+
+        write_atomic(args.out, json.dumps(report, indent=1) + "\n")
         if args.html is not None:
             from kdsa.infer.quant_report import write_html
 

@@ -1,10 +1,11 @@
 """The batch generation job behind ``kdsa generate``, and engine assembly shared with serving.
 
-Input JSONL, one request per line: ``{"messages": [...], "tools"?, "reasoning_effort"?}`` (chat,
-rendered by the chat format), ``{"prompt": "text"}`` (raw text, no template) or
+Input JSONL, one request per line: ``{"messages": [...], ...}`` (a chat-completions body:
+``tools``, ``tool_choice``, ``response_format``, ``reasoning_effort`` including ``none``, checked
+and rendered as the HTTP API does), ``{"prompt": "text"}`` (raw text, no template) or
 ``{"prompt_ids": [...]}``; optional ``id`` and sampling fields ``max_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``ignore_eos`` (vLLM's: generate
-``max_tokens`` whatever the end-of-sequence tokens). With a vision model, user messages may
+``max_tokens`` whatever the end-of-sequence tokens), checked as the HTTP API checks them. With a vision model, user messages may
 hold images: ``image_url`` parts (data URLs) or ``{"type": "image", "path": "a.png"}`` (relative
 to the JSONL file; ``docs/vision.md``). Output JSONL, one line per request in input
 order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
@@ -30,19 +31,15 @@ import json
 import time
 from pathlib import Path
 
-from kdsa.infer.budget import BudgetConfig, check_effort
-from kdsa.infer.chat import get_format, messages_from_openai, next_call_index, tools_from_openai
+from kdsa.infer.budget import BudgetConfig
+from kdsa.infer.chat import get_format
 from kdsa.model.vision.inputs import ImageLimits, file_parts, make_image_loader
 from kdsa.infer.engine import Engine, EngineDead, Request
-from kdsa.infer.jsonl import read_lines
+from kdsa.infer.jsonl import ResultsFile, read_lines
 from kdsa.infer.runner import ModelRunner
 from kdsa.infer.sampling import SamplingParams
 from kdsa.infer.tokenizer import load_tokenizer
 from kdsa.progress import Progress
-
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                  "ignore_eos")
-
 
 @dataclasses.dataclass
 class BadLine:
@@ -99,8 +96,9 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
     ``path:line``; otherwise it becomes a :class:`BadLine` in its place. Request seeds default
     to ``seed + line - 1`` (folded to 32 bits)."""
     p = prompts_file(path)
-    reqs = []
+    reqs, lines = [], []
     for n, line in read_lines(p, f"--prompts {path}"):
+        lines.append(n)
         row = None
         try:
             try:
@@ -119,10 +117,14 @@ def read_requests(path: str | Path, engine: Engine, fmt, *, effort: str | None,
             reqs.append(BadLine(str(rid), f"line {n}: {msg}"))
     if not reqs:
         raise ValueError(f"--prompts {path}: no requests")
-    ids = [r.request_id for r in reqs if isinstance(r, Request)]
-    if len(set(ids)) != len(ids):
-        dup = sorted({i for i in ids if ids.count(i) > 1})[:3]
-        raise ValueError(f"--prompts {path}: duplicate request ids {dup}")
+    where: dict[str, list[int]] = {}
+    for r, n in zip(reqs, lines):
+        if isinstance(r, Request):
+            where.setdefault(r.request_id, []).append(n)
+    dup = [f"{i!r} (lines {', '.join(map(str, ns))})" for i, ns in where.items() if len(ns) > 1]
+    if dup:
+        raise ValueError(f"--prompts {path}: duplicate request ids {'; '.join(dup[:3])}; give "
+                         f"each line its own id (a line without one takes its line number)")
     return reqs
 
 
@@ -133,31 +135,42 @@ def _images(engine, base_dir):
 
 
 def _request(row, engine, fmt, effort, defaults, seed, n, base_dir=None) -> Request:
-    sp = {**defaults, "seed": seed, **{k: row[k] for k in _SAMPLING_KEYS if k in row}}
-    if isinstance(sp.get("stop"), str):
-        sp["stop"] = (sp["stop"],)
-    if not isinstance(sp.get("stop") or (), (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {sp['stop']!r}")
-    sp["stop"] = tuple(sp.get("stop") or ())
-    lvl = check_effort(row.get("reasoning_effort", effort))
+    """One line -> its engine request. Sampling fields are checked as the HTTP API checks them
+    (``openai_api.sampling_fields``: a boolean is no number, null means absent, the same
+    ranges); a chat line goes through the API's own request path (``parse_chat_request``,
+    ``engine_requests``: ``reasoning_effort`` ``none`` and the aliases, ``tools``,
+    ``tool_choice``, ``response_format``), with the command's flags as its defaults."""
+    from kdsa.infer import openai_api as api
+
     rid = str(row.get("id", n))
-    if "messages" in row:
-        msgs = messages_from_openai(file_parts(row["messages"]), _images(engine, base_dir))
-        prompt = fmt.render(msgs, tools=tools_from_openai(row.get("tools")), effort=lvl)
-        calls = next_call_index(msgs)
-        return Request(prompt, SamplingParams(**sp), reasoning_cap=engine.budgets.cap(lvl),
-                       in_reasoning=True, parser=fmt.parser(first_call_index=calls),
-                       request_id=rid, images=[im for m in msgs for im in m.images])
+    try:
+        fields = api.sampling_fields(row)
+        if fields.pop("n", 1) != 1:
+            raise ValueError("n must be 1 (kdsa generate writes one record per line)")
+        if "messages" in row:
+            body = {k: v for k, v in row.items() if k not in ("id", "model", "stream")}
+            for k, v in {**defaults, "seed": seed, "reasoning_effort": effort}.items():
+                if body.get(k) is None:
+                    body[k] = v
+            body["messages"] = file_parts(row["messages"]) if isinstance(
+                row["messages"], list) else row["messages"]
+            job = api.parse_chat_request(
+                body, model_name="", chat_format=fmt, max_len=engine.max_request_tokens,
+                images=_images(engine, base_dir))
+            return api.engine_requests(job, fmt, engine.budgets, request_ids=[rid])[0]
+    except api.ApiError as e:
+        raise ValueError(str(e)) from None
+    sp = SamplingParams(**{**defaults, "seed": seed, **fields})
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise ValueError("prompt must be a string")
-        return Request(engine.tok.encode(row["prompt"]), SamplingParams(**sp), request_id=rid)
+        return Request(engine.tok.encode(row["prompt"]), sp, request_id=rid)
     if "prompt_ids" in row:
         ids = row["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                 for t in ids):
             raise ValueError("prompt_ids must be a list of integer token ids")
-        return Request(list(ids), SamplingParams(**sp), request_id=rid)
+        return Request(list(ids), sp, request_id=rid)
     raise ValueError("a request needs 'messages', 'prompt' or 'prompt_ids'")
 
 
@@ -172,12 +185,29 @@ def result_row(c) -> dict:
 
 
 def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | Path, *,
-            writer: bool = True, progress: bool = True) -> dict:
+            writer: bool = True, progress: bool = True, resume: bool = False) -> dict:
     """Generate every request; process 0 (``writer``) writes the JSONL, one record per item in
     order: a result row, or ``{"id", "error"}`` for a :class:`BadLine`, a request the engine
-    refused or one that failed. Returns the summary (``failed``: error records, ``errors``:
-    their first few)."""
+    refused or one that failed. Records are written as they finish, in order
+    (``infer/jsonl.py : ResultsFile``: ``OUT.partial``, renamed to ``OUT`` at the end), so an
+    interrupted job loses only the records not yet finished; ``resume`` takes the records an
+    interrupted job left, checks that their ids are the first lines' ids, and generates the
+    rest. Returns the summary (``failed``: error records, ``errors``: their first few;
+    ``resumed``: records kept from the interrupted job)."""
+    from kdsa.sharding.agreement import from_first_process
+
+    results = ResultsFile(out_path, resume=resume, enabled=writer)
+    skip = from_first_process(len(results.done))  # every process submits the same requests
+    if skip > len(requests):
+        raise ValueError(f"--resume: {results.partial} holds {skip} records but --prompts has "
+                         f"{len(requests)} lines: not this prompts file")
+    for i, (rec, r) in enumerate(zip(results.done, requests)):
+        if rec.get("id") != r.request_id:
+            raise ValueError(f"--resume: record {i + 1} of {results.partial} is for id "
+                             f"{rec.get('id')!r}, but line {i + 1} of --prompts has id "
+                             f"{r.request_id!r}: not this prompts file")
     bar = Progress(len(requests), unit="req", enabled=progress and writer)
+    bar.advance_to(skip)
     done: dict[str, object] = {}
 
     def tick(ev):
@@ -186,8 +216,9 @@ def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | P
             bar.update(1)
 
     records: list = []  # a Request (its completion comes later) or an error record
+    rows = list(results.done) + [{}] * (skip - len(results.done))  # (only process 0 reads them)
     t0 = time.perf_counter()
-    for r in requests:
+    for r in requests[skip:]:
         if isinstance(r, BadLine):
             records.append({"id": r.request_id, "error": r.error})
             continue
@@ -197,32 +228,35 @@ def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | P
             records.append(r)
         except (ValueError, EngineDead) as e:  # refused (e.g. too long) or the engine died
             records.append({"id": r.request_id, "error": str(e)})
+
+    def write_finished() -> None:  # the records whose turn has come, in input order
+        while len(rows) - skip < len(records):
+            r = records[len(rows) - skip]
+            if isinstance(r, Request):
+                c = done.get(r.request_id)
+                if c is None and engine.has_work():
+                    return
+                r = (result_row(c) if c is not None and c.error is None else
+                     {"id": r.request_id, "error": c.error if c else "not generated"})
+            results.write(r)
+            rows.append(r)
+
+    write_finished()
     while engine.has_work():
         engine.step()
+        write_finished()
+    write_finished()
+    results.finish()
     elapsed = time.perf_counter() - t0
     bar.advance_to(len(requests))
     bar.close()
-    rows = []
-    for r in records:
-        if not isinstance(r, Request):
-            rows.append(r)
-            continue
-        c = done.get(r.request_id)
-        if c is None or c.error is not None:
-            rows.append({"id": r.request_id, "error": c.error if c else "not generated"})
-        else:
-            rows.append(result_row(c))
-    if writer:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(out_path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
     ok = [c for c in done.values() if c.error is None]
     errors = [f"{r['id']}: {r['error']}" for r in rows if "error" in r]
     gen = sum(len(c.token_ids) for c in ok)
     m = engine.metrics()
     return {"requests": len(rows), "served": len(rows) - len(errors), "failed": len(errors),
-            "errors": errors[:3], "prompt_tokens": sum(c.prompt_tokens for c in ok),
+            "errors": errors[:3], "resumed": skip,
+            "prompt_tokens": sum(c.prompt_tokens for c in ok),
             "generated_tokens": gen, "elapsed_s": elapsed,
             "tokens_per_s": gen / elapsed if elapsed > 0 else 0.0,
             "mean_ttft_s": m["mean_ttft_s"], "finish_reasons": m["finish_reasons"]}

@@ -88,9 +88,50 @@ def image_loader(vision, limits=None):
     return make_image_loader(vision, limits or ImageLimits())
 
 
+def sampling_fields(body: dict) -> dict:
+    """The sampling fields of a request (a chat-completions body, or a line of ``kdsa
+    generate``'s prompts), checked: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``n``,
+    ``seed``, ``ignore_eos``, ``stop`` (a tuple), ``max_tokens`` (or
+    ``max_completion_tokens``); an absent or null field is left out."""
+    num = (int, float)
+    out = {
+        "temperature": _get(body, "temperature", num, None, lambda v: 0 <= v <= 2,
+                            "a number in [0, 2]"),
+        "top_p": _get(body, "top_p", num, None, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        "top_k": _get(body, "top_k", int, None, lambda v: 0 <= v < TOP_K_LIMIT,
+                      "an integer in [0, 2**31)"),
+        "min_p": _get(body, "min_p", num, None, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        "n": _get(body, "n", int, None, lambda v: 1 <= v <= 16, "an integer in [1, 16]"),
+        # vLLM's extension: generate max_tokens even past the end-of-message token (benchmarks)
+        "ignore_eos": _get(body, "ignore_eos", bool, None, why="a boolean")}
+    n = out["n"] or 1
+    seed_range = "an integer in [0, 2**32)" + (f" with seed + {n - 1} < 2**32 (n={n})"
+                                                if n > 1 else "")
+    out["seed"] = _get(body, "seed", int, None, lambda v: 0 <= v <= SEED_LIMIT - n, seed_range)
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s
+                                                                    for s in stop):
+            raise ApiError("stop must be a string or a list of at most 4 non-empty strings",
+                           param="stop")
+        out["stop"] = tuple(stop)
+    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = body.get(mt_name)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
+            max_tokens, int) or max_tokens < 1):
+        raise ApiError(f"{mt_name} must be an integer >= 1, got {max_tokens!r}",
+                       param=mt_name)
+    out["max_tokens"] = max_tokens
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
                        default_max_tokens: int | None = None, vision=None,
-                       image_limits=None) -> ChatJob:
+                       image_limits=None, images=None) -> ChatJob:
+    """``images``: the loader of image parts (default: data URLs only, ``image_limits``;
+    ``kdsa generate`` passes one that also reads files next to its prompts)."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model")
@@ -98,7 +139,8 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         raise ApiError(f"the model {model!r} does not exist; this server serves "
                        f"{model_name!r}", status=404, param="model", code="model_not_found")
     try:
-        messages = messages_from_openai(body.get("messages"), image_loader(vision, image_limits))
+        messages = messages_from_openai(body.get("messages"), images if images is not None
+                                        else image_loader(vision, image_limits))
     except ValueError as e:
         raise ApiError(str(e), param="messages") from None
     try:
@@ -119,39 +161,16 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
     except ValueError as e:
         raise ApiError(str(e), param="reasoning_effort") from None
     response_format = _response_format(body.get("response_format"))
-    num = (int, float)
-    temperature = _get(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")
-    top_p = _get(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    top_k = _get(body, "top_k", int, 0, lambda v: 0 <= v < TOP_K_LIMIT,
-                 "an integer in [0, 2**31)")
-    min_p = _get(body, "min_p", num, 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1]")
-    n = _get(body, "n", int, 1, lambda v: 1 <= v <= 16, "an integer in [1, 16]")
-    seed_range = "an integer in [0, 2**32)" + (f" with seed + {n - 1} < 2**32 (n={n})"
-                                                if n > 1 else "")
-    seed = _get(body, "seed", int, None, lambda v: 0 <= v <= SEED_LIMIT - n, seed_range)
+    f = sampling_fields(body)
+    n, seed, max_tokens = f.get("n", 1), f.get("seed"), f.get("max_tokens")
     stream = _get(body, "stream", bool, False, why="a boolean")
     opts = _get(body, "stream_options", dict, {}, why="an object")
     if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
         raise ApiError(f"stream_options.include_usage must be a boolean, got "
                        f"{opts['include_usage']!r}", param="stream_options")
     logprobs = _get(body, "logprobs", bool, False, why="a boolean")
-    # vLLM's extension: generate max_tokens even past the end-of-message token (benchmarks)
-    ignore_eos = _get(body, "ignore_eos", bool, False, why="a boolean")
     top_logprobs = _get(body, "top_logprobs", int, 0, lambda v: 0 <= v <= 20,
                         "an integer in [0, 20]")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s
-                                                                for s in stop):
-        raise ApiError("stop must be a string or a list of at most 4 non-empty strings",
-                       param="stop")
-    mt_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = body.get(mt_name)
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
-            max_tokens, int) or max_tokens < 1):
-        raise ApiError(f"{mt_name} must be an integer >= 1, got {max_tokens!r}",
-                       param=mt_name)
     try:
         prompt = chat_format.render(messages, tools=tools, tool_choice=tool_choice,
                                     response_format=response_format, effort=effort,
@@ -163,9 +182,11 @@ def parse_chat_request(body, *, model_name: str, chat_format, max_len: int,
         raise ApiError(f"the prompt is {len(prompt)} tokens; this model's context is "
                        f"{max_len} tokens", param="messages", code="context_length_exceeded")
     limit = min(room, max_tokens or default_max_tokens or room)
-    sampling = [SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=top_k,
-                               min_p=float(min_p), seed=None if seed is None else seed + i,
-                               max_tokens=limit, stop=tuple(stop), ignore_eos=ignore_eos,
+    sampling = [SamplingParams(temperature=float(f.get("temperature", 1.0)),
+                               top_p=float(f.get("top_p", 1.0)), top_k=f.get("top_k", 0),
+                               min_p=float(f.get("min_p", 0.0)),
+                               seed=None if seed is None else seed + i, max_tokens=limit,
+                               stop=f.get("stop", ()), ignore_eos=f.get("ignore_eos", False),
                                top_logprobs=top_logprobs if logprobs else 0)
                 for i in range(n)]
     calls = next_call_index(messages)  # the first generated call's N (functions.NAME:N)
@@ -198,6 +219,27 @@ def _response_format(rf):
             raise ApiError("response_format json_schema needs a json_schema object "
                            "{name: str, schema: object}", param="response_format")
     return rf
+
+
+def engine_requests(job: ChatJob, chat_format, budgets, *, budget_tokens: int | None = None,
+                    request_ids=None) -> list:
+    """The engine ``Request`` of each choice of ``job`` (``infer/requests.py``): its prompt,
+    sampling, images, reasoning cap (the effort's, or ``budget_tokens`` when smaller), parser
+    and forced answer opening; ids ``request_ids`` (default ``JOB_ID-i``). The one place both
+    HTTP APIs and ``kdsa generate`` make them."""
+    from kdsa.infer.requests import Request
+
+    cap = budgets.cap(job.effort) if job.thinking else None
+    if job.thinking and budget_tokens is not None:
+        cap = budget_tokens if cap is None else min(cap, budget_tokens)
+    ids = request_ids or [f"{job.id}-{i}" for i in range(len(job.sampling))]
+    return [Request(list(job.prompt), sp, images=list(job.images), reasoning_cap=cap,
+                    in_reasoning=job.thinking,
+                    parser=chat_format.parser(thinking=job.thinking, strict=False,
+                                              first_call_index=job.first_call_index),
+                    request_id=rid, answer_prefix=job.answer_prefix,
+                    banned_token_ids=job.banned_token_ids)
+            for rid, sp in zip(ids, job.sampling)]
 
 
 def tool_call_opener(chat_format) -> tuple[int]:

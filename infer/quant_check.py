@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kdsa.infer.jsonl import read_records
+from kdsa.infer.sampling import SamplingParams
 
 CATEGORIES = ("reasoning", "answer", "tool_name", "tool_args", "other", "digits")
 
@@ -262,6 +263,17 @@ def _forward(model, mesh, layout: str):
     return run
 
 
+def greedy(requests: list, max_tokens: int) -> list:
+    """The requests as quant-check runs them: greedy, ``max_tokens`` each, no stop strings, a
+    line's own sampling fields (``kdsa generate``'s format allows them) set aside: with a
+    temperature both models sampled, and equal seeds made their answers look alike."""
+    for r in requests:
+        r.sampling = dataclasses.replace(
+            SamplingParams(), max_tokens=max_tokens, temperature=0.0,
+            stop_token_ids=r.sampling.stop_token_ids, top_logprobs=r.sampling.top_logprobs)
+    return requests
+
+
 def _generate(load, prompts_path, engine_kw: dict, effort, max_tokens: int, log):
     """Load one model, greedy-generate every prompt; ``(model, requests, completions, deltas,
     engine)``."""
@@ -269,8 +281,9 @@ def _generate(load, prompts_path, engine_kw: dict, effort, max_tokens: int, log)
 
     config, model = load()
     engine, fmt = build_engine(model, **engine_kw)
-    reqs = read_requests(prompts_path, engine, fmt, effort=effort, seed=0,
-                         defaults={"max_tokens": max_tokens, "temperature": 0.0})
+    reqs = greedy(read_requests(prompts_path, engine, fmt, effort=effort, seed=0,
+                                defaults={"max_tokens": max_tokens, "temperature": 0.0}),
+                  max_tokens)
     deltas: dict[str, list] = {r.request_id: [] for r in reqs}
     for r in reqs:
         if r.images:

@@ -64,6 +64,6 @@ tokens plus the rest).</p>
 {worst}</table>
 <img alt="per-token KL" src="data:image/png;base64,{_kl_plot(report['prompts'])}">
 </body></html>"""
-    path = Path(path)
-    path.write_text(page)
-    return path
+    from kdsa.infer.jsonl import write_atomic
+
+    return write_atomic(path, page)

@@ -41,7 +41,7 @@ from kdsa.infer import anthropic_api
 from kdsa.infer import openai_api as api
 from kdsa.infer import prometheus
 from kdsa.infer.request_body import BODY, off_loop, read_json
-from kdsa.infer.engine import EngineDead, Request
+from kdsa.infer.engine import EngineDead
 
 log = logging.getLogger("kdsa.serve")
 ENGINE, FORMAT, TOKENIZER, CONFIG = (web.AppKey(n, object) for n in
@@ -216,22 +216,12 @@ async def run_job(request: web.Request, job: api.ChatJob, respond, error, *,
     why = engine_failure(app)
     if why is not None:
         return error(_unavailable(why))
-    cap = engine.budgets.cap(job.effort) if job.thinking else None
-    if job.thinking and budget_tokens is not None:
-        cap = budget_tokens if cap is None else min(cap, budget_tokens)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     deliver = _deliver(request, job, queue)
-    reqs = []
-    for i, sp in enumerate(job.sampling):
-        reqs.append(Request(
-            list(job.prompt), sp, images=list(job.images), reasoning_cap=cap,
-            in_reasoning=job.thinking,
-            parser=fmt.parser(thinking=job.thinking, strict=False,
-                              first_call_index=job.first_call_index),
-            request_id=f"{job.id}-{i}", answer_prefix=job.answer_prefix,
-            banned_token_ids=job.banned_token_ids,
-            on_event=lambda ev, i=i: loop.call_soon_threadsafe(deliver, i, ev)))
+    reqs = api.engine_requests(job, fmt, engine.budgets, budget_tokens=budget_tokens)
+    for i, r in enumerate(reqs):
+        r.on_event = lambda ev, i=i: loop.call_soon_threadsafe(deliver, i, ev)
     pending = {r.request_id for r in reqs}
     try:
         for r in reqs:

@@ -60,3 +60,13 @@ def same_on_every_process(value: str, what: str) -> None:
     if differ:
         raise ValueError(f"{what} differs between processes: process(es) {differ} read "
                          f"other {what} than process 0 (every host must read the same)")
+
+
+def from_first_process(value: int) -> int:
+    """Process 0's ``value`` on every process (a decision only process 0 can take, e.g. how
+    many records of an interrupted job's output, which only it reads, are done)."""
+    if _process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))

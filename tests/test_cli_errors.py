@@ -284,6 +284,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
                  str(tmp_path / "r1.json")]) == 2  # (neither exists yet)
     assert "--html" in _one_error_line(capsys, "quant-check")
     assert prompts.read_text() == json.dumps({"prompt": "hi"}) + "\n"
+    (tmp_path / "old.json").write_text("{}")  # an earlier report is kept without --overwrite
+    assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+                 "--prompts", str(prompts), "--out", str(tmp_path / "old.json")]) == 2
+    assert "exists; --overwrite replaces it" in _one_error_line(capsys, "quant-check")
     # another model as the candidate (an IndexError traceback after both models ran, or a
     # meaningless report), MXFP4 experts made of MXFP4 experts (refused after the reference ran)
     out = str(tmp_path / "r.json")
@@ -310,6 +314,13 @@ def test_engine_sizes_and_launch_timeouts_are_checked_first(capsys):
                  "--prefix-snapshot-every", "--num-pages"):
         with pytest.raises(ValueError, match=f"{flag} must be >= 1, got 0"):
             engine_from_args(p.parse_args(["--preset", "tiny", flag, "0"]))
+    # pool sizes too, naming their flag (a bad --cache-memory was found after the model load)
+    for extra, what in ((["--cache-memory", "2GX"], "--cache-memory: cannot read size '2GX'"),
+                        (["--cache-memory", "1.2.3GB"], "--cache-memory: cannot read size"),
+                        (["--cache-memory", "1GB", "--num-pages", "4"], "not both"),
+                        (["--cache-memory", "1GB", "--dense-cache"], "takes no pool size")):
+        with pytest.raises(ValueError, match=what):
+            engine_from_args(p.parse_args(["--preset", "tiny", *extra]))
     for flag in ("--timeout", "--stop-timeout"):
         assert main(["launch-local", "--processes", "1", flag, "0", "--", "train"]) == 2
         assert f"{flag} must be > 0" in _one_error_line(capsys, "launch-local")

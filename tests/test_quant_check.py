@@ -216,3 +216,17 @@ def test_token_categories_from_the_engine_events():
     assert "".join(named) == "get_weather"
     assert cats[4:-1].count("tool_args") == len(span) - len("get_weather")
     assert [has_digit(tok, t) for t in tok.encode("a7")] == [False, True]
+
+
+def test_quant_check_runs_every_line_greedy():
+    """A prompts line in ``kdsa generate``'s format may set sampling fields: quant-check runs
+    both models greedy with ``--max-tokens`` anyway (a line's temperature made both sample,
+    and equal seeds made their answers look alike)."""
+    from kdsa.infer.engine import Request
+    from kdsa.infer.quant_check import greedy
+    from kdsa.infer.sampling import SamplingParams
+
+    line = Request([1, 2], SamplingParams(temperature=1.0, seed=1, top_p=0.5, top_k=3,
+                                          max_tokens=3, stop=("x",), ignore_eos=True))
+    (r,) = greedy([line], 6)
+    assert r.sampling == SamplingParams(temperature=0.0, max_tokens=6)

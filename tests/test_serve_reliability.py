@@ -435,7 +435,8 @@ def test_kdsa_generate_writes_an_error_record_per_bad_line(tmp_path, monkeypatch
                                        "no-prompt", "c"]
     errors = {r["id"]: r["error"] for r in rows if "error" in r}
     assert set(errors) == {"big-seed", "4", "big-k", "fails", "too-long", "no-prompt"}
-    assert "seed=4294967296" in errors["big-seed"] and "top_k=2147483648" in errors["big-k"]
+    assert "seed must be an integer in [0, 2**32), got 4294967296" in errors["big-seed"]
+    assert "top_k must be an integer in [0, 2**31), got 2147483648" in errors["big-k"]
     assert "line 4: not valid JSON" in errors["4"] and "injected prefill" in errors["fails"]
     assert "does not fit the context" in errors["too-long"]
     assert all(set(r) == {"id", "error"} for r in rows if "error" in r)
@@ -456,3 +457,100 @@ def test_kdsa_generate_all_good_exits_zero(tmp_path, monkeypatch, capsys):
     src.write_text(json.dumps({"prompt": "x", "max_tokens": 3}) + "\n")
     assert main(["generate", "--prompts", str(src), "--out", str(out), "--no-progress"]) == 0
     assert "error" not in json.loads(out.read_text()) and capsys.readouterr().err == ""
+
+
+def test_kdsa_generate_resumes_an_interrupted_job(tmp_path, monkeypatch, capsys):
+    """Records are written as they finish (in order), so an interrupted job keeps them in
+    OUT.partial and ``--resume`` generates only the rest: the output equals an uninterrupted
+    run's. A torn last line is cut off; records of another prompts file, an existing --out
+    without --overwrite and a left partial without --resume are refused before any work (the
+    job used to write everything at the end, losing it all to an interruption, and replaced
+    an existing --out silently)."""
+    from kdsa.cli import generate_cmd
+    from kdsa.cli.main import main
+
+    engines = []
+
+    def engine(args):
+        engines.append(_engine(slots=2))
+        return engines[-1], FMT, "s"
+
+    monkeypatch.setattr(generate_cmd, "engine_from_args", engine)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "x" * (i + 1),
+                                       "max_tokens": 3 + i}) + "\n" for i in range(6)))
+    argv = ["generate", "--prompts", str(src), "--out", str(out), "--no-progress",
+            "--temperature", "0"]
+    assert main(argv) == 0
+    whole = out.read_text()
+    assert main(argv) == 2 and "exists; --overwrite replaces it" in capsys.readouterr().err
+    assert main(argv + ["--overwrite"]) == 0 and out.read_text() == whole
+    out.unlink()
+
+    steps = {"n": 0}
+    real_step = type(_engine()).step
+
+    def interrupted(self):  # Ctrl-C in the middle of the job
+        steps["n"] += 1
+        if steps["n"] == 9:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(type(_engine()), "step", interrupted)
+    assert main(argv) == 130
+    assert "--resume continues" in capsys.readouterr().err
+    partial = tmp_path / "out.jsonl.partial"
+    kept = partial.read_text().splitlines()
+    assert not out.exists() and 0 < len(kept) < 6 and whole.startswith("\n".join(kept))
+    monkeypatch.setattr(type(_engine()), "step", real_step)
+    partial.write_text(partial.read_text() + '{"id": "r')  # a line torn by the interruption
+    assert main(argv) == 2 and "--resume continues it" in capsys.readouterr().err
+    assert main(argv + ["--resume"]) == 0
+    assert out.read_text() == whole and not partial.exists()
+    assert main(argv + ["--resume"]) == 2 and "is complete" in capsys.readouterr().err
+    out.unlink()
+    partial.write_text(json.dumps({"id": "other"}) + "\n")
+    assert main(argv + ["--resume"]) == 2
+    assert "record 1 of" in capsys.readouterr().err
+
+
+def test_kdsa_generate_checks_lines_as_the_http_api_does(tmp_path, monkeypatch):
+    """A line's fields follow the HTTP API's rules (they had their own: ``max_tokens: true`` and
+    ``temperature: 5`` were served, ``temperature: null`` was an error, ``reasoning_effort:
+    "none"`` unknown): one request path for both."""
+    from kdsa.cli import generate_cmd
+    from kdsa.cli.main import main
+
+    monkeypatch.setattr(generate_cmd, "engine_from_args", lambda args: (_engine(), FMT, "s"))
+    chat = {"messages": [{"role": "user", "content": "Weather?"}]}
+    lines = [{"id": "bool", "prompt": "x", "max_tokens": True},
+             {"id": "hot", "prompt": "x", "temperature": 5},
+             {"id": "null", "prompt": "x", "temperature": None, "max_tokens": 2},
+             {"id": "off", **chat, "reasoning_effort": "none"},
+             {"id": "alias", **chat, "reasoning_effort": "medium"},
+             {"id": "two", **chat, "n": 2}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["generate", "--prompts", str(src), "--out", str(out), "--no-progress",
+                 "--temperature", "0"]) == 1
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "max_tokens must be an integer >= 1, got True" in rows["bool"]["error"]
+    assert "temperature must be a number in [0, 2], got 5" in rows["hot"]["error"]
+    assert rows["null"]["completion_tokens"] == 2
+    assert rows["off"]["content"] == ANSWER and rows["off"]["reasoning_tokens"] == 0
+    assert rows["alias"]["content"] == ANSWER and rows["alias"]["reasoning_tokens"] > 0
+    assert "n must be 1" in rows["two"]["error"]
+
+
+def test_duplicate_ids_name_their_lines(tmp_path):
+    """A line without an id takes its line number: a user id equal to it is a duplicate, and
+    the error names the lines (it named only the id)."""
+    from kdsa.infer.generate import read_requests
+
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "2", "prompt": "a"}) + "\n" +
+                   json.dumps({"prompt": "b"}) + "\n")
+    eng = _engine()
+    with pytest.raises(ValueError, match=r"duplicate request ids '2' \(lines 1, 2\); give each "
+                                         r"line its own id"):
+        read_requests(src, eng, FMT, effort="low", defaults={}, seed=0, strict=False)
