@@ -53,7 +53,7 @@ def test_random_weights_are_built_in_the_layout_and_match_the_host_build(tmp_pat
         out = tmp_path / "out.jsonl"
         assert main(["generate", *args, "--prompts", str(prompts), "--out", str(out),
                      "--seed", "3", "--temperature", "0", "--max-tokens", "5", "--slots", "2",
-                     "--max-len", "32", "--prefill-chunk", "16", "--no-progress"]) == 0
+                     "--max-len", "32", "--prefill-chunk", "16", "--no-progress", "--overwrite"]) == 0
         return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
 
     host = tokens("--preset", "tiny", *(a for o in OVERRIDES for a in ("--set", o)))

@@ -77,6 +77,8 @@ def test_entropy_metric_and_bonus(setup):
     assert "routing_replay_agreement" not in m1  # no expert ids replayed, none reported
     s2, m2 = _step(setup, BONUS)
     np.testing.assert_allclose(float(m2["entropy"]), want, rtol=1e-5)  # measured before
+    # the logged loss is the objective, the entropy bonus included (it was left out)
+    np.testing.assert_allclose(float(m2["loss"]), float(m2["pg_loss"]) - 0.5 * want, rtol=1e-5)
     after_plain = float(_step(setup, PLAIN, state=s1)[1]["entropy"])
     after_bonus = float(_step(setup, PLAIN, state=s2)[1]["entropy"])
     print(f"entropy {want:.5f}: after a plain step {after_plain:.5f}, after a bonus step "

@@ -89,7 +89,8 @@ class RLConfig:
     tau: float = 0.1
     tis: str = "token"
     tis_cap: float = 2.0
-    normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO); kimi: never
+    normalize_std: bool = True  # GRPO advantages; False: r - mean (Dr.GRPO's advantage;
+    # its loss also needs aggregation="token"); kimi: never
     kl_coef: float = 0.0  # KL to the reference policy (the weights after SFT); 0: off
     kl_estimator: str = "k3"  # k1 | k2 | k3 (rl_losses.kl_per_token)
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * mean entropy of the loss tokens

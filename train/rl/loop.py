@@ -34,7 +34,8 @@ update runs on the train layout over every process's devices, each process holdi
 shards (``multihost.py``); process 0 alone writes metrics, every process its checkpoint
 shards. With ``rl.kl_coef > 0`` the weights after SFT are the reference policy,
 saved once in ``RUN_DIR/reference`` (and restored on resume). Every random draw is a function of
-``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one.
+``(seed, step)``, so a resumed run takes the same steps as an uninterrupted one (with partial
+rollouts, except for the paused episodes, which are not checkpointed).
 """
 
 from __future__ import annotations

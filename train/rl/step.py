@@ -185,7 +185,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
                                                                             1.0)
     if "moe_dropped" in stats:
         metrics["moe_dropped"] = stats["moe_dropped"]
-    metrics["loss"] = w * metrics["ce"] + (1.0 - w) * metrics["pg_loss"]
+    metrics["loss"] = w * metrics["ce"] + (1.0 - w) * (  # the objective optimised
+        metrics["pg_loss"] - loss_cfg.entropy_coef * metrics["entropy"])
     return new_state, replicated(metrics)
 
 
