@@ -20,7 +20,7 @@ from kdsa.cli.paths import abs_path
 
 
 def register(sub) -> None:
-    from kdsa.cli.config_args import add_layout_args
+    from kdsa.cli.config_args import add_layout_args, positive_int
 
     p = sub.add_parser("quant-check", help="compare a model with its quantized version",
                        description=__doc__.splitlines()[0])
@@ -45,9 +45,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=1024,
                    help="the reference's tokens kept per position for the KL (exact when >= "
                         "the vocabulary; otherwise the KL of top-k + rest, a lower bound)")
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--slots", type=positive_int, default=8)
+    p.add_argument("--max-len", type=positive_int, default=2048)
+    p.add_argument("--prefill-chunk", type=positive_int, default=256)
     p.add_argument("--mesh", default=None, help="generate-layout mesh axes, as kdsa generate")
     add_layout_args(p)
     p.set_defaults(run=run, config=None)

@@ -174,10 +174,27 @@ class Engine(SlotScheduling, PageScheduling, TokenStep):
         if vc is None or not hasattr(self.runner, "encode_images"):
             raise ValueError("this model does not read images (it has no vision tower)")
         have = sum(int(t) == vc.media_placeholder_token_id for t in req.prompt)
-        want = sum(int(im.num_tokens) for im in req.images)
+        sizes = [int(im.num_tokens) for im in req.images]
+        want = sum(sizes)
         if have != want:
             raise ValueError(f"the prompt has {have} image placeholder tokens but its "
                              f"{len(req.images)} image(s) take {want} positions")
+        # each run of placeholders holds whole images, in order (a run of image 2's length
+        # before one of image 1's would give each image's features to the other's positions)
+        runs, n = [], 0
+        for t in list(req.prompt) + [None]:
+            if t is not None and int(t) == vc.media_placeholder_token_id:
+                n += 1
+            elif n:
+                runs, n = runs + [n], 0
+        i = 0
+        for k, run in enumerate(runs):  # (the totals agree, so images remain for each run)
+            while run > 0 and i < len(sizes):
+                run, i = run - sizes[i], i + 1
+            if run != 0:
+                raise ValueError(f"placeholder run {k + 1} of the prompt does not hold whole "
+                                 f"images in order (images take {sizes} positions; the runs "
+                                 f"are {runs})")
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -288,6 +288,10 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
     assert main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
                  "--prompts", str(prompts), "--out", str(tmp_path / "old.json")]) == 2
     assert "exists; --overwrite replaces it" in _one_error_line(capsys, "quant-check")
+    with pytest.raises(SystemExit):  # engine sizes below 1, before either model loads
+        main(["quant-check", "--reference", str(ref), "--candidate-experts", "mxfp4",
+              "--prompts", str(prompts), "--out", str(tmp_path / "r2.json"), "--slots", "0"])
+    assert "argument --slots: must be >= 1, got 0" in capsys.readouterr().err
     # another model as the candidate (an IndexError traceback after both models ran, or a
     # meaningless report), MXFP4 experts made of MXFP4 experts (refused after the reference ran)
     out = str(tmp_path / "r.json")

@@ -262,6 +262,13 @@ def test_engine_refuses_mismatched_placeholders_and_text_models(runner):
     ims = _images()
     with pytest.raises(ValueError, match="2 image placeholder tokens but its 2 image"):
         eng.submit(Request([1, 277, 277, 2], SamplingParams(max_tokens=1), images=ims))
+    ph = _config().vision_config.media_placeholder_token_id
+    a, b = (im.num_tokens for im in ims)
+    assert a != b
+    with pytest.raises(ValueError, match="does not hold whole images in order"):  # swapped
+        eng.submit(Request([1] + [ph] * b + [2] + [ph] * a, SamplingParams(max_tokens=1),
+                           images=ims))
+    eng.submit(Request([1] + [ph] * (a + b) + [2], SamplingParams(max_tokens=1), images=ims))
     with pytest.raises(api.ApiError, match="does not read images"):
         api.parse_chat_request(_body(to_data_url(np.zeros((20, 20, 3), np.uint8))),
                                model_name="kdsa-vl", chat_format=FMT, max_len=64)
