@@ -88,6 +88,20 @@ class Tool:
 MALFORMED_CALL = "malformed tool call"  # how the parsers' errors name a call they dropped
 
 
+def loads_distinct_keys(text: str):
+    """``json.loads`` refusing an object with a repeated key at any depth (``ValueError``):
+    a parsed tool call's arguments must mean one thing to every client (``json.loads`` keeps
+    the last value, others the first)."""
+    def pairs(items: list) -> dict:
+        keys = [k for k, _ in items]
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ValueError(f"repeated keys {repeated}")
+        return dict(items)
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
 @dataclasses.dataclass(frozen=True)
 class AssistantOutput:
     """Parsed model output. ``errors``: problems skipped in non-strict parsing."""

@@ -31,7 +31,7 @@ from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (MALFORMED_CALL, AssistantOutput, ChatFormat,
                              MalformedOutputError, Message,
                              OutputParser, Tool, ToolCall, call_number, check_history,
-                             media_span)
+                             loads_distinct_keys, media_span)
 
 SYS, USER, ASST, MID, END = ("<|im_system|>", "<|im_user|>", "<|im_assistant|>",
                              "<|im_middle|>", "<|im_end|>")
@@ -164,17 +164,10 @@ def call_name(call_id: str) -> str:
     return name
 
 
-def _no_repeated_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    repeated = sorted({k for k in keys if keys.count(k) > 1})
-    if repeated:
-        raise ValueError(f"repeated keys {repeated}")
-    return dict(pairs)
-
-
 class K2Parser(OutputParser):
     def __init__(self, tok, *, thinking: bool, strict: bool, first_call_index: int = 0):
-        self.tok, self.strict, self.first_call_index = tok, strict, first_call_index
+        self.tok, self.strict = tok, strict
+        self.free, self.shown = first_call_index, set()  # the render's numbering of calls
         self.sid = {s: tok.special(s) for s in _ALL}
         self.state = "reasoning" if thinking else "content"
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -244,18 +237,19 @@ class K2Parser(OutputParser):
         raw = self.buf.decode("utf-8", errors="replace")
         try:
             name = call_name(self.call_id or "")
-            args = json.loads(raw, object_pairs_hook=_no_repeated_keys)
+            args = loads_distinct_keys(raw)
             if not isinstance(args, dict):
                 raise ValueError(f"arguments are a JSON {type(args).__name__}, not an object")
         except (ValueError, RecursionError) as e:  # RecursionError: nested past the stack
             self._error(f"{MALFORMED_CALL} {self.call_id!r}: {e}")
             return []
-        call_id = self.call_id
-        if any(c.id == call_id for c in self.calls):
-            free = max([self.first_call_index] + [
-                n + 1 for n in (call_number(c.id) for c in self.calls) if n is not None])
-            call_id = f"functions.{name}:{free}"
-        call = ToolCall(call_id, name, raw)
+        call = ToolCall(self.call_id, name, raw)
+        shown = k2_call_id(call, self.free)  # the id the next turn's render shows
+        if shown in self.shown or any(c.id == call.id for c in self.calls):
+            shown = f"functions.{name}:{self.free}"
+            call = ToolCall(shown, name, raw)
+        self.shown.add(shown)
+        self.free = max(self.free, call_number(shown) + 1)
         self.calls.append(call)
         return [("tool_call", call)]
 

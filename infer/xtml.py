@@ -34,7 +34,8 @@ import re
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (MALFORMED_CALL, AssistantOutput, ChatFormat,
                              MalformedOutputError, Message,
-                             OutputParser, Tool, ToolCall, check_history, media_span)
+                             OutputParser, Tool, ToolCall, check_history, loads_distinct_keys,
+                             media_span)
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 _ATTR = re.compile(r'([A-Za-z_][\w\-]*)="([^"]*)"')
@@ -187,7 +188,9 @@ _JSON_WS = re.compile(r"[ \t\n\r]*")
 def object_items(text: str) -> list[tuple[str, object, str]] | None:
     """``(key, value, value's own text)`` of a JSON object's members in order, or None when
     ``text`` is not one JSON object with distinct keys. The value's text is what the JSON
-    holds (``1e3``, ``2.50``, ``{"a":1}``), so a call renders as the model wrote it."""
+    holds (``1e3``, ``2.50``, ``{"a":1}``), so a call renders as the model wrote it: with the
+    whitespace around it, but for the one space after the colon that the parser's arguments
+    put there (``"key": TEXT``)."""
     dec = json.JSONDecoder()
     ws = lambda i: _JSON_WS.match(text, i).end()  # noqa: E731
     try:
@@ -206,12 +209,14 @@ def object_items(text: str) -> list[tuple[str, object, str]] | None:
             i = ws(i)
             if text[i:i + 1] != ":":
                 return None
+            start = i + 1 + (text[i + 1:i + 2] == " ")  # the value's text, its own spaces in
             i = ws(i + 1)
             value, end = dec.raw_decode(text, i)
-            items.append((key, value, text[i:end]))
             i = ws(end)
-        if ws(i + 1) != len(text) or len({k for k, _, _ in items}) != len(items):
+            items.append((key, value, text[start:i]))
+        if ws(i + 1) != len(text):
             return None
+        loads_distinct_keys(text)  # no repeated key at any depth (ValueError: None)
         return items
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return None
@@ -320,7 +325,7 @@ class XtmlParser(OutputParser):
             call.args[key] = json.dumps(text, ensure_ascii=False)
             return
         try:
-            value = json.loads(text)
+            value = loads_distinct_keys(text)  # (a repeated nested key: a malformed call)
         except (ValueError, RecursionError):
             value = _Bad
         want = {"number": (int, float), "boolean": (bool,), "null": (type(None),),
@@ -339,7 +344,7 @@ class XtmlParser(OutputParser):
             f.bad = f.bad or "tool call mixes argument and json elements"
         if f.raw is not None:
             try:
-                json.loads(f.raw)
+                loads_distinct_keys(f.raw)
             except (ValueError, RecursionError):
                 f.bad = f.bad or f"json element is not valid JSON: {f.raw[:40]!r}"
         if f.bad:

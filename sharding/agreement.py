@@ -29,16 +29,18 @@ def _gather(x: np.ndarray) -> np.ndarray:
 
 
 def agreed(check: Callable[[], T], what: str) -> T:
-    """``check()``'s value; when it raised ``ValueError`` (or ``OSError``) on any process,
-    every process raises: the failing ones their own error, the others one naming them."""
+    """``check()``'s value; when it raised on any process, every process raises: the failing
+    ones their own error (an ``OSError`` as a ``ValueError`` naming ``what``), the others one
+    naming them. Any exception counts: one that skipped the all-gather (an ``OverflowError``
+    from a damaged data file) left the other processes waiting in it."""
     error, value = None, None
     try:
         value = check()
-    except ValueError as e:
-        error = e
     except OSError as e:  # (a stale mount, a missing permission: every process must hear)
         error = ValueError(f"{what}: {e.strerror or type(e).__name__}"
                            + (f" ({e.filename})" if e.filename else ""))
+    except Exception as e:  # noqa: BLE001 -- raised again below, after the all-gather
+        error = e
     if _process_count() > 1:
         failed = _gather(np.int32(error is not None))
         if error is None and failed.any():

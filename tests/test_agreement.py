@@ -29,6 +29,21 @@ def test_a_check_failing_on_another_process_stops_this_one(monkeypatch):
         agreement.agreed(unreadable, "--data")
 
 
+def test_any_exception_reaches_the_all_gather(monkeypatch):
+    """A check failing with another exception (an ``OverflowError`` from a token id past
+    int64 in a damaged data file) still takes part in the all-gather before raising: it ended
+    the process first, and the others waited in the all-gather."""
+    gathered = []
+    _processes(monkeypatch, [lambda x: gathered.append(int(x)) or np.int32(0)])
+
+    def damaged():
+        raise OverflowError("Python int too large to convert to C long")
+
+    with pytest.raises(OverflowError):
+        agreement.agreed(damaged, "the training data")
+    assert gathered == [1]  # this process told the others it failed
+
+
 def test_agreed_on_every_process_returns_the_value(monkeypatch):
     _processes(monkeypatch, [lambda x: np.int32(0)])
     assert agreement.agreed(lambda: 7, "x") == 7

@@ -173,7 +173,8 @@ WRITTEN = [  # (K2's JSON text, XTML's argument elements) as a model may write t
     ('{"x": 1.0, "y": 1e3, "z": 2.50}',
      _arg("x", "number", "1.0") + _arg("y", "number", "1e3") + _arg("z", "number", "2.50")),
     ('{"s": "\\u00e9", "o": {"a":1}}', _arg("s", "string", "\u00e9") +
-     _arg("o", "object", '{"a":1}'))]
+     _arg("o", "object", '{"a":1}')),
+    ('{"x":  5\n, "y":[1 ]}', _arg("x", "number", " 5\n") + _arg("y", "array", "[1 ]"))]
 
 
 @pytest.mark.parametrize("k2_args,xtml_args", WRITTEN)
@@ -223,6 +224,27 @@ def test_repeated_keys_and_call_ids():
         "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"),
         strict=False)
     assert not out.tool_calls and "argument 'a' given twice" in out.errors[0]
+    nested = arg.replace('key="a" type="number"', 'key="o" type="object"').format(
+        '{"b": 1, "b": 2}')
+    out = XTML.parse(K3.encode_markup(
+        "r<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools"
+        '<|sep|><|open|>call tool="f" index="1"<|sep|>' + nested +
+        "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"),
+        strict=False)
+    assert not out.tool_calls and out.errors  # repeated keys at any depth, as in K2
+    # ids the model writes without the functions. prefix are numbered as the render numbers
+    # them: two "f:0" render as functions.f:0 and functions.f:1 (the second was renamed to
+    # functions.f:0, which the first already showed)
+    odd = call.replace("functions.get:0", "f:0")
+    msg = K2F.parse(K2.encode_markup(
+        "r</think><|tool_calls_section_begin|>" + odd + odd +
+        "<|tool_calls_section_end|><|im_end|>"))
+    hist = [Message("user", "q"), Message("assistant", msg.content, msg.reasoning,
+                                          msg.tool_calls)]
+    hist += [Message("tool", f"r{i}", tool_call_id=c.id) for i, c in enumerate(msg.tool_calls)]
+    text = K2F.render_text(hist)
+    assert text.count("## Return of functions.f:0\n") == 1
+    assert text.count("## Return of functions.f:1\n") == 1
 
 
 def test_user_text_cannot_inject_markup():

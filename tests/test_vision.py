@@ -259,7 +259,8 @@ def test_blocked_attention_equals_the_dense_reference_values_and_gradients():
     q, k, v = (jnp.asarray(rng.normal(size=(b, p, h, d)), jnp.float32) for _ in range(3))
     segment = np.zeros((b, p), np.int32)
     segment[0, :7], segment[0, 7:30], segment[0, 30:41] = 1, 2, 3  # 41-44 padding
-    segment[1, :45] = np.repeat([1, 2], [20, 25])
+    segment[1, :45] = np.repeat([-1, 2], [20, 25])  # any ids: -1 too (the tiles' own padding
+    # once used -1, and mixed with such a caller's patches)
     segment = jnp.asarray(segment)
     ref = vision_attention_dense(q, k, v, segment)
     for block in (8, 16):

@@ -46,9 +46,10 @@ def vision_attention_blocked(q: jax.Array, k: jax.Array, v: jax.Array, segment: 
     b, p, h, d = q.shape
     n = -(-p // block)
     pad = n * block - p
-    if pad:  # tail patches in a segment of their own (-1): they see only each other
+    if pad:  # tail patches in a segment of their own (an id no caller uses): only each other
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        segment = jnp.pad(segment, ((0, 0), (0, pad)), constant_values=-1)
+        segment = jnp.pad(segment.astype(jnp.int32), ((0, 0), (0, pad)),
+                          constant_values=jnp.iinfo(jnp.int32).min)
     scale = d ** -0.5
     qb = q.astype(jnp.float32).reshape(b, n, block, h, d) * scale
     kb = k.astype(jnp.float32).reshape(b, n, block, h, d)
