@@ -187,7 +187,7 @@ def check_results_destination(out, *, resume: bool, overwrite: bool) -> None:
     from kdsa.infer.jsonl import partial_of
 
     partial = partial_of(out)
-    if resume and not partial.is_file() and out.is_file():
+    if resume and not partial.is_file() and out.is_file() and not overwrite:
         raise ValueError(f"--resume: {out} is complete (no {partial.name} to continue); "
                          f"--overwrite generates it again")
     if not resume and partial.is_file():
@@ -205,19 +205,24 @@ def run(args) -> int:
     import jax
 
     from kdsa.cli.paths import output_file
+    from kdsa.infer import openai_api as api
     from kdsa.infer.generate import prompts_file, read_requests, run_job
-    from kdsa.infer.sampling import SamplingParams
+    from kdsa.sharding.agreement import agreed
 
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k}
-    try:  # the command's own defaults, checked before the model is built (a line's: later)
-        SamplingParams(**defaults)
-    except ValueError as e:
+    try:  # the command's own defaults, checked before the model is built (a line's: later),
+        api.sampling_fields(defaults)  # by the rules every line's fields meet
+    except api.ApiError as e:
         raise ValueError(f"the sampling flags: {e}") from None
     prompts_file(args.prompts)
-    if jax.process_index() == 0:  # (the one process that writes it)
-        output_file(args.out, "--out", inputs=(("--prompts", args.prompts),))
-        check_results_destination(args.out, resume=args.resume, overwrite=args.overwrite)
+
+    def destination():  # the one process that writes it checks; every process hears
+        if jax.process_index() == 0:
+            output_file(args.out, "--out", inputs=(("--prompts", args.prompts),))
+            check_results_destination(args.out, resume=args.resume, overwrite=args.overwrite)
+
+    agreed(destination, "--out")
     engine, fmt, name = engine_from_args(args)
     reqs = read_requests(args.prompts, engine, fmt, effort=args.effort, defaults=defaults,
                          seed=args.seed, strict=False)

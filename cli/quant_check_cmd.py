@@ -86,7 +86,9 @@ def run(args) -> int:
                              f"quant-check compares one model stored two ways")
     elif not config.num_experts or config.expert_weight_format == "mxfp4":
         raise ValueError("--candidate-experts mxfp4 needs a reference with bf16 routed experts")
-    if jax.process_index() == 0:  # the outputs ready before the two models run, not after
+    def destinations():  # ready before the two models run, not after; checked by the one
+        if jax.process_index() != 0:  # process that writes them, every process hears
+            return
         output_file(Path(args.out), "--out", inputs=(("--prompts", args.prompts),))
         if args.html is not None:
             output_file(Path(args.html), "--html",
@@ -94,6 +96,10 @@ def run(args) -> int:
         for flag, path in (("--out", args.out), ("--html", args.html)):
             if path is not None and Path(path).is_file() and not args.overwrite:
                 raise ValueError(f"{flag} {path} exists; --overwrite replaces it")
+
+    from kdsa.sharding.agreement import agreed
+
+    agreed(destinations, "--out")
     sizes = layout_override(args, "generate")
     mesh = None
     if sizes:

@@ -201,11 +201,14 @@ def run_job(engine: Engine, requests: list[Request | BadLine], out_path: str | P
     if skip > len(requests):
         raise ValueError(f"--resume: {results.partial} holds {skip} records but --prompts has "
                          f"{len(requests)} lines: not this prompts file")
-    for i, (rec, r) in enumerate(zip(results.done, requests)):
-        if rec.get("id") != r.request_id:
-            raise ValueError(f"--resume: record {i + 1} of {results.partial} is for id "
-                             f"{rec.get('id')!r}, but line {i + 1} of --prompts has id "
-                             f"{r.request_id!r}: not this prompts file")
+    bad = next((i for i, (rec, r) in enumerate(zip(results.done, requests))
+                if rec.get("id") != r.request_id), -1)
+    if from_first_process(bad) >= 0:  # (only process 0 reads the records: all stop with it)
+        raise ValueError(
+            f"--resume: record {bad + 1} of {results.partial} is for id "
+            f"{results.done[bad].get('id')!r}, but line {bad + 1} of --prompts has id "
+            f"{requests[bad].request_id!r}: not this prompts file" if bad >= 0 else
+            "--resume: process 0 found records of another prompts file")
     bar = Progress(len(requests), unit="req", enabled=progress and writer)
     bar.advance_to(skip)
     done: dict[str, object] = {}

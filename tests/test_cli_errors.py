@@ -251,8 +251,13 @@ def test_generate_and_quant_check_refuse_bad_paths_and_flags_before_loading(tmp_
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     cases = [(["--prompts", str(tmp_path / "missing.jsonl")], "no such file"),
-             (["--prompts", str(prompts), "--temperature", "-1"], "temperature=-1"),
-             (["--prompts", str(prompts), "--max-tokens", "0"], "max_tokens=0"),
+             (["--prompts", str(prompts), "--temperature", "-1"],
+              "the sampling flags: temperature must be a number in [0, 2], got -1.0"),
+             # the HTTP API's limit, which every chat line meets (above it every chat line
+             # became an error record after the model loaded)
+             (["--prompts", str(prompts), "--temperature", "3"], "in [0, 2], got 3.0"),
+             (["--prompts", str(prompts), "--max-tokens", "0"],
+              "max_tokens must be an integer >= 1, got 0"),
              (["--prompts", str(prompts), "--out", str(blocker / "out.jsonl")], "--out"),
              # the results written over the prompts (the input was gone, exit 0)
              (["--prompts", str(prompts), "--out", str(tmp_path / "." / "p.jsonl")],

@@ -508,6 +508,7 @@ def test_kdsa_generate_resumes_an_interrupted_job(tmp_path, monkeypatch, capsys)
     assert main(argv + ["--resume"]) == 0
     assert out.read_text() == whole and not partial.exists()
     assert main(argv + ["--resume"]) == 2 and "is complete" in capsys.readouterr().err
+    assert main(argv + ["--resume", "--overwrite"]) == 0 and out.read_text() == whole
     out.unlink()
     partial.write_text(json.dumps({"id": "other"}) + "\n")
     assert main(argv + ["--resume"]) == 2

@@ -131,8 +131,8 @@ def _rl_step(graphdef, state: TrainState, batch, sft_weight, ref_params, update_
         # [b, T] each: the sampled (tempered) policy's log-probs and entropy
         logp, ent = token_logprobs_and_entropy(
             tempered(out.logits, loss_cfg.temperature, loss_cfg.sampled_vocab), mb["targets"])
-        ce_logp = logp if loss_cfg.temperature == 1.0 else _target_logprobs(out.logits,
-                                                                             mb["targets"])
+        ce_logp = logp if loss_cfg.temperature == 1.0 else _target_logprobs(
+            tempered(out.logits, 1.0, loss_cfg.sampled_vocab), mb["targets"])
         mk = mb["loss_mask"].astype(jnp.float32)
         ce_num = jnp.sum(-ce_logp * mk)
         ent_num = jnp.sum(ent * mk)
