@@ -216,12 +216,24 @@ def _count(dropped, tok_axes):
 
 
 def _sorted_by_owner(z, topk_idx, e_loc, ep):
-    """Assignments sorted by expert: order [M], owner [M], local id [M], counts and starts [ep],
-    and whether each is dispatched at all [M]. An expert id of ``E`` (= ep x e_loc: padding
-    under a capacity factor, ``MoE._routed``) sorts last and is counted nowhere."""
+    """Assignments sorted by owner, and within an owner round-robin over its experts (each
+    expert's first assignment, then each one's second, ...: by the rank within the expert,
+    then the local id): order [M], owner [M], local id [M], counts and starts [ep], and whether
+    each is dispatched at all [M]. A capacity that keeps an owner's first rows then shares it
+    max-min fairly among its experts; sorted by expert id, a hot expert took it all and the
+    experts after it on the device lost every assignment. An expert id of ``E`` (= ep x
+    e_loc: padding under a capacity factor, ``MoE._routed``) sorts last and is counted
+    nowhere."""
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)                              # [M]
+    m, n_e = flat.shape[0], ep * e_loc
+    by_e = jnp.argsort(flat, stable=True)                               # [M] by expert
+    per_e = jnp.zeros((n_e + 1,), jnp.int32).at[flat].add(1)            # [E + 1]
+    first = jnp.cumsum(per_e) - per_e
+    rank_e = jnp.zeros((m,), jnp.int32).at[by_e].set(
+        jnp.arange(m, dtype=jnp.int32) - jnp.take(first, jnp.take(flat, by_e)))
+    owner_of = jnp.where(flat < n_e, flat // e_loc, ep)                 # padding: last
+    order = jnp.lexsort((flat % e_loc, rank_e, owner_of))               # [M]
     e_sorted = jnp.take(flat, order)
     real = e_sorted < ep * e_loc                                        # [M]
     owner, local = jnp.minimum(e_sorted // e_loc, ep - 1), e_sorted % e_loc

@@ -112,23 +112,24 @@ def test_expert_parallel_equals_single_device(moe_inputs, mesh_spec, layout, mod
 
 
 def _dropped_reference(idx, e, ep, shards, cap):
-    """NumPy: which assignments the padded exchange drops (token shards in order; within a
-    shard, assignments sorted stably by expert; a pair (shard, owner) keeps ``cap``)."""
+    """NumPy: which assignments the padded exchange drops (token shards in order; a pair
+    (shard, owner) keeps ``cap``, taken round-robin over the owner's experts: every expert's
+    first assignment in token order, then every one's second, ...)."""
     n, k = idx.shape
-    keep = np.ones((n, k), bool)
-    per = n // shards
+    keep = np.zeros((n, k), bool)
+    per, e_loc = n // shards, e // ep
     for s in range(shards):
-        flat = idx[s * per:(s + 1) * per].reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        seen = np.zeros(ep, int)
-        for a in order:
-            if flat[a] >= e:  # padding (expert id E): not dispatched, takes no capacity
-                keep[s * per + a // k, a % k] = False
-                continue
-            owner = flat[a] // (e // ep)
-            if seen[owner] >= cap:
-                keep[s * per + a // k, a % k] = False
-            seen[owner] += 1
+        flat = idx[s * per:(s + 1) * per].reshape(-1)  # padding (id E): never kept
+        for owner in range(ep):
+            queues = [[a for a in range(flat.size) if flat[a] == owner * e_loc + j]
+                      for j in range(e_loc)]
+            taken, depth = 0, 0
+            while taken < cap and any(depth < len(q) for q in queues):
+                for q in queues:
+                    if depth < len(q) and taken < cap:
+                        keep[s * per + q[depth] // k, q[depth] % k] = True
+                        taken += 1
+                depth += 1
     return keep
 
 
@@ -141,6 +142,26 @@ def test_expert_parallel_overflow_is_dropped_and_counted(moe_inputs):
     m_local = (z.shape[0] // 8) * idx.shape[1]
     keep = _dropped_reference(np.asarray(idx), TINY.num_experts, 4, 8, m_local // 4)
     assert int(extra["moe_dropped"]) == int((~keep).sum()) > 0
+    ref = moe_lib.experts_one_hot(z, idx, w * jnp.asarray(keep), w1, w3, w2, TINY)
+    assert _max_err(y, ref) < 2e-6
+
+
+@pytest.mark.parametrize("collectives", ["padded", "ragged_emulated"])
+def test_a_hot_expert_leaves_its_device_neighbours_a_share(moe_inputs, collectives):
+    """Every token wants expert 0 and every other one expert 1, both on device 0: its capacity
+    goes round-robin over its experts, so expert 1 keeps as many as expert 0 up to its demand
+    (sorted by expert id, expert 0 took all of it and expert 1 lost every assignment)."""
+    z, idx, w, w1, w3, w2 = moe_inputs
+    idx = idx.at[:, 0].set(0).at[::2, 1].set(1)
+    mesh = make_mesh("expert=4,data=2")
+    with use_sharding(mesh, "train", moe_capacity_factor=1.0, collectives=collectives) as ctx:
+        y, extra = jax.jit(lambda *a: experts_sharded(*a, TINY, ctx=ctx))(z, idx, w, w1, w3, w2)
+    m_local = (z.shape[0] // 8) * idx.shape[1]
+    keep = _dropped_reference(np.asarray(idx), TINY.num_experts, 4, 8, m_local // 4)
+    kept = {e: int((keep & (np.asarray(idx) == e)).sum()) for e in (0, 1)}
+    assert 0 < kept[1] <= kept[0] and int(extra["moe_dropped"]) > 0, kept
+    # (every device sends alike, so the ragged receiver's fair shares are the padded caps)
+    assert int(extra["moe_dropped"]) == int((~keep).sum())
     ref = moe_lib.experts_one_hot(z, idx, w * jnp.asarray(keep), w1, w3, w2, TINY)
     assert _max_err(y, ref) < 2e-6
 
