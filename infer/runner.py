@@ -363,7 +363,10 @@ class ModelRunner(PagedSlots):
         suffix after a deep prefix-cache hit, and batched prefills past the narrowest width
         compile when first used. With the prefix cache, its copies (a slot's KDA states to a
         snapshot and back, a page to a page) compile here too: the engine admits a request
-        with them."""
+        with them. Only on a runner holding no request's pages (it writes into the slots)."""
+        if self.block_table is not None and (self.block_table >= 0).any():
+            raise RuntimeError("warmup writes into every slot: call it before any request "
+                               "holds pages, not on a runner in use")
         for b in self.buckets:
             self.prefill(0, [0] * b, 0)
             for rows in self.row_buckets if self.batched_prefill else ():

@@ -371,6 +371,9 @@ def test_warmup_compiles_the_prefix_cache_copies(model, monkeypatch):
     runner.restore_state(3, 1)
     runner.copy_page(2, 5, slot=1)
     assert [f._cache_size() for f in copies] == [1, 1, 1]
+    runner.set_pages(0, [0, 1])  # a runner in use: warmup would write into its pages
+    with pytest.raises(RuntimeError, match="before any request holds pages"):
+        runner.warmup()
 
 
 @pytest.mark.parametrize("every", [1, 8], ids=["prefill-snapshot", "end-snapshot"])
