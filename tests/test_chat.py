@@ -323,3 +323,17 @@ def test_openai_conversion_and_errors():
         check_tool_choice({"type": "function", "function": {"name": "zzz"}}, tools)
     with pytest.raises(ValueError, match="unknown reasoning effort"):
         XTML.render([Message("user", "u")], effort="extreme")
+
+
+def test_k2_rows_that_its_history_rule_cannot_train_say_why():
+    """K2 drops an earlier final answer's reasoning once a later message follows it, so a row
+    training two answers with reasoning cannot hold both as generated: refused, naming the rule
+    (the error said only "not prefix-stably"); XTML keeps every turn's reasoning and trains both."""
+    from kdsa.train.chat_rows import conversation_row
+
+    conv = [Message("user", "q1"), Message("assistant", "a1", "r1"), Message("user", "q2"),
+            Message("assistant", "a2", "r2")]
+    with pytest.raises(ValueError, match="K2 drops the reasoning of a final answer"):
+        conversation_row(K2F, conv, 1)
+    ids, mask = conversation_row(XTML, conv, 1)
+    assert len(ids) == len(mask) and sum(mask) > 0

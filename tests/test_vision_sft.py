@@ -85,8 +85,12 @@ def test_data_rows_loss_mask_and_image_files(tmp_path):
     ([{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "x"}],
      "more than seq_len"),
     ([{"role": "user", "content": "hi"},  # (dropped without a word before)
-      {"role": "assistant", "content": "x", "reasoning_content": "r"}], "the answer has "
-     "reasoning_content"),
+      {"role": "assistant", "content": "x", "reasoning_content": "r"}],
+     "message 1 has reasoning_content"),
+    ([{"role": "user", "content": "hi"},  # an earlier turn's too (only the last was refused)
+      {"role": "assistant", "content": "x", "reasoning_content": "r"},
+      {"role": "user", "content": "more"}, {"role": "assistant", "content": "y"}],
+     "message 1 has reasoning_content"),
 ])
 def test_bad_examples_are_named(tmp_path, messages, msg):
     with pytest.raises(ValueError, match=f"example 0: .*{msg}"):

@@ -32,7 +32,11 @@ def conversation_row(fmt, messages, num_prompt: int, *, where: str = "the conver
             start = len(gp)
             ids = gp
         if full[:start] != ids:
-            raise ValueError(f"chat format {fmt.name!r} does not render {where} prefix-stably")
+            raise ValueError(
+                f"chat format {fmt.name!r} does not render {where} prefix-stably"
+                + ("; K2 drops the reasoning of a final answer once a later message follows it "
+                   "(its history rule), so only the last answer of a conversation with "
+                   "reasoning can be trained in K2" if fmt.name == "k2" else ""))
         mask += [1.0 if m.role == "assistant" else 0.0] * (len(full) - start)
         ids = full
         msgs.append(m)

@@ -42,9 +42,10 @@ def render_example(messages: list[Message], chat_format) -> tuple[list[int], int
     assistant turn, ``chat_rows.conversation_row``) starts."""
     if not messages or messages[-1].role != "assistant":
         raise ValueError("an SFT example must end with the assistant answer")
-    if messages[-1].reasoning:  # the trained answer, rendered without thinking: dropped
-        raise ValueError("the answer has reasoning_content, which image SFT does not train "
-                         "(its rows are rendered without thinking); remove it")
+    said = [i for i, m in enumerate(messages) if m.role == "assistant" and m.reasoning]
+    if said:  # rendered without thinking, any turn's reasoning would be dropped silently
+        raise ValueError(f"message {said[0]} has reasoning_content, which chat SFT rows do not "
+                         f"hold (they are rendered without thinking); remove it")
     ids, mask = conversation_row(chat_format, messages, len(messages) - 1, thinking=False)
     return ids, mask.index(1.0) if 1.0 in mask else len(ids)
 
