@@ -66,6 +66,14 @@ class YarnConfig:
 
     def __post_init__(self):
         check_types(self, "rope_scaling.")
+        if not self.factor > 0:  # (a NaN fails too)
+            raise ValueError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        if self.original_max_position_embeddings < 1:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings must be >= 1, got "
+                             f"{self.original_max_position_embeddings}")
+        if not self.beta_fast > self.beta_slow > 0:
+            raise ValueError(f"rope_scaling needs beta_fast > beta_slow > 0, got beta_fast="
+                             f"{self.beta_fast}, beta_slow={self.beta_slow}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -305,6 +313,10 @@ class ModelConfig:
                         "kdsa"):
             if hf.get(section) is not None and not isinstance(hf[section], dict):
                 raise ValueError(f"{section} must be an object, got {hf[section]!r}")
+        kind = hf.get("model_type")
+        if kind is not None and kind not in MODEL_TYPES:
+            raise ValueError(f"model_type {kind!r}: kdsa reads {', '.join(MODEL_TYPES)} configs "
+                             f"(or one without a model_type)")
         vision = hf.get("vision_config")
         if "text_config" in hf:  # kimi_k3 wrapper: the language model is its kimi_linear text_config
             hf = hf["text_config"]
@@ -325,10 +337,18 @@ class ModelConfig:
             kw["vision_config"] = (vision if isinstance(vision, VisionConfig)
                                    else VisionConfig.from_hf(vision))
         rs = d.get("rope_scaling")
-        if rs and rs.get("type", rs.get("rope_type")) == "yarn":
+        kind = rs.get("type", rs.get("rope_type")) if rs else None
+        if kind == "yarn":
             kw["rope_scaling"] = build_config(YarnConfig, {k: rs[k] for k in _YARN_KEYS if k in rs},
                                         "rope_scaling.")
-        kw.update({k: v for k, v in (d.get("kdsa") or {}).items() if k in _OURS})
+        elif kind not in (None, "default"):  # unscaled RoPE past the context would be wrong
+            raise ValueError(f"rope_scaling.type={kind!r}: only 'yarn' is supported")
+        ours = d.get("kdsa") or {}
+        unknown = sorted(set(ours) - _OURS)
+        if unknown:  # the section is ours: an unknown key is a typo, not another model's field
+            raise ValueError(f"kdsa.{unknown[0]}: unknown field; the kdsa section holds "
+                             f"{', '.join(sorted(_OURS))}")
+        kw.update(ours)
         kw.update(overrides)
         return build_config(cls, kw, "")
 
@@ -336,6 +356,8 @@ class ModelConfig:
         return json.dumps(self.to_hf_config(), indent=2)
 
 
+MODEL_TYPES = ("kimi_linear", "kimi_k3", "kimi_k25", "kimi_k2", "deepseek_v3", "deepseek_v32",
+               "deepseek_v2")
 _OURS = frozenset({
     "param_dtype", "compute_dtype", "index_dtype", "initializer_range", "scan_layers",
     "remat_policy", "kda_chunk_size", "dsa_query_chunk_size", "attention_impl", "moe_impl",

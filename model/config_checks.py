@@ -134,6 +134,11 @@ def validate_model_config(c: ModelConfig) -> None:
         raise ValueError(f"rms_norm_eps must be > 0, got {c.rms_norm_eps}")
     if c.rope_theta <= 0:
         raise ValueError(f"rope_theta must be > 0, got {c.rope_theta}")
+    if not isinstance(c.num_shared_experts, int) or c.num_shared_experts < 0:
+        raise ValueError(f"num_shared_experts must be >= 0, got {c.num_shared_experts!r}")
+    for name in ("routed_scaling_factor", "initializer_range"):
+        if not getattr(c, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(c, name)}")
     # layer lists
     lac, n = c.linear_attn_config, c.num_hidden_layers
     kda, full = lac.kda_layers, lac.full_attn_layers

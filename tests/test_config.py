@@ -111,3 +111,43 @@ def test_overrides():
                      ("linear_attn_config.x=1", "no field")]:
         with pytest.raises(ValueError, match=msg):
             apply_overrides(get_preset("tiny"), [bad])
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"rope_scaling": {"type": "yarn", "factor": 0, "original_max_position_embeddings": 4096}},
+     "rope_scaling.factor must be > 0"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 0}},
+     "rope_scaling.original_max_position_embeddings must be >= 1"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 8,
+                       "beta_fast": 1, "beta_slow": 32}}, "beta_fast > beta_slow > 0"),
+    ({"rope_scaling": {"type": "linear", "factor": 4}}, "only 'yarn' is supported"),
+    ({"kdsa": {"compute_dtyp": "bfloat16"}}, "kdsa.compute_dtyp: unknown field"),
+    ({"model_type": "llama"}, "model_type 'llama'"),
+    ({"num_shared_experts": -1}, "num_shared_experts must be >= 0"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor must be > 0"),
+])
+def test_config_files_with_values_that_failed_late_or_silently(change, msg):
+    """Accepted before: YaRN values that gave NaN frequencies (or a math domain error after the
+    model was built), other RoPE scalings dropped (unscaled RoPE past the context), typos in
+    our own section ignored, a Llama config read as an all-MLA model, negative shared experts
+    read as none, a zero routed scale."""
+    hf = get_preset("tiny").to_hf_config() | change
+    with pytest.raises(ValueError, match=msg):
+        ModelConfig.from_hf_config(hf)
+
+
+def test_train_and_rl_numbers_must_be_finite():
+    """NaN passed every ``< 0`` check of the RL config and infinity the train config's."""
+    from kdsa.train.config import TrainConfig, apply_train_overrides
+    from kdsa.train.rl.config import RLConfig, apply_rl_overrides
+
+    for o in ("kl_coef=NaN", "truncation_penalty=NaN", "tau=NaN",
+              'length_penalty={"low": NaN, "high": 0, "max": 0}',
+              'effort_weights={"low": true, "high": 1, "max": 1}'):
+        with pytest.raises(ValueError, match="must hold finite numbers"):
+            apply_rl_overrides(RLConfig(), [o])
+    with pytest.raises(ValueError, match="weight must be a finite number > 0"):
+        apply_rl_overrides(RLConfig(), ['envs=[{"name": "tool_lookup", "weight": Infinity}]'])
+    for o in ("learning_rate=Infinity", "weight_decay=1e400", "moe_capacity_factor=Infinity"):
+        with pytest.raises(ValueError, match="train.(learning_rate|weight_decay|moe_capacity)"):
+            apply_train_overrides(TrainConfig(), [o])

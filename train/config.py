@@ -18,6 +18,7 @@ Indexer stages (DeepSeek-V3.2-Exp paper section 2.1; ``docs/reference/dsa.md`` s
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from kdsa.model.overrides import apply_overrides
@@ -84,8 +85,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is None and name == "muon_consistent_rms":
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-                raise ValueError(f"train.{name} must be a number, got {v!r}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"train.{name} must be a finite number, got {v!r}")
         if self.batch_size % self.accum_steps:
             raise ValueError(f"train.batch_size={self.batch_size} is not divisible by "
                              f"train.accum_steps={self.accum_steps}")
@@ -97,6 +98,7 @@ class TrainConfig:
         if not self.learning_rate > 0:
             raise ValueError(f"train.learning_rate must be > 0, got {self.learning_rate}")
         if self.decay_steps is not None and (not isinstance(self.decay_steps, int)
+                                             or isinstance(self.decay_steps, bool)
                                              or self.decay_steps <= self.warmup):
             raise ValueError(f"train.decay_steps={self.decay_steps} must be an integer > "
                              f"warmup_steps={self.warmup}")
@@ -111,7 +113,7 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
         cf = self.moe_capacity_factor
         if cf is not None and (not isinstance(cf, (int, float)) or isinstance(cf, bool)
-                               or not cf > 0):
+                               or not 0 < cf < math.inf):
             raise ValueError(f"train.moe_capacity_factor must be a number > 0 or null "
                              f"(dropless), got {cf!r}")
         for name in ("eps", "weight_decay", "clip_norm", "bias_update_rate",

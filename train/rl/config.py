@@ -17,6 +17,7 @@ incorrect answers).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from kdsa.infer.budget import EFFORTS
@@ -42,8 +43,8 @@ class EnvSpec:
         if extra:
             raise ValueError(f"{where}: unknown keys {sorted(extra)}")
         w = raw.get("weight", 1.0)
-        if not isinstance(w, (int, float)) or w <= 0:
-            raise ValueError(f"{where}.weight must be > 0, got {w!r}")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 < w < math.inf:
+            raise ValueError(f"{where}.weight must be a finite number > 0, got {w!r}")
         opts = raw.get("options", {})
         if not isinstance(opts, dict):
             raise ValueError(f"{where}.options must be an object")
@@ -219,10 +220,16 @@ _TYPES = {"int": ((int,), "an integer"), "float": ((int, float), "a number"),
 
 def _check_types(rc: RLConfig) -> None:
     for f in dataclasses.fields(rc):
+        v = getattr(rc, f.name)
+        # every number finite, and no true/false where a number goes (NaN passed every "< 0"
+        # check; a NaN penalty or weight made rewards and losses NaN)
+        for x in v.values() if isinstance(v, dict) else (v,):
+            if isinstance(x, float) and not math.isfinite(x) or (
+                    isinstance(v, dict) and isinstance(x, bool)):
+                raise ValueError(f"rl.{f.name} must hold finite numbers, got {v!r}")
         want = _TYPES.get(f.type if isinstance(f.type, str) else f.type.__name__)
         if want is None:
             continue
-        v = getattr(rc, f.name)
         if not isinstance(v, want[0]) or (f.type != "bool" and isinstance(v, bool)):
             raise ValueError(f"rl.{f.name} must be {want[1]}, got {v!r}")
 
