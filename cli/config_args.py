@@ -41,7 +41,7 @@ def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "ti
     g.add_argument("--config", type=abs_path, default=None,
                    help="a JSON config: Hugging Face config.json or one written by kdsa")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set num_hidden_layers=8 "
+                   help="override a field, e.g. --set hidden_size=128 "
                         "--set linear_attn_config.num_heads=4 (value parsed as JSON)")
     p.set_defaults(_default_preset=default_preset)
 
