@@ -8,9 +8,10 @@ Measured side by side in one run (each a median of ``reps`` timed calls after a 
   and right after the training step, the better of the two;
 * **training**: tokens/s of the jitted optimizer step (``train/step.py``, AdamW, on one device,
   where the RL loop trains; ``kdsa train`` on a one-device machine), and its FLOP/s two ways,
-  each as a fraction of the roofline: *model* FLOPs ``6 * matmul_params * tokens`` (the convention of
-  ``train/metrics.py``'s MFU: attention scores not counted) and *executed* FLOPs (XLA's cost
-  analysis of the compiled step: attention, routing, optimizer, recompute included);
+  each as a fraction of the roofline: *model* FLOPs ``6 * matmul_params * tokens`` (the
+  convention of ``train/metrics.py``'s MFU: attention scores not counted) and *executed*
+  FLOPs (XLA's cost analysis of the compiled step: attention, routing, optimizer, recompute
+  included);
 * **rollouts**: tokens/s of ``Engine.generate`` on the same model through the RL loop's own
   ``Sampler`` (``train/rl/sampler.py``: runner + engine on the ``generate`` mesh of
   ``--generate-devices`` devices), ``--slots`` sequences of ``--new`` sampled tokens;

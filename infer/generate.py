@@ -5,10 +5,10 @@ Input JSONL, one request per line: ``{"messages": [...], ...}`` (a chat-completi
 and rendered as the HTTP API does), ``{"prompt": "text"}`` (raw text, no template) or
 ``{"prompt_ids": [...]}``; optional ``id`` and sampling fields ``max_tokens``, ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``ignore_eos`` (vLLM's: generate
-``max_tokens`` whatever the end-of-sequence tokens), checked as the HTTP API checks them. With a vision model, user messages may
-hold images: ``image_url`` parts (data URLs) or ``{"type": "image", "path": "a.png"}`` (relative
-to the JSONL file; ``docs/vision.md``). Output JSONL, one line per request in input
-order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
+``max_tokens`` whatever the end-of-sequence tokens), checked as the HTTP API checks them.
+With a vision model, user messages may hold images: ``image_url`` parts (data URLs) or
+``{"type": "image", "path": "a.png"}`` (relative to the JSONL file; ``docs/vision.md``).
+Output JSONL, one line per request in input order: ``id``, ``prompt_tokens``, ``completion_tokens``, ``reasoning_tokens``,
 ``finish_reason``, ``reasoning``, ``content``, ``tool_calls``, ``token_ids``, ``logprobs``
 (model log-probs of the generated tokens, for RL).
 

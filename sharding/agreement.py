@@ -3,8 +3,8 @@
 Every host runs the same command, but each reads its own disk: a check that fails on one host
 only (a file missing there, a different copy at the same path) must not let that process exit
 alone while the others wait in the job's next collective until the coordination service gives
-up with a generic error, nor let the hosts go on with different inputs. One process: both
-functions are the plain check.
+up with a generic error, nor let the hosts go on with different inputs. In a one-process job
+each function is the plain check (or value).
 """
 
 from __future__ import annotations
