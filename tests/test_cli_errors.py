@@ -78,8 +78,8 @@ def test_config_file_with_null_vocab_is_one_line(tmp_path, capsys):
 
 def test_train_config_types_are_checked():
     for field, bad in (("learning_rate", "x"), ("b1", None), ("eps", float("nan")),
-                       ("clip_norm", [1])):
-        with pytest.raises(ValueError, match=f"train.{field} must be a number"):
+                       ("clip_norm", [1]), ("weight_decay", float("inf"))):
+        with pytest.raises(ValueError, match=f"train.{field} must be a finite number"):
             TrainConfig(**{field: bad})
 
 
@@ -87,7 +87,8 @@ def test_train_set_bad_learning_rate_is_one_line(tmp_path, capsys):
     code = main(["train", "--preset", "tiny", "--steps", "3", "--run-dir",
                  str(tmp_path / "run"), "--train-set", 'learning_rate="x"'])
     assert code == 2
-    assert "train.learning_rate must be a number, got 'x'" in _one_error_line(capsys, "train")
+    assert "train.learning_rate must be a finite number, got 'x'" in _one_error_line(capsys,
+                                                                                    "train")
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
