@@ -88,18 +88,23 @@ class Tool:
 MALFORMED_CALL = "malformed tool call"  # how the parsers' errors name a call they dropped
 
 
-def loads_distinct_keys(text: str):
-    """``json.loads`` refusing an object with a repeated key at any depth (``ValueError``):
-    a parsed tool call's arguments must mean one thing to every client (``json.loads`` keeps
-    the last value, others the first)."""
-    def pairs(items: list) -> dict:
-        keys = [k for k, _ in items]
-        repeated = sorted({k for k in keys if keys.count(k) > 1})
-        if repeated:
-            raise ValueError(f"repeated keys {repeated}")
-        return dict(items)
+def _distinct_pairs(items: list) -> dict:
+    keys = [k for k, _ in items]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"repeated keys {repeated}")
+    return dict(items)
 
-    return json.loads(text, object_pairs_hook=pairs)
+
+# JSON that refuses an object with a repeated key at any depth (``ValueError``): a parsed tool
+# call's arguments must mean one thing to every client (``json.loads`` keeps the last value,
+# others the first). ``raw_decode`` reads one value inside a longer text the same way.
+DISTINCT_KEYS = json.JSONDecoder(object_pairs_hook=_distinct_pairs)
+
+
+def loads_distinct_keys(text: str):
+    """``json.loads`` with :data:`DISTINCT_KEYS`."""
+    return DISTINCT_KEYS.decode(text)
 
 
 @dataclasses.dataclass(frozen=True)

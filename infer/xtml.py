@@ -34,8 +34,8 @@ import re
 from kdsa.infer.budget import check_effort
 from kdsa.infer.chat import (MALFORMED_CALL, AssistantOutput, ChatFormat,
                              MalformedOutputError, Message,
-                             OutputParser, Tool, ToolCall, check_history, loads_distinct_keys,
-                             media_span)
+                             OutputParser, Tool, ToolCall, check_history, DISTINCT_KEYS,
+                             loads_distinct_keys, media_span)
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 _ATTR = re.compile(r'([A-Za-z_][\w\-]*)="([^"]*)"')
@@ -191,7 +191,6 @@ def object_items(text: str) -> list[tuple[str, object, str]] | None:
     holds (``1e3``, ``2.50``, ``{"a":1}``), so a call renders as the model wrote it: with the
     whitespace around it, but for the one space after the colon that the parser's arguments
     put there (``"key": TEXT``)."""
-    dec = json.JSONDecoder()
     ws = lambda i: _JSON_WS.match(text, i).end()  # noqa: E731
     try:
         i = ws(0)
@@ -211,12 +210,11 @@ def object_items(text: str) -> list[tuple[str, object, str]] | None:
                 return None
             start = i + 1 + (text[i + 1:i + 2] == " ")  # the value's text, its own spaces in
             i = ws(i + 1)
-            value, end = dec.raw_decode(text, i)
+            value, end = DISTINCT_KEYS.raw_decode(text, i)  # repeated keys inside: None
             i = ws(end)
             items.append((key, value, text[start:i]))
-        if ws(i + 1) != len(text):
+        if ws(i + 1) != len(text) or len({k for k, _, _ in items}) != len(items):
             return None
-        loads_distinct_keys(text)  # no repeated key at any depth (ValueError: None)
         return items
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack
         return None

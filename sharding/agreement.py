@@ -28,6 +28,14 @@ def _gather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x))
 
 
+def every_process(ok: bool) -> bool:
+    """Whether ``ok`` holds on every process of the job (a collective when there are
+    several; every process must call it)."""
+    if _process_count() == 1:
+        return bool(ok)
+    return bool(np.all(_gather(np.int32(ok))))
+
+
 def agreed(check: Callable[[], T], what: str) -> T:
     """``check()``'s value; when it raised on any process, every process raises: the failing
     ones their own error (an ``OSError`` as a ``ValueError`` naming ``what``), the others one
@@ -43,7 +51,7 @@ def agreed(check: Callable[[], T], what: str) -> T:
         error = e
     if _process_count() > 1:
         failed = _gather(np.int32(error is not None))
-        if error is None and failed.any():
+        if error is None and failed.any():  # (naming them: every_process only says whether)
             raise ValueError(f"{what}: the check failed on process(es) "
                              f"{np.flatnonzero(failed).tolist()} (their error says why)")
     if error is not None:

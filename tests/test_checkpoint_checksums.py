@@ -105,7 +105,7 @@ def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypa
                                                                why):
     """In a job of several processes each reads its own shards; a step one of them cannot read
     is skipped by every process (else the others would go on into the next collective while it
-    falls back). The votes are ``_all_processes_ok``, faked here: the other process fails step
+    falls back). The votes are ``every_process``, faked here: the other process fails step
     2's meta item (the first vote) or its state (the second)."""
     from kdsa.train import checkpointing
 
@@ -120,7 +120,7 @@ def test_a_step_another_process_cannot_read_is_skipped_by_all(tmp_path, monkeypa
         votes.append(ok)
         return ok and len(votes) != fails
 
-    monkeypatch.setattr(checkpointing, "_all_processes_ok", vote)
+    monkeypatch.setattr(checkpointing, "every_process", vote)
     template = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=state["w"].sharding)}
     messages = []
     ck = Checkpointer(tmp_path, every=1, keep=3)

@@ -63,6 +63,7 @@ import numpy as np
 from orbax.checkpoint.experimental import v1 as ocp
 
 from kdsa.model.folders import orbax_context, orbax_reason, quiet_orbax
+from kdsa.sharding.agreement import every_process, from_first_process
 from kdsa.train.checksums import checksums, mismatched
 from kdsa.train.local_steps import LocalSteps
 
@@ -206,10 +207,8 @@ class Checkpointer:
             log(f"checkpoint: ignoring unfinished save {p.name} (interrupted while writing; "
                 f"the next save into this folder removes it)")
         found = bool(self.unfinished)
-        if not self.process_local and jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            found = bool(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        if not self.process_local:  # process 0's list decides, on every process
+            found = bool(from_first_process(found))
         self._tidy = self._tidy or found
 
     def restore_run(self, template, *, resume: bool, model_config: dict, train_config: dict,
@@ -271,7 +270,7 @@ class Checkpointer:
                 unread = e
             # agreed, as the state's read below: one process skipping alone would leave the
             # others waiting in that read's collective
-            if not self.process_local and not _all_processes_ok(unread is None):
+            if not self.process_local and not every_process(unread is None):
                 unread = unread or RuntimeError("another process of the job could not read "
                                                 "its meta item")
             if unread is not None:
@@ -293,7 +292,7 @@ class Checkpointer:
                 read = e
             # every process reads its own shards: one that failed fails the step for all, so
             # all fall back together (and meet in the same collectives: the checksums are one)
-            if not self.process_local and not _all_processes_ok(read is None):
+            if not self.process_local and not every_process(read is None):
                 read = read or RuntimeError("another process of the job could not read it")
             if read is None:
                 bad = mismatched(meta, flat)  # replicated values: the same verdict everywhere
@@ -372,15 +371,6 @@ def aside_path(path: Path, tag: str) -> Path:
         k += 1
         dst = path.with_name(f"{path.name}.{tag}-{k}")
     return dst
-
-
-def _all_processes_ok(ok: bool) -> bool:
-    """Whether ``ok`` holds on every process of the job (a collective when there are several)."""
-    if jax.process_count() == 1:
-        return ok
-    from jax.experimental import multihost_utils
-
-    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _abstract(x):
